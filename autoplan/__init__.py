@@ -1,0 +1,17 @@
+"""autoplan: a cost-model-based automatic parallelism planner for PyTorch training.
+
+The flow: :func:`trace` captures a model as a costed layer graph;
+:func:`load_cluster` describes the hardware; :func:`estimate` predicts the step
+time and memory of a layout; :func:`plan` searches the layouts;
+:func:`parallelize` runs the chosen plan with torch.distributed.
+"""
+
+from __future__ import annotations
+
+from .capture import trace
+from .errors import AutoplanError
+from .graph import LayerRecord, ModelGraph
+
+__all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "__version__"]
+
+__version__ = "0.1.0"

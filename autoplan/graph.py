@@ -1,0 +1,273 @@
+"""Records of a captured model: nodes, layers, tensor-parallel structure.
+
+A :class:`ModelGraph` is what :func:`autoplan.trace` returns and what the cost
+model and the search consume.  All quantities are per *micro-batch* of
+``ModelGraph.micro_batch`` sequences; FLOPs and activation bytes of the layers
+scale linearly with the micro-batch size (``scale_to_batch``).
+
+Identical blocks share one *template* (the list of their nodes); each layer
+names its template, so a 96-layer model stores one block's nodes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+
+from .records import Record
+
+__all__ = [
+    "LayerKind",
+    "LinearRole",
+    "NodeRecord",
+    "LinearRecord",
+    "CollectiveRecord",
+    "TPStructure",
+    "LayerRecord",
+    "ModelGraph",
+]
+
+
+class LayerKind(str, enum.Enum):
+    PRE = "pre"          # embeddings and everything before the first block
+    BLOCK = "block"      # one child of a repeated nn.ModuleList / nn.Sequential
+    SEGMENT = "segment"  # glue between two stacks (e.g. T5 encoder -> decoder)
+    POST = "post"        # final norm, head and loss
+
+
+class LinearRole(str, enum.Enum):
+    """Megatron-style tensor-parallel role of a matmul with a weight."""
+
+    COLUMN = "column"              # output features sharded (opens a parallel region)
+    ROW = "row"                    # input features sharded (closes it; output all-reduced)
+    EXPERT_COLUMN = "expert_column"
+    EXPERT_ROW = "expert_row"
+    ROUTER = "router"              # MoE gate: replicated
+    VOCAB_EMBEDDING = "vocab_embedding"  # vocab-parallel embedding
+    VOCAB_HEAD = "vocab_head"      # vocab-parallel output projection (loss_parallel)
+    REPLICATED = "replicated"
+
+
+@dataclass(frozen=True)
+class NodeRecord(Record):
+    """One call of an operator in the captured forward graph (per micro-batch).
+
+    ``saved_bytes`` are the bytes autograd keeps for backward that this node
+    saved first (storages counted once, parameters excluded).  Of those,
+    ``saved_tp_sharded_bytes`` were produced inside a tensor-parallel region
+    (they shrink by the TP degree) and ``saved_quadratic_bytes`` have two
+    sequence-length dimensions (the attention core that selective recompute drops).
+    """
+
+    name: str
+    target: str
+    module: str
+    inputs: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    out_bytes: int
+    fwd_flops: int
+    bwd_flops: int
+    param_bytes: int
+    saved_bytes: int
+    saved_tp_sharded_bytes: int
+    saved_quadratic_bytes: int
+    tp_region: bool
+
+
+@dataclass(frozen=True)
+class LinearRecord(Record):
+    """A weight-carrying matmul (Linear, Conv1D, embedding, expert bank) and its TP role."""
+
+    name: str                 # parameter's module path relative to the layer
+    role: LinearRole
+    in_features: int
+    out_features: int
+    num_experts: int = 1
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class CollectiveRecord(Record):
+    """A collective that tensor (or sequence / expert) parallelism inserts per micro-batch.
+
+    ``nbytes`` is the size of the full, unsharded tensor; the cost model applies
+    the degree (e.g. ring all-reduce moves ``2 (t-1)/t * nbytes``).
+    """
+
+    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all
+    phase: str         # forward | backward
+    nbytes: int
+    where: str         # the linear it belongs to
+
+
+@dataclass(frozen=True)
+class TPStructure(Record):
+    """How a layer splits under tensor parallelism (Megatron pattern)."""
+
+    linears: tuple[LinearRecord, ...] = ()
+    tp_collectives: tuple[CollectiveRecord, ...] = ()   # TP without sequence parallel
+    sp_collectives: tuple[CollectiveRecord, ...] = ()   # TP with sequence parallel
+    ep_collectives: tuple[CollectiveRecord, ...] = ()   # expert parallel (token all-to-all)
+    divisors: tuple[int, ...] = ()  # a TP degree must divide every one of these (heads, features)
+
+    def roles(self) -> dict[str, str]:
+        return {lin.name: lin.role.value for lin in self.linears}
+
+    def max_degree(self) -> int:
+        """Largest TP degree allowed by ``divisors`` (1 when nothing can shard)."""
+        from math import gcd
+        g = 0
+        for d in self.divisors:
+            g = gcd(g, d)
+        return g or 1
+
+    def valid_degrees(self) -> tuple[int, ...]:
+        g = self.max_degree()
+        return tuple(d for d in range(1, g + 1) if g % d == 0)
+
+
+@dataclass(frozen=True)
+class LayerRecord(Record):
+    """A unit the planner places: a block, or the pre/post/glue segments.
+
+    All figures are per micro-batch of ``ModelGraph.micro_batch`` sequences.
+    ``cut_bytes`` is what a pipeline boundary right after this layer must send
+    forward (activations produced at or before it and used after it).
+    """
+
+    name: str
+    kind: LayerKind
+    stack: str
+    index: int
+    template: str
+    modules: tuple[str, ...]
+    fwd_flops: int
+    bwd_flops: int
+    param_count: int
+    param_bytes: int
+    saved_bytes: int
+    saved_tp_sharded_bytes: int
+    saved_quadratic_bytes: int
+    selective_recompute_flops: int
+    input_bytes: int
+    output_bytes: int
+    cut_bytes: int
+    tp: TPStructure
+    tied_params: tuple[str, ...] = ()
+
+    @property
+    def flops(self) -> int:
+        return self.fwd_flops + self.bwd_flops
+
+
+@dataclass(frozen=True)
+class ModelGraph(Record):
+    """A captured model: its layers in execution order and their node templates."""
+
+    model: str
+    capture: str                    # "torch.export" or "torch.fx.symbolic_trace"
+    objective: str
+    micro_batch: int
+    seq_len: int | None
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+    param_dtype: str
+    num_params: int
+    param_bytes: int
+    attributes: dict[str, int]      # hidden_size, num_heads, vocab_size, ... when known
+    layers: tuple[LayerRecord, ...]
+    templates: dict[str, tuple[NodeRecord, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        missing = sorted({l.template for l in self.layers} - set(self.templates))
+        if missing:
+            raise ValueError(f"layers name templates that are not stored: {missing}")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def blocks(self) -> tuple[LayerRecord, ...]:
+        return tuple(l for l in self.layers if l.kind is LayerKind.BLOCK)
+
+    @property
+    def fwd_flops(self) -> int:
+        return sum(l.fwd_flops for l in self.layers)
+
+    @property
+    def bwd_flops(self) -> int:
+        return sum(l.bwd_flops for l in self.layers)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(l.saved_bytes for l in self.layers)
+
+    def layer(self, name: str) -> LayerRecord:
+        for l in self.layers:
+            if l.name == name:
+                return l
+        raise KeyError(f"no layer named {name!r}; layers are {[l.name for l in self.layers][:8]}...")
+
+    def nodes(self, layer: str | LayerRecord) -> tuple[NodeRecord, ...]:
+        rec = self.layer(layer) if isinstance(layer, str) else layer
+        return self.templates[rec.template]
+
+    @cached_property
+    def fx_graph(self) -> Any:
+        """The torch.fx GraphModule captured (``None`` after loading from JSON)."""
+        return None
+
+    def layer_table(self):
+        """One row per layer (pandas DataFrame)."""
+        import pandas as pd
+        rows = [{
+            "layer": l.name, "kind": l.kind.value, "template": l.template,
+            "params": l.param_count, "fwd_GFLOP": l.fwd_flops / 1e9, "bwd_GFLOP": l.bwd_flops / 1e9,
+            "saved_MiB": l.saved_bytes / 2**20, "cut_MiB": l.cut_bytes / 2**20,
+            "tp_max": l.tp.max_degree(),
+        } for l in self.layers]
+        return pd.DataFrame(rows)
+
+    def to_networkx(self, level: str = "layer") -> nx.DiGraph:
+        """The graph as a networkx DiGraph.
+
+        ``level="layer"``: one node per layer with its record's figures as
+        attributes, an edge between consecutive layers weighted by ``cut_bytes``.
+        ``level="node"``: every operator of every layer (``layer/node`` names),
+        edges from the recorded inputs; a block's external inputs link to the
+        previous layer's last node.
+        """
+        g = nx.DiGraph(model=self.model, capture=self.capture)
+        if level == "layer":
+            prev = None
+            for l in self.layers:
+                g.add_node(l.name, kind=l.kind.value, fwd_flops=l.fwd_flops, bwd_flops=l.bwd_flops,
+                           param_bytes=l.param_bytes, saved_bytes=l.saved_bytes, template=l.template)
+                if prev is not None:
+                    g.add_edge(prev.name, l.name, nbytes=prev.cut_bytes)
+                prev = l
+            return g
+        if level != "node":
+            raise ValueError(f"level must be 'layer' or 'node', got {level!r}")
+        last: str | None = None
+        for l in self.layers:
+            nodes = self.templates[l.template]
+            local = {n.name for n in nodes}
+            for n in nodes:
+                key = f"{l.name}/{n.name}"
+                g.add_node(key, layer=l.name, target=n.target, shape=n.shape, dtype=n.dtype,
+                           fwd_flops=n.fwd_flops, bwd_flops=n.bwd_flops, saved_bytes=n.saved_bytes)
+                for i in n.inputs:
+                    if i in local:
+                        g.add_edge(f"{l.name}/{i}", key)
+                    elif last is not None:
+                        g.add_edge(last, key)
+            if nodes:
+                last = f"{l.name}/{nodes[-1].name}"
+        return g
