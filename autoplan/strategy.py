@@ -1,0 +1,149 @@
+"""A uniform parallel layout: the same degrees and options for every layer.
+
+:class:`Strategy` is what a user writes to force a layout and what the tests
+use; the search produces the richer per-layer :class:`~autoplan.plan.Plan`.
+Degrees are validated where they are built: on a mismatch the error names every
+factor and the product (the torchtitan ``ParallelDims`` practice).
+
+Examples
+--------
+>>> s = Strategy(dp=2, tp=2, pp=2, micro_batch=1, global_batch=8)
+>>> s.world_size, s.num_micro_batches
+(8, 4)
+>>> Strategy(dp=3, global_batch=8)
+Traceback (most recent call last):
+...
+autoplan.errors.StrategyError: global_batch=8 is not divisible by dp=3 x micro_batch=1 = 3; ...
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .errors import StrategyError
+from .records import Record
+
+__all__ = ["Recompute", "Schedule", "Precision", "Strategy"]
+
+
+class Recompute(str, enum.Enum):
+    NONE = "none"
+    SELECTIVE = "selective"   # attention core only (Korthikanti et al. 2022)
+    FULL = "full"             # keep the layer input, recompute the whole layer
+
+
+class Schedule(str, enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"   # interleaved 1F1B with ``virtual_stages`` chunks per rank
+    ZERO_BUBBLE = "zero_bubble"   # ZBV (Qi et al. 2024), two chunks per rank in a V
+
+
+class Precision(str, enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def bytes(self) -> int:
+        return 4 if self is Precision.FP32 else 2
+
+
+@dataclass(frozen=True)
+class Strategy(Record):
+    """Data, tensor, pipeline and context parallel degrees plus the training options."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    zero: int = 0
+    recompute: Recompute = Recompute.NONE
+    sequence_parallel: bool = False
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    precision: Precision = Precision.BF16
+
+    def __post_init__(self) -> None:
+        # accept plain strings for the enums (Strategy(recompute="full"))
+        for name, enum_type in (("recompute", Recompute), ("schedule", Schedule),
+                                ("precision", Precision)):
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                try:
+                    object.__setattr__(self, name, enum_type(value))
+                except ValueError:
+                    raise StrategyError(f"{name}={value!r} is not one of "
+                                        f"{[m.value for m in enum_type]}") from None
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "global_batch", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise StrategyError(f"{name} must be a positive integer, got {value!r}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise StrategyError(f"zero must be 0, 1, 2 or 3 (ZeRO stage), got {self.zero!r}")
+        per_step = self.dp * self.micro_batch
+        if self.global_batch % per_step:
+            raise StrategyError(
+                f"global_batch={self.global_batch} is not divisible by dp={self.dp} x "
+                f"micro_batch={self.micro_batch} = {per_step}; choose a global batch that is a "
+                f"multiple of {per_step} or change dp/micro_batch")
+        if self.sequence_parallel and self.tp == 1:
+            raise StrategyError("sequence_parallel=True needs tp > 1 (it shards the activations "
+                                "outside the tensor-parallel regions over the tp group)")
+        if self.schedule is Schedule.INTERLEAVED and self.virtual_stages < 2:
+            raise StrategyError("schedule='interleaved' needs virtual_stages >= 2 "
+                                f"(got {self.virtual_stages})")
+        if self.schedule is Schedule.ZERO_BUBBLE and self.virtual_stages not in (1, 2):
+            raise StrategyError("schedule='zero_bubble' (ZBV) runs two chunks per rank; "
+                                f"virtual_stages must be 2 (or 1 to mean the default), got "
+                                f"{self.virtual_stages}")
+        if self.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B) and self.virtual_stages != 1:
+            raise StrategyError(f"schedule={self.schedule.value!r} has one chunk per rank; "
+                                f"virtual_stages must be 1, got {self.virtual_stages} "
+                                "(use schedule='interleaved')")
+        if self.pp > 1 and self.schedule is Schedule.ONE_F_ONE_B and self.num_micro_batches < self.pp:
+            raise StrategyError(
+                f"1F1B needs at least as many micro-batches as stages: global_batch="
+                f"{self.global_batch} / (dp={self.dp} x micro_batch={self.micro_batch}) = "
+                f"{self.num_micro_batches} < pp={self.pp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per data-parallel replica per step (gradient accumulation steps)."""
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def chunks_per_rank(self) -> int:
+        if self.schedule is Schedule.ZERO_BUBBLE:
+            return 2
+        return self.virtual_stages
+
+    def check_world(self, world_size: int) -> None:
+        """Raise unless dp x tp x pp x cp equals ``world_size``, naming every factor."""
+        if self.world_size != world_size:
+            raise StrategyError(
+                f"dp={self.dp} x tp={self.tp} x pp={self.pp} x cp={self.cp} = {self.world_size}, "
+                f"but the world has {world_size} devices; the product of the degrees must equal "
+                "the number of devices")
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        parts.append(f"mb{self.micro_batch}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.recompute is not Recompute.NONE:
+            parts.append(f"rc-{self.recompute.value}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(self.schedule.value + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        return " ".join(parts)
