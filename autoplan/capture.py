@@ -78,7 +78,10 @@ _DROPOUTS = {aten.dropout.default, torch.nn.functional.dropout}
 
 def _fused_dropout(x: torch.Tensor, p: float, train: bool = True, *args: Any) -> torch.Tensor:
     """Dropout as the fused kernel CUDA runs (``native_dropout``: a 1-byte mask is
-    saved), not CPU's composite path, which saves a full-precision noise tensor."""
+    saved), not CPU's composite path, which saves a full-precision noise tensor.
+    ``p == 0`` is the identity, as in ATen's ``dropout``."""
+    if p == 0 or not train:
+        return x
     return aten.native_dropout.default(x, p, train)[0]
 
 
@@ -276,7 +279,7 @@ def token_cross_entropy(logits: torch.Tensor, ids: torch.Tensor, *, shift: bool)
 
 
 def _primary_output(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, (torch.Tensor, fx.Proxy)):
         return out
     for key in ("logits", "last_hidden_state", "prediction_logits"):
         v = getattr(out, key, None)
@@ -328,12 +331,13 @@ def _example_inputs(model: nn.Module, seq_len: int | None, example_inputs: Any,
 
 
 def _max_positions(model: nn.Module) -> int | None:
+    """The longest sequence a learned position-embedding table allows (None: no such table;
+    rotary and relative positions have no hard limit)."""
     cfg = getattr(model, "config", None)
+    tables = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
     for key in ("max_position_embeddings", "n_positions", "seq_len"):
         v = getattr(cfg, key, None)
-        if isinstance(v, int) and v > 0:
-            if key == "max_position_embeddings" and getattr(cfg, "rope_theta", None) is not None:
-                return None  # rotary models extrapolate; the limit is advisory
+        if isinstance(v, int) and v > 0 and v in tables:
             return v
     return None
 
@@ -462,10 +466,26 @@ class _PathTracer(fx.Tracer):
         return node
 
 
-def _symbolic(wrapper: nn.Module) -> fx.GraphModule:
-    tracer = _PathTracer()
-    graph = tracer.trace(wrapper)
-    return fx.GraphModule(wrapper, graph)
+class _FixedArity(nn.Module):
+    """symbolic_trace cannot trace ``*args``: the objective behind named positional inputs."""
+
+    def __init__(self, objective: _Objective) -> None:
+        super().__init__()
+        self.model = objective.model
+        self._objective = objective.forward
+
+    def forward(self, input0, input1=None, input2=None, input3=None):
+        args = [a for a in (input0, input1, input2, input3) if a is not None]
+        return self._objective(*args)
+
+
+def _symbolic(wrapper: _Objective, n_args: int) -> fx.GraphModule:
+    if not 1 <= n_args <= 4:
+        raise TraceError(f"symbolic_trace takes 1 to 4 positional inputs, got {n_args}")
+    root = _FixedArity(wrapper)
+    unused = {f"input{i}": None for i in range(n_args, 4)}
+    graph = _PathTracer().trace(root, concrete_args=unused)
+    return fx.GraphModule(root, graph)
 
 
 def _capture_fx(wrapper: nn.Module, args: tuple, kwargs: dict, method: str) -> tuple[fx.GraphModule, str]:
@@ -484,7 +504,7 @@ def _capture_fx(wrapper: nn.Module, args: tuple, kwargs: dict, method: str) -> t
                 h.remove()
     if method in ("auto", "symbolic_trace") and not kwargs:
         try:
-            return _symbolic(wrapper), "torch.fx.symbolic_trace"
+            return _symbolic(wrapper, len(args)), "torch.fx.symbolic_trace"
         except Exception as exc:  # noqa: BLE001
             errors.append(("torch.fx.symbolic_trace", exc, None, _user_frame(exc.__traceback__)))
     path, exc, where, line = errors[0]
@@ -496,9 +516,8 @@ def _capture_fx(wrapper: nn.Module, args: tuple, kwargs: dict, method: str) -> t
     if line:
         msg.append(f"  at: {line}")
     msg.append("  what to do: make that code traceable (no data-dependent Python control flow, "
-               "no .item()/.tolist() on tensors), or move it into a submodule and "
-               "mark it as a leaf / wrap it with torch.fx.wrap; "
-               "for Hugging Face causal LMs pass use_cache=False")
+               "no .item()/.tolist() on tensors), or move it into a function wrapped with "
+               "torch.fx.wrap / a custom op so tracing treats it as one leaf operation")
     raise TraceError("\n".join(msg), module_path=where, source_line=line) from None
 
 
@@ -554,8 +573,9 @@ class _Measure:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         with mode:
             fake_inputs = [self._fake(t) for t in _tensors(flat_inputs)]
-            for node, val in zip(placeholders, fake_inputs):
-                values[node.name] = val
+            for i, node in enumerate(placeholders):
+                # placeholders past the inputs are symbolic_trace's concrete (None) arguments
+                values[node.name] = fake_inputs[i] if i < len(fake_inputs) else None
                 requires[node.name] = False
             for node in self.gm.graph.nodes:
                 if node.op == "placeholder":
@@ -832,7 +852,8 @@ def _is_router(node: fx.Node) -> bool:
 def _heads_of(node: fx.Node, out_features: int) -> int | None:
     """Number of heads when the matmul output is reshaped to (..., heads, head_dim)."""
     for u in _users_through(node, {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                                   operator.getitem}, limit=3):
+                                   operator.getitem, aten.split.Tensor, aten.split_with_sizes.default,
+                                   aten.chunk.default, aten.unbind.int}, limit=4):
         val = u.meta.get("val")
         if u.target in (aten.view.default, aten.reshape.default) and isinstance(val, torch.Tensor) \
                 and val.dim() >= 4:
@@ -1187,12 +1208,17 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
     wrapper = _Objective(model, loss_fn, _is_token_model(model))
     stacks = find_stacks(model)
     keep = [_representatives(st) for st in stacks]
+    # A tensor is quadratic in the sequence when two of its dims equal seq_len; if seq_len
+    # equals a model dimension (hidden 4096 at seq 4096), shapes cannot tell, so the
+    # classification comes from a second capture at a length that collides with nothing.
+    probe_len = _probe_length(model, seq_len, args, kwargs)
+    quad_seq = None if probe_len else seq_len
     with _capture_mode(model), _truncated(model, stacks, keep):
         gm, path = _capture_fx(wrapper, args, kwargs, method)
         rep_layers = _assign_layers(gm, stacks, keep)
-        uses_placeholder: list[_WeightUse] = []
+        probe = _quadratic_probe(wrapper, args, method, probe_len) if probe_len else None
         # measure once with no TP region known, derive TP regions, then attribute sharding
-        measured, values, param_of_node = _Measure(gm, args, kwargs, seq_len, set()).run()
+        measured, values, param_of_node = _Measure(gm, args, kwargs, quad_seq, set()).run()
         for node in gm.graph.nodes:
             if node.name in values and node.op != "output":
                 v = values[node.name]
@@ -1211,7 +1237,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             tps.append(tp)
             regions |= region
         if regions:
-            measured, values, param_of_node = _Measure(gm, args, kwargs, seq_len, regions).run()
+            measured, values, param_of_node = _Measure(gm, args, kwargs, quad_seq, regions).run()
         cuts = _cut_bytes(rep_layers, values, param_nodes)
 
     shapes = _param_shapes(gm)
@@ -1231,6 +1257,9 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             if n.op == "get_attr":
                 continue
             m = measured.get(n.name, _Measured())
+            if probe is not None:
+                scale = (seq_len / probe_len) ** 2
+                m.saved_quadratic = min(m.saved, round(probe[0].get(n.name, 0) * scale))
             pb = 0
             for a in n.all_input_nodes:
                 if a.name in param_sizes:
@@ -1247,7 +1276,9 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             nodes.append(_node_record(n, m, values, prefix, regions, pb))
         tid = l.name if l.kind is LayerKind.BLOCK else l.name
         templates[tid] = tuple(nodes)
-        sel_flops = sum(n.fwd_flops for n in _attention_core(nodes, seq_len))
+        core = ([n for n in nodes if n.name in probe[1]] if probe is not None
+                else _attention_core(nodes, seq_len))
+        sel_flops = sum(n.fwd_flops for n in core)
         modules = _top_modules({n.module for n in nodes}) if l.kind is not LayerKind.BLOCK else (l.name,)
         rep_records.append((l, dict(
             template=tid, modules=modules,
@@ -1275,6 +1306,44 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         templates={k: templates[k] for k in sorted({l.template for l in layers})})
     graph.__dict__["fx_graph"] = gm
     return graph
+
+
+def _model_dims(model: nn.Module) -> set[int]:
+    dims = {int(d) for p in model.parameters() for d in p.shape}
+    cfg = getattr(model, "config", None)
+    for key in ("num_attention_heads", "num_key_value_heads", "n_head", "heads", "head_dim"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int):
+            dims.add(v)
+    return dims
+
+
+def _probe_length(model: nn.Module, seq_len: int | None, args: tuple, kwargs: dict) -> int | None:
+    """A sequence length for the quadratic-term probe, or None when none is needed/possible."""
+    if not seq_len or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) \
+            or args[0].dim() != 2 or args[0].is_floating_point():
+        return None
+    dims = _model_dims(model) | {int(args[0].shape[0])}
+    if seq_len not in dims:
+        return None
+    limit = _max_positions(model) or 2 * seq_len
+    for delta in range(1, seq_len):
+        for cand in (seq_len - delta, seq_len + delta):
+            if 2 < cand <= limit and cand not in dims and cand * cand not in dims:
+                return cand
+    return None
+
+
+def _quadratic_probe(wrapper: _Objective, args: tuple, method: str,
+                     probe_len: int) -> tuple[dict[str, int], set[str]]:
+    """Quadratic saved bytes per node and the attention-core node names at ``probe_len``."""
+    ids = torch.zeros(args[0].shape[0], probe_len, dtype=args[0].dtype, device=args[0].device)
+    gm, _ = _capture_fx(wrapper, (ids,), {}, method)
+    measured, values, _ = _Measure(gm, (ids,), {}, probe_len, set()).run()
+    records = [_node_record(n, measured[n.name], values, "", set(), 0)
+               for n in gm.graph.nodes if n.name in measured]
+    core = {r.name for r in _attention_core(records, probe_len)}
+    return {k: m.saved_quadratic for k, m in measured.items()}, core
 
 
 def _attention_core(nodes: Sequence[NodeRecord], seq_len: int | None) -> list[NodeRecord]:
