@@ -62,7 +62,15 @@ from .collectives import (
     collective_candidates,
     parse_op,
 )
-from .profiles import CompositeProfile, NodeGroup, NodeSpec, Profile, SiteLink, load_profile
+from .profiles import (
+    CompositeProfile,
+    DeviceType,
+    NodeGroup,
+    NodeSpec,
+    Profile,
+    SiteLink,
+    load_profile,
+)
 
 __all__ = ["Device", "ClusterNode", "Link", "Cluster", "compose_cluster", "load_cluster"]
 
@@ -235,9 +243,9 @@ class Cluster(Record):
                      for _, ns in sorted(out.items()))
 
     @property
-    def device_types(self) -> tuple[Any, ...]:
+    def device_types(self) -> tuple[DeviceType, ...]:
         """The distinct :class:`DeviceType` records, in order of first appearance."""
-        seen: dict[str, Any] = {}
+        seen: dict[str, DeviceType] = {}
         for node in self.nodes:
             device = self.profiles[node.profile].device
             seen.setdefault(device.name, device)
@@ -256,7 +264,7 @@ class Cluster(Record):
         """The profile of device ``i``'s node."""
         return self.profiles[self.node_of(i).profile]
 
-    def device_type_of(self, i: int) -> Any:
+    def device_type_of(self, i: int) -> DeviceType:
         """The :class:`DeviceType` of device ``i``."""
         return self.profile_of(i).device
 

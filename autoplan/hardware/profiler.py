@@ -1,0 +1,566 @@
+"""``autoplan profile``: measure the machine this runs on and write a profile.
+
+What is measured, on each of ``--nproc`` local ranks at once (so shared
+resources such as the memory bus and the cores are shared as they will be in
+training):
+
+* matmul throughput over square sizes, for fp32 and bf16 (on CUDA also tf32
+  and fp16);
+* memory bandwidth (a large tensor copy: bytes read + bytes written);
+* all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and
+  point-to-point (ping-pong) time over message sizes, with torch.distributed
+  (gloo on CPU, NCCL on CUDA).
+
+From this it writes a node :class:`~autoplan.hardware.profiles.Profile`:
+
+* **device**: the "peak" FLOP/s per dtype is the *best measured* matmul
+  throughput (not a datasheet figure) and the efficiency table is measured
+  throughput over that peak, per size.  The slowest rank decides each point.
+  On CPU a device is one rank with ``cores // nproc`` threads, its memory is
+  the physical RAM divided equally among the ranks, and its bandwidth the
+  copy bandwidth each rank gets while all copy at once.  On CUDA a device is
+  one GPU (the smallest memory, the slowest GPU).
+* **node**: ``devices_per_node`` = ranks (CPU) or GPUs (CUDA).  For each
+  collective, ``t(S) = a + b S`` is fitted (least squares on relative error)
+  and turned into the ring model of :mod:`autoplan.hardware.collectives`:
+  bus bandwidth ``factor / b`` and per-step latency ``a / steps``.  The node's
+  bandwidth is the best bus bandwidth of any operation, each operation's
+  efficiency its bus bandwidth over that, and the latency the median per-step
+  latency over the operations.
+* **network**: none (one machine): the profile forms one-node clusters.
+
+Examples
+--------
+.. code-block:: console
+
+    $ autoplan profile --quick          # about 10-20 s on 2 CPU cores
+    $ autoplan profile --nproc 4 --out profiles/my-box.yaml --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..records import atomic_write_text
+from .collectives import CollectiveOp, ring_coefficients
+from .profiles import (
+    COLLECTIVE_OPS,
+    CollectiveEfficiency,
+    DeviceType,
+    EfficiencyTable,
+    IntraNodeTopology,
+    NodeSpec,
+    Profile,
+    load_profile,
+    profile_to_yaml,
+    shipped_profiles_dir,
+)
+
+__all__ = ["main", "MeasurementPlan", "fit_alpha_beta"]
+
+_PREFIX = "[autoplan profile]"
+_WARMUP_CALLS = 2  # untimed calls before timing (first-touch allocation, connection set-up)
+
+
+@dataclass(frozen=True)
+class MeasurementPlan:
+    """What to measure and for how long (seconds are targets per point, not limits)."""
+
+    matmul_sizes: dict[str, tuple[int, ...]]
+    matmul_target_s: float
+    copy_bytes: int
+    copy_target_s: float
+    comm_sizes_bytes: tuple[int, ...]
+    comm_target_s: float
+    repeats: int
+
+    @classmethod
+    def for_machine(cls, cuda: bool, quick: bool) -> "MeasurementPlan":
+        """The default (or ``quick``) plan for a CPU or a CUDA machine."""
+        kib, mib = 2**10, 2**20
+        if cuda:
+            sizes = (512, 1024, 2048, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)
+            return cls({d: sizes for d in ("fp32", "tf32", "bf16", "fp16")},
+                       0.05 if quick else 0.2, (256 if quick else 1024) * mib, 0.05 if quick else 0.2,
+                       tuple(4**i * kib for i in range(0, 9 if quick else 10, 2 if quick else 1)),
+                       0.05 if quick else 0.2, 3 if quick else 5)
+        if quick:
+            return cls({"fp32": (128, 256, 512, 768), "bf16": (128, 256, 512)}, 0.06,
+                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.06, 3)
+        return cls({"fp32": (64, 128, 256, 512, 1024, 1536), "bf16": (64, 128, 256, 512, 1024)},
+                   0.4, 256 * mib, 0.5, tuple(4**i * kib for i in range(0, 8)), 0.35, 5)
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """Fit ``t = a + b * S`` minimising the squared *relative* error; ``a >= 0``, ``b > 0``.
+
+    Relative weighting lets the small sizes fix the latency and the large ones
+    the bandwidth.
+
+    Examples
+    --------
+    >>> a, b = fit_alpha_beta([1e3, 1e6, 1e9], [1e-5 + 1e-9 * s for s in (1e3, 1e6, 1e9)])
+    >>> round(a, 9), round(b, 15)
+    (1e-05, 1e-09)
+    """
+    if len(sizes) != len(times) or not sizes:
+        raise ValueError("fit_alpha_beta needs as many times as sizes, at least one")
+    w = [1.0 / t for t in times]  # rows scaled by 1/t: minimise sum ((a + b s - t) / t)^2
+    sww = sum(x * x for x in w)
+    sws = sum(x * x * s for x, s in zip(w, sizes))
+    sss = sum((x * s) ** 2 for x, s in zip(w, sizes))
+    swt = sum(x * x * t for x, t in zip(w, times))
+    sst = sum(x * x * s * t for x, s, t in zip(w, sizes, times))
+    det = sww * sss - sws * sws
+    a, b = (((sss * swt - sws * sst) / det, (sww * sst - sws * swt) / det)
+            if len(sizes) >= 2 and det > 0 else (0.0, 0.0))
+    if a < 0 or b <= 0:  # through the origin, or bandwidth from the largest size
+        a = 0.0
+        b = sst / sss if sst > 0 else 0.0
+    if b <= 0:
+        i = max(range(len(sizes)), key=lambda j: sizes[j])
+        b = times[i] / sizes[i]
+    return a, b
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _say(message: str, start: float) -> None:
+    print(f"{_PREFIX} {time.perf_counter() - start:6.1f}s  {message}", file=sys.stderr, flush=True)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
+def _time_local(fn: Callable[[], Any], sync: Callable[[], None], target_s: float,
+                repeats: int) -> float:
+    """Best seconds per call of ``fn`` over ``repeats`` timed batches (no collectives)."""
+    for _ in range(_WARMUP_CALLS):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    first = max(time.perf_counter() - t0, 1e-9)
+    iters = max(1, min(10_000, int(target_s / repeats / first)))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t0) / iters)
+    return best
+
+
+def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, threads: int,
+            plan: MeasurementPlan, result_dir: str, start: float) -> None:
+    """One rank: measure compute, memory and collectives; rank 0 writes ``result.json``."""
+    try:
+        _worker_body(rank, world, init_method, backend, cuda, threads, plan, result_dir, start)
+    except BaseException:  # report to the parent, which tears the others down
+        Path(result_dir, f"error-{rank}.txt").write_text(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: it can abort after gloo (shared/notes)
+
+
+def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bool, threads: int,
+                 plan: MeasurementPlan, result_dir: str, start: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        sync: Callable[[], None] = torch.cuda.synchronize
+    else:
+        device = torch.device("cpu")
+        sync = lambda: None  # noqa: E731 - gloo and CPU ops are synchronous
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    say = (lambda m: _say(m, start)) if rank == 0 else (lambda m: None)
+    say(f"{world} ranks up ({backend}); measuring matmul throughput")
+
+    # compute: every rank at once, each on its own device / thread share
+    dtypes = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
+              "fp16": torch.float16}
+    matmul: dict[str, list[tuple[int, float]]] = {}
+    for name, sizes in plan.matmul_sizes.items():
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        matmul[name] = []
+        for n in sizes:
+            a = torch.randn(n, n, device=device).to(dtypes[name])
+            b = torch.randn(n, n, device=device).to(dtypes[name])
+            out = torch.empty(n, n, device=device, dtype=dtypes[name])
+            dist.barrier()
+            sec = _time_local(lambda: torch.matmul(a, b, out=out), sync, plan.matmul_target_s,
+                              plan.repeats)
+            matmul[name].append((n, sec))
+            say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    elems = plan.copy_bytes // 4
+    src = torch.ones(elems, device=device)
+    dst = torch.empty_like(src)
+    dist.barrier()
+    copy_s = _time_local(lambda: dst.copy_(src), sync, plan.copy_target_s, plan.repeats)
+    say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
+    del src, dst
+
+    # collectives: all ranks agree on iteration counts through a max-reduction
+    def agreed_max(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def timed(fn: Callable[[], Any]) -> float:
+        for _ in range(_WARMUP_CALLS):
+            fn()
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        first = agreed_max(time.perf_counter() - t0)
+        iters = max(1, min(10_000, int(plan.comm_target_s / plan.repeats / max(first, 1e-9))))
+        best = math.inf
+        for _ in range(plan.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t0) / iters)
+        return agreed_max(best)
+
+    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    comm: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVE_OPS}
+    for size in plan.comm_sizes_bytes:
+        count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
+        nbytes = count * 4
+        full = torch.ones(count, device=device)
+        shard = torch.ones(count // world, device=device)
+        other = torch.empty(count, device=device)
+
+        def p2p() -> None:
+            if rank == 0:
+                dist.send(full, 1)
+                dist.recv(full, 1)
+            elif rank == 1:
+                dist.recv(full, 0)
+                dist.send(full, 0)
+
+        ops: dict[str, Callable[[], Any]] = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: all_gather(other, shard),
+            "reduce_scatter": lambda: reduce_scatter(shard, full),
+            "all_to_all": lambda: dist.all_to_all_single(other, full),
+            "broadcast": lambda: dist.broadcast(full, 0),
+            "p2p": p2p,
+        }
+        for op, fn in ops.items():
+            sec = timed(fn)
+            comm[op].append((nbytes, sec / 2 if op == "p2p" else sec))  # p2p: one way
+        say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
+            f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
+
+    if cuda:
+        props = torch.cuda.get_device_properties(rank)
+        info = {"name": torch.cuda.get_device_name(rank), "memory_bytes": int(props.total_memory)}
+    else:
+        info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
+    mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        payload = {"ranks": gathered, "comm": comm, "world": world}
+        atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        import psutil  # type: ignore[import-not-found]  # only where sysconf lacks it
+        return int(psutil.virtual_memory().total)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ProfilingFailed(RuntimeError):
+    """A rank failed or timed out; the message carries its traceback."""
+
+
+def _run_ranks(nproc: int, backend: str, cuda: bool, threads: int, plan: MeasurementPlan,
+               timeout_s: float, start: float) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="autoplan-profile-") as result_dir:
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [ctx.Process(target=_worker, args=(r, nproc, init, backend, cuda, threads, plan,
+                                                   result_dir, start), daemon=False)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failure = None
+        try:
+            while True:
+                codes = [p.exitcode for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    failure = "rank " + ", ".join(f"{r} exited with code {c}" for r, c in bad)
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    failure = f"timed out after {timeout_s:g} s"
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:  # the survivors of a failure, or everyone on Ctrl-C
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        errors = sorted(Path(result_dir).glob("error-*.txt"))
+        if failure or errors:
+            details = "\n".join(f"--- {e.stem} ---\n{e.read_text()}" for e in errors)
+            raise ProfilingFailed(f"profiling failed: {failure or 'a rank raised'}\n{details}".rstrip())
+        return json.loads(Path(result_dir, "result.json").read_text())
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _profile_name(text: str) -> str:
+    name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")
+    return name or "local"
+
+
+def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, threads: int,
+                   devices_per_node: int, quick: bool,
+                   copy_bytes: int) -> tuple[Profile, dict[str, Any]]:
+    host = socket.gethostname()
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    how = (f"measured by `autoplan profile{' --quick' if quick else ''}` on {host} at {when}, "
+           f"{nproc} ranks at once" + ("" if cuda else f", {threads} thread(s) per rank"))
+    ranks = raw["ranks"]
+
+    # matmul: the slowest rank at each size; peak = best of those
+    peaks: dict[str, float] = {}
+    tables: dict[str, EfficiencyTable] = {}
+    throughput: dict[str, list[tuple[float, float]]] = {}
+    for dtype in ranks[0]["matmul"]:
+        points = []
+        for i, (n, _) in enumerate(ranks[0]["matmul"][dtype]):
+            sec = max(r["matmul"][dtype][i][1] for r in ranks)
+            points.append((2.0 * n**3, 2.0 * n**3 / sec))
+        peak = max(p[1] for p in points)
+        peaks[dtype] = peak
+        throughput[dtype] = points
+        tables[dtype] = EfficiencyTable(
+            tuple((flops, min(1.0, achieved / peak)) for flops, achieved in points),
+            source=f"{how}: square matmuls, throughput over the best measured ({dtype})")
+    copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
+    memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
+    if not cuda:
+        memory //= nproc  # the ranks share the RAM
+    names = sorted({r["info"]["name"] for r in ranks})
+    device_name = (" / ".join(names) if cuda
+                   else f"CPU {names[0]} ({threads} thread{'s' if threads > 1 else ''} per rank)")
+    device = DeviceType(
+        name=device_name, peak_flops_per_s=peaks, memory_bytes=memory,
+        memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables,
+        source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
+                + ("memory is the smallest GPU's total memory; " if cuda else
+                   f"memory is the physical RAM divided among the {nproc} ranks; ")
+                + "bandwidth is tensor-copy bytes (read + write) per second per device"))
+
+    # collectives: t = a + b S  ->  bus bandwidth factor / b, per-step latency a / steps
+    fits: dict[str, dict[str, float]] = {}
+    for op in COLLECTIVE_OPS:
+        sizes = [float(s) for s, _ in raw["comm"][op]]
+        times = [float(t) for _, t in raw["comm"][op]]
+        a, b = fit_alpha_beta(sizes, times)
+        factor, steps = ring_coefficients(CollectiveOp(op), 2 if op == "p2p" else nproc)
+        fits[op] = {"alpha_s": a, "beta_s_per_byte": b, "bus_bw_bytes_per_s": factor / b,
+                    "latency_per_step_s": a / steps}
+    bus = max(f["bus_bw_bytes_per_s"] for f in fits.values())
+    latency = statistics.median(f["latency_per_step_s"] for f in fits.values())
+    fit_text = "; ".join(f"{op} {f['bus_bw_bytes_per_s'] / 1e9:.3g} GB/s, "
+                         f"{f['latency_per_step_s'] * 1e6:.3g} us/step" for op, f in fits.items())
+    efficiency = CollectiveEfficiency(
+        **{op: max(1e-6, min(1.0, f["bus_bw_bytes_per_s"] / bus)) for op, f in fits.items()},
+        source=f"{how}: each operation's fitted bus bandwidth over the best ({fit_text})")
+    backend = "NCCL" if cuda else "gloo"
+    node = NodeSpec(
+        devices_per_node=devices_per_node,
+        topology=IntraNodeTopology.UNIFORM if cuda else IntraNodeTopology.SHARED_MEMORY,
+        bw_unidir_bytes_per_s=bus, latency_s=latency, collective_efficiency=efficiency,
+        source=f"{how}: the best {backend} bus bandwidth of any collective (ring model fit)",
+        latency_source=f"{how}: median over the collectives of the fitted per-step latency")
+    profile = Profile(name=name,
+                      description=f"Measured on {host}: {device_name}, {devices_per_node} devices",
+                      device=device, node=node, network=None)
+    measurements = {"matmul_flops_per_s": throughput, "copy_bytes_per_s": copy_bytes_per_s,
+                    "collective_fits": fits, "collective_times_s": raw["comm"]}
+    return profile, measurements
+
+
+def _summary(profile: Profile, path: Path, elapsed: float) -> str:
+    d, n = profile.device, profile.node
+    peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in d.peak_flops_per_s.items())
+    effs = ", ".join(f"{op} {getattr(n.collective_efficiency, op):.2f}" for op in COLLECTIVE_OPS)
+    return "\n".join([
+        f"wrote {path} in {elapsed:.1f} s (load it with autoplan.load_cluster({str(path)!r}))",
+        f"  device   {d.name} x {n.devices_per_node}",
+        f"  matmul   best GFLOP/s: {peaks}",
+        f"  memory   {d.memory_bytes / 2**30:.2f} GiB per device, copy {d.memory_bw_bytes_per_s / 1e9:.2f} GB/s",
+        f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, {n.latency_s * 1e6:.1f} us per step",
+        f"  collective efficiency: {effs}",
+    ])
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="autoplan profile",
+        description="Measure this machine (CPU, or each CUDA GPU) and write a hardware profile "
+                    "that autoplan.load_cluster reads.")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and shorter timings (about 10-20 s on a small CPU)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local ranks to measure with (default: 2 on CPU, every GPU on CUDA)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="what to profile (default: CUDA when available)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="profile file to write (default: profiles/local-<hostname>.yaml, "
+                        "loadable by name)")
+    p.add_argument("--name", default=None,
+                   help="profile name (default: the --out file name, or local-<hostname>)")
+    p.add_argument("--json", action="store_true",
+                   help="print the profile and the raw measurements as JSON on stdout")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="give up after this many seconds (default 600)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``autoplan profile``; returns the exit status (0 ok, 1 failed, 2 usage)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    start = time.perf_counter()
+    import torch
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        parser.print_usage(sys.stderr)
+        print(f"{_PREFIX} error: --device cuda, but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count() if cuda else 0
+    nproc = args.nproc if args.nproc is not None else (gpus if cuda else 2)
+    if nproc < 2 or (cuda and nproc > gpus):
+        parser.print_usage(sys.stderr)
+        limit = f" and at most {gpus} (GPUs present)" if cuda else ""
+        print(f"{_PREFIX} error: --nproc must be at least 2{limit}, got {nproc}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        out = args.out
+        name = _profile_name(args.name or out.stem)
+    else:
+        name = _profile_name(args.name or f"local-{socket.gethostname()}")
+        out = shipped_profiles_dir() / f"{name}.yaml"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    threads = 1 if cuda else max(1, cores // nproc)
+    plan = MeasurementPlan.for_machine(cuda, args.quick)
+    backend = "nccl" if cuda else "gloo"
+    _say(f"profiling {'CUDA' if cuda else 'CPU'} with {nproc} ranks ({backend}"
+         f"{'' if cuda else f', {threads} thread(s) each'}){' --quick' if args.quick else ''}",
+         start)
+    try:
+        raw = _run_ranks(nproc, backend, cuda, threads, plan, args.timeout, start)
+    except ProfilingFailed as exc:
+        print(f"{_PREFIX} {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_PREFIX} interrupted", file=sys.stderr)
+        return 130
+    profile, measurements = _build_profile(
+        name, raw, cuda=cuda, nproc=nproc, threads=threads,
+        devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes)
+    header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} ranks) "
+              f"on {socket.gethostname()}. Figures are measurements, not datasheet values;\n"
+              f"# see autoplan/hardware/profiler.py for what each one means. Re-run to refresh.\n")
+    atomic_write_text(out, header + profile_to_yaml(profile))
+    load_profile(out)  # what we wrote must load
+    elapsed = time.perf_counter() - start
+    _say(f"done: {out}", start)
+    if args.json:
+        print(json.dumps({"path": str(out), "elapsed_s": elapsed, "plan": asdict(plan),
+                          "profile": profile.to_dict(), "measurements": measurements}, indent=1))
+    else:
+        print(_summary(profile, out, elapsed))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The profiler: fitting and profile building on synthetic data, and a real quick run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from autoplan.hardware import IntraNodeTopology, available_profiles, load_cluster, load_profile
+from autoplan.hardware.profiler import _build_profile, fit_alpha_beta, main
+
+
+def test_fit_recovers_exact_alpha_beta():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    a, b = fit_alpha_beta(sizes, [50e-6 + s / 2e9 for s in sizes])
+    assert a == pytest.approx(50e-6, rel=1e-9)
+    assert b == pytest.approx(1 / 2e9, rel=1e-9)
+
+
+def test_fit_never_returns_negative_latency_or_bandwidth():
+    # a noisy small size would give a negative intercept: fall back to a fit through 0
+    a, b = fit_alpha_beta([1e3, 1e6, 2e6], [1e-9, 1e-3, 2e-3])
+    assert a == 0.0 and b > 0
+    # decreasing times: bandwidth from the largest size
+    a, b = fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3])
+    assert a >= 0 and b > 0
+    a, b = fit_alpha_beta([1e6], [1e-3])
+    assert (a, b) == (0.0, 1e-9)
+
+
+def _raw(world: int = 2) -> dict:
+    """Synthetic measurements: matmul n^3 at 1e10 FLOP/s for n >= 128, half that below;
+    every collective exactly on the ring model with bus bandwidth B_op and 100 us per step."""
+    matmul = {"fp32": [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]}
+    ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
+              "info": {"name": "Test CPU", "memory_bytes": 8 * 2**30}} for r in range(world)]
+    bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
+           "broadcast": 2e9, "p2p": 2e9}
+    n = world
+    coef = {"all_reduce": (2 * (n - 1) / n, 2 * (n - 1)), "all_gather": ((n - 1) / n, n - 1),
+            "reduce_scatter": ((n - 1) / n, n - 1), "all_to_all": ((n - 1) / n, n - 1),
+            "broadcast": (1.0, n - 1), "p2p": (1.0, 1)}
+    sizes = [2**10, 2**16, 2**22]
+    comm = {op: [[s, coef[op][1] * 100e-6 + coef[op][0] * s / bus[op]] for s in sizes]
+            for op in bus}
+    return {"ranks": ranks, "comm": comm, "world": world}
+
+
+def test_build_profile_from_measurements():
+    profile, measurements = _build_profile("local-test", _raw(), cuda=False, nproc=2, threads=1,
+                                           devices_per_node=2, quick=True, copy_bytes=2**20)
+    d, node = profile.device, profile.node
+    assert d.peak_flops_per_s == {"fp32": pytest.approx(1e10, rel=1e-12)}
+    assert [p[1] for p in d.matmul_efficiency["fp32"].points] == pytest.approx([0.5, 1.0, 1.0])
+    assert d.memory_bytes == 4 * 2**30  # RAM shared by the 2 ranks
+    assert d.memory_bw_bytes_per_s == pytest.approx(4e9, rel=1e-12)
+    assert node.topology is IntraNodeTopology.SHARED_MEMORY and node.devices_per_node == 2
+    assert node.bw_unidir_bytes_per_s == pytest.approx(2e9, rel=1e-9)
+    assert node.latency_s == pytest.approx(100e-6, rel=1e-6)
+    eff = node.collective_efficiency
+    assert (eff.all_reduce, eff.all_gather, eff.broadcast) == (
+        pytest.approx(0.5, rel=1e-9), pytest.approx(0.25, rel=1e-9), pytest.approx(1.0, rel=1e-9))
+    assert profile.network is None
+    assert "measured by `autoplan profile --quick`" in d.source
+    assert set(measurements["collective_fits"]) == set(_raw()["comm"])
+
+
+def test_usage_errors_return_2(capsys):
+    assert main(["--nproc", "1", "--device", "cpu"]) == 2
+    assert "--nproc must be at least 2" in capsys.readouterr().err
+    assert main(["--no-such-option"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
+    out = tmp_path / "local-test.yaml"
+    assert main(["--quick", "--nproc", "2", "--device", "cpu", "--out", str(out), "--json"]) == 0
+    captured = capfd.readouterr()
+    report = json.loads(captured.out)
+    assert "[autoplan profile]" in captured.err and "matmul fp32" in captured.err  # progress
+    # the target is <= 20 s on 2 cores; 25 s leaves room for a loaded test machine
+    assert report["path"] == str(out) and report["elapsed_s"] < 25
+
+    cluster = load_cluster(out)
+    assert cluster.num_devices == 2 and cluster.num_nodes == 1
+    device = cluster.device_type_of(0)
+    assert set(device.peak_flops_per_s) == {"fp32", "bf16"}
+    assert 1e8 < device.peak_flops_per_s["fp32"] < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s per rank
+    assert 1e7 < device.peak_flops_per_s["bf16"] < 1e14
+    assert 0 < device.efficiency(1e6, "fp32") <= 1
+    assert 2**27 < device.memory_bytes < 2**50
+    assert 1e8 < device.memory_bw_bytes_per_s < 1e13
+    node = cluster.profiles["local-test"].node
+    assert 1e6 < node.bw_unidir_bytes_per_s < 1e12  # gloo through shared memory
+    assert 1e-7 < node.latency_s < 0.1
+    t_small = cluster.collective_time("all_reduce", [0, 1], 1e3)
+    t_big = cluster.collective_time("all_reduce", [0, 1], 1e8)
+    assert 0 < t_small < t_big < 100 and math.isfinite(t_big)
+    assert cluster.collective_time("p2p", [0, 1], 1e6) > 0
+
+    # found by name through AUTOPLAN_PROFILES, and the file round-trips
+    monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))
+    assert "local-test" in available_profiles()
+    profile = load_profile("local-test")
+    assert profile.to_dict() == report["profile"]
