@@ -752,14 +752,34 @@ def _aliases(wrapper: nn.Module) -> dict[str, list[tuple[str, bool]]]:
     return out
 
 
+_WEIGHT_VIEWS = {aten.t.default, aten.numpy_T.default, aten.transpose.int, aten.permute.default, aten.view.default,
+                 aten.reshape.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout,
+                 aten.expand.default, aten.unsqueeze.default, aten.contiguous.default}
+
+
+def _param_source(node: fx.Node, param_of_node: dict[str, str]) -> fx.Node | None:
+    """The parameter a matmul operand is a transposed / reshaped / cast view of (``x @ w.T``)."""
+    for _ in range(4):
+        if node.name in param_of_node:
+            return node
+        if node.op != "call_function" or node.target not in _WEIGHT_VIEWS or not node.args \
+                or not isinstance(node.args[0], fx.Node):
+            return None
+        node = node.args[0]
+    return node if node.name in param_of_node else None
+
+
 def _weight_uses(gm: fx.GraphModule, param_of_node: dict[str, str],
                  aliases: dict[str, list[tuple[str, bool]]]) -> list[_WeightUse]:
     shapes = _param_shapes(gm)
     uses = []
     for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_module"):
+        if node.op not in ("call_function", "call_module") or node.target in _WEIGHT_VIEWS:
             continue
         params = [a for a in node.all_input_nodes if a.name in param_of_node and a.name in shapes]
+        if not params and node.target in _MATMULS:
+            params = [src for a in node.all_input_nodes
+                      if (src := _param_source(a, param_of_node)) is not None and src.name in shapes]
         weights = [p for p in params if len(shapes[p.name]) >= 2]
         if not weights:
             continue
@@ -853,12 +873,12 @@ def _heads_of(node: fx.Node, out_features: int) -> int | None:
     """Number of heads when the matmul output is reshaped to (..., heads, head_dim)."""
     for u in _users_through(node, {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                                    operator.getitem, aten.split.Tensor, aten.split_with_sizes.default,
-                                   aten.chunk.default, aten.unbind.int}, limit=4):
+                                   aten.chunk.default, aten.unbind.int, aten.slice.Tensor}, limit=4):
         val = u.meta.get("val")
         if u.target in (aten.view.default, aten.reshape.default) and isinstance(val, torch.Tensor) \
                 and val.dim() >= 4:
             d, h = val.shape[-1], val.shape[-2]
-            if d > 1 and h > 1 and out_features % (d * h) == 0:
+            if d > 1 and h >= 1 and out_features % (d * h) == 0:
                 return int(h)
     return None
 

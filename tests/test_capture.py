@@ -326,3 +326,32 @@ def test_missing_and_mismatched_inputs():
         autoplan.trace(_gpt(), example_inputs=(torch.randn(2, 16),))
     with pytest.raises(InputError, match="nn.Module"):
         autoplan.trace("gpt2")
+
+
+OTHER_FAMILIES = {
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=256),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=256,
+                word_embed_proj_dim=64, max_position_embeddings=128),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     vocab_size=256),
+    "falcon": dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=256),
+    "phi3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_other_causal_lm_families_need_no_adapter(family):
+    """Causal LMs beyond the listed families: Megatron roles found from the data flow alone
+    (Falcon's custom linear multiplies by weight.T; Phi-3 fuses qkv and gate/up)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config = CONFIG_MAPPING[family](**OTHER_FAMILIES[family])
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    g = autoplan.trace(model, seq_len=32)
+    assert len(g.blocks) == 3
+    assert sum(l.param_count for l in g.layers) == g.num_params
+    roles = [r for r in g.blocks[1].tp.roles().values() if r != "replicated"]
+    assert roles.count("row") == 2 and roles.count("column") >= 2
+    assert g.blocks[1].tp.max_degree() >= 2
