@@ -75,6 +75,8 @@ __all__ = ["main", "MeasurementPlan", "fit_alpha_beta"]
 
 _PREFIX = "[autoplan profile]"
 _WARMUP_CALLS = 2  # untimed calls before timing (first-touch allocation, connection set-up)
+_CALIBRATION_CALLS = 3  # calls timed to choose the iteration count of the timed batches
+_OVERRUN = 2.0  # stop repeating once a point has taken this many times its target
 
 
 @dataclass(frozen=True)
@@ -162,17 +164,21 @@ def _time_local(fn: Callable[[], Any], sync: Callable[[], None], target_s: float
         fn()
     sync()
     t0 = time.perf_counter()
-    fn()
+    for _ in range(_CALIBRATION_CALLS):
+        fn()
     sync()
-    first = max(time.perf_counter() - t0, 1e-9)
+    first = max((time.perf_counter() - t0) / _CALIBRATION_CALLS, 1e-9)
     iters = max(1, min(10_000, int(target_s / repeats / first)))
-    best = math.inf
+    best, spent = math.inf, 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         sync()
-        best = min(best, (time.perf_counter() - t0) / iters)
+        elapsed = time.perf_counter() - t0
+        best, spent = min(best, elapsed / iters), spent + elapsed
+        if spent > _OVERRUN * target_s:  # a loaded machine: keep the total bounded
+            break
     return best
 
 
@@ -203,7 +209,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     else:
         device = torch.device("cpu")
         sync = lambda: None  # noqa: E731 - gloo and CPU ops are synchronous
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            **({"device_id": device} if cuda else {}))
     say = (lambda m: _say(m, start)) if rank == 0 else (lambda m: None)
     say(f"{world} ranks up ({backend}); measuring matmul throughput")
 
@@ -212,8 +219,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
               "fp16": torch.float16}
     matmul: dict[str, list[tuple[int, float]]] = {}
     for name, sizes in plan.matmul_sizes.items():
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        if cuda:  # fp32 matmuls run on TF32 tensor cores only when allowed
+            torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
         matmul[name] = []
         for n in sizes:
             a = torch.randn(n, n, device=device).to(dtypes[name])
@@ -225,7 +232,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             matmul[name].append((n, sec))
             say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
     if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
 
     elems = plan.copy_bytes // 4
     src = torch.ones(elems, device=device)
@@ -247,19 +254,23 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         sync()
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(_CALIBRATION_CALLS):
+            fn()
         sync()
-        first = agreed_max(time.perf_counter() - t0)
+        first = agreed_max((time.perf_counter() - t0) / _CALIBRATION_CALLS)
         iters = max(1, min(10_000, int(plan.comm_target_s / plan.repeats / max(first, 1e-9))))
-        best = math.inf
+        best, spent = math.inf, 0.0
         for _ in range(plan.repeats):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
             sync()
-            best = min(best, (time.perf_counter() - t0) / iters)
-        return agreed_max(best)
+            elapsed = agreed_max(time.perf_counter() - t0)  # the slowest rank; same on all
+            best, spent = min(best, elapsed / iters), spent + elapsed
+            if spent > _OVERRUN * plan.comm_target_s:  # every rank decides alike
+                break
+        return best
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -323,8 +334,12 @@ def _physical_memory_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        import psutil  # type: ignore[import-not-found]  # only where sysconf lacks it
-        return int(psutil.virtual_memory().total)
+        pass
+    try:  # platforms without sysconf
+        import psutil  # type: ignore[import-not-found]
+    except ImportError:
+        raise RuntimeError("cannot read the physical memory size here; install psutil") from None
+    return int(psutil.virtual_memory().total)
 
 
 def _free_port() -> int:

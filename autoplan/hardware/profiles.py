@@ -891,6 +891,18 @@ def parse_profile(data: Any, file: str | None = None) -> Profile | CompositeProf
 # --------------------------------------------------------------------------- dumping
 
 
+class _Dumper(yaml.SafeDumper):
+    """Writes short lists of numbers (``[flops, efficiency]``, ``devices``) on one line."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(isinstance(x, (int, float, str)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
 def _collective_efficiency_yaml(eff: CollectiveEfficiency) -> dict[str, Any]:
     return {**{op: getattr(eff, op) for op in COLLECTIVE_OPS}, "source": eff.source}
 
@@ -907,7 +919,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                             "collective_efficiency": _collective_efficiency_yaml(l.collective_efficiency),
                             "source": l.source} for l in profile.site_links],
         }
-        return yaml.safe_dump(data, sort_keys=False, width=100)
+        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
     d, n, w = profile.device, profile.node, profile.network
     device = {
         "name": d.name,
@@ -937,7 +949,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
             "collective_efficiency": _collective_efficiency_yaml(w.collective_efficiency),
             "source": w.source, "latency_source": w.latency_source,
         }
-    return yaml.safe_dump(data, sort_keys=False, width=100)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
 
 
 # --------------------------------------------------------------------------- discovery
