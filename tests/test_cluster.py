@@ -233,6 +233,10 @@ def test_heterogeneous_group_takes_the_slowest_side():
     algos = {p.algorithm: p.time(S) for p in c.collective_candidates("all_reduce", g)}
     assert algos["ring"] == approx(ring)
     assert algos["hierarchical"] == approx(hier)
+    ring_params = c.collective_candidates("all_reduce", g)[0]
+    assert (ring_params.algorithm, ring_params.bottleneck) == ("ring", "inter_node")
+    assert ring_params.latency_s == approx(10 * 20e-6)
+    assert ring_params.bw_bytes_per_s == approx(20e9 / (2 * 5 / 6))
     assert c.collective_time("p2p", [0, 4], S) == approx(S / 10e9 + 20e-6)
 
 
@@ -255,6 +259,11 @@ def test_collectives_across_sites():
     assert algos["ring"].time(S) == approx(ring)
     assert algos["hierarchical"].time(S) == approx(hier)
     assert algos["hierarchical"].bottleneck == "inter_site"
+    params = c.collective_params("all_reduce", g)  # the large-message choice
+    assert params.algorithm == "hierarchical"
+    assert params.latency_s == approx(3e-6 + 2 * hop + 3e-6)
+    assert params.bw_bytes_per_s == approx(1 / (0.75 / 100e9 + 1.0 / 1e9 + 0.75 / 100e9))
+    assert [lv.kind for lv in params.levels] == ["intra_node", "inter_site", "intra_node"]
     assert c.collective_time("all_reduce", g, S) == approx(hier)
     # all_to_all: the site pair carries K_a K_b / n S = 2 S
     assert c.collective_time("all_to_all", g, S) == approx(4 * 4 / 8 * S / 1e9 + 7 * hop)

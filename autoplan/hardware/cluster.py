@@ -74,6 +74,7 @@ from .profiles import (
 
 __all__ = ["Device", "ClusterNode", "Link", "Cluster", "compose_cluster", "load_cluster"]
 
+#: The kinds of :class:`Link` (and of :class:`CollectiveLevel` resources).
 LINK_KINDS = ("intra_node", "inter_node", "inter_site")
 
 
@@ -108,6 +109,10 @@ class Link(Record):
     bw_bytes_per_s: float
     latency_s: float
     kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in LINK_KINDS:
+            raise ConfigError(f"link kind must be one of {list(LINK_KINDS)}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -355,7 +355,8 @@ def _hierarchical(op: CollectiveOp, shape: GroupShape) -> CollectiveParams:
         pairs = [(0, 1)] if s == 2 else [(i, (i + 1) % s) for i in range(s)]
         # the site link, and all NICs of a site together, carry the site's traffic
         link_bw = min(shape.link(a, b).segment.bw(phase) for a, b in pairs)
-        nic_bw = min(len(site.nodes) * min(nd.nic.bw(phase) for nd in site.nodes if nd.nic)
+        nic_bw = min(len(site.nodes) * min(nd.nic.bw(phase) for nd in site.nodes
+                                           if nd.nic is not None)
                      for site in shape.sites)
         latency = max(shape.site_hop_latency_s(a, b) for a, b in pairs)
         return _worst_level("inter_site", phase, [(s, min(link_bw, nic_bw), latency)], phase)
