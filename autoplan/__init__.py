@@ -11,7 +11,10 @@ from __future__ import annotations
 from .capture import trace
 from .errors import AutoplanError
 from .graph import LayerRecord, ModelGraph
+from .hardware import Cluster, available_profiles, compose_cluster, load_cluster
+from .strategy import Strategy
 
-__all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "__version__"]
+__all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster", "compose_cluster",
+           "available_profiles", "Cluster", "Strategy", "__version__"]
 
 __version__ = "0.1.0"
