@@ -1,0 +1,636 @@
+"""``autoplan.plan``: the fastest layout that fits, found in seconds.
+
+Method
+------
+1. **Degrees.** Enumerate ``tp`` (dividing the devices of a node and the
+   model's heads: tensor parallelism stays inside a node), ``cp`` (long
+   sequences only), ``pp`` (dividing what is left, at most the number of
+   blocks) and ``dp`` (the rest, dividing the global batch, or split unevenly
+   over replicas of different speeds), micro-batch sizes and schedules.
+   Ranks are laid out with ``tp`` innermost and ``pp`` outermost over the
+   cluster's device order (node by node, group by group, site by site), so
+   pipelines cut between nodes, groups and sites before data parallelism does.
+2. **Memory ladder with pruning.** For each combination the two cheapest
+   options (no recompute, ZeRO-0/1) are priced first; their time is a lower
+   bound for every other option of that combination (recompute and sharding
+   only add work), so a combination slower than the best plan so far is
+   dropped at once (dominated).  Otherwise the ladder climbs: selective
+   recompute and ZeRO-2, then ZeRO-3 and full recompute, stopping at the first
+   rung where something fits.
+3. **Per-stage problem (CP-SAT).** For the best candidates, OR-Tools CP-SAT
+   chooses how many blocks each pipeline rank holds and which recompute option
+   each of them uses, under each rank's memory (ranks of different device
+   types, or holding different numbers of micro-batches in flight, get
+   different shares), starting from the even split as a hint
+   (:mod:`autoplan.search.stage_solver`).
+4. **One engine.** Every candidate is priced by the cost model
+   (:class:`autoplan.cost.CostEngine`), so the search and
+   :func:`autoplan.estimate` never disagree.
+
+The same inputs give a byte-identical plan: iteration orders are fixed, ties
+break on a stable key, and CP-SAT runs single-threaded with a fixed seed and
+a deterministic time budget.  ``time_limit_s`` bounds the wall time of the
+enumeration; should it bind, the best plan so far is returned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Sequence
+
+from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight
+from ..cost.engine import _DTYPE
+from ..errors import ConfigError, InfeasiblePlan, StrategyError
+from ..graph import LayerKind, ModelGraph
+from ..plan import MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan
+from ..strategy import Precision, Recompute, Schedule
+from .stage_solver import StageProblem, solve_stage_problem
+
+__all__ = ["plan", "search", "SearchResult", "SearchSpace"]
+
+_MiB = float(2**20)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose from (defaults: everything the runtime supports)."""
+
+    schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
+                                       Schedule.ZERO_BUBBLE, Schedule.GPIPE)
+    virtual_stages: tuple[int, ...] = (2, 4)
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+    sequence_parallel: tuple[bool, ...] = (True, False)
+    context_parallel: tuple[int, ...] = (1, 2, 4)
+    context_parallel_min_seq: int = 16384
+    refine: int = 4                # candidates refined with CP-SAT
+
+
+@dataclass(frozen=True)
+class _Combo:
+    """Degrees and options shared by a rung of the memory ladder."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    schedule: Schedule
+    v: int
+    sp: bool
+
+    def key(self) -> tuple:
+        return (self.tp, self.cp, self.pp, self.dp, self.micro_batch, self.schedule.value,
+                self.v, self.sp)
+
+
+@dataclass(order=True)
+class _Candidate:
+    step_time_s: float
+    peak_bytes: float
+    key: tuple
+    combo: _Combo = field(compare=False)
+    zero: int = field(compare=False)
+    recompute: Recompute = field(compare=False)
+    layout: Layout = field(compare=False)
+    fits: bool = field(compare=False, default=True)
+
+
+@dataclass
+class SearchResult:
+    """The ranked plans of one search and what it cost to find them."""
+
+    plans: list[Plan]
+    evaluated: int
+    pruned: int
+    refined: int
+    seconds: float
+    time_limit_hit: bool
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+
+# ------------------------------------------------------------------ helpers
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _blocks_tp_limit(graph: ModelGraph) -> int:
+    g = 0
+    for l in graph.layers:
+        if l.kind is LayerKind.BLOCK:
+            g = math.gcd(g, l.tp.max_degree())
+    return g or 1
+
+
+def _devices_per_node(cluster) -> int:
+    return min(len(n.local_ranks) for n in cluster.nodes)
+
+
+def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) -> tuple[int, ...] | None:
+    """Sequences per replica in proportion to ``weights``, in multiples of ``micro_batch``.
+
+    Largest-remainder rounding; every replica gets at least one micro-batch.
+    """
+    units = global_batch // micro_batch
+    if units * micro_batch != global_batch or units < len(weights):
+        return None
+    total = sum(weights)
+    raw = [units * w / total for w in weights]
+    base = [max(1, int(math.floor(x))) for x in raw]
+    while sum(base) > units:
+        i = max(range(len(base)), key=lambda j: (base[j] - raw[j], j))
+        if base[i] == 1:
+            return None
+        base[i] -= 1
+    order = sorted(range(len(base)), key=lambda j: (-(raw[j] - base[j]), j))
+    k = 0
+    while sum(base) < units:
+        base[order[k % len(order)]] += 1
+        k += 1
+    return tuple(b * micro_batch for b in base)
+
+
+class _Builder:
+    """Builds layouts and plans for one model on one cluster."""
+
+    def __init__(self, graph: ModelGraph, engine: CostEngine, cluster, precision: Precision) -> None:
+        self.graph = graph
+        self.engine = engine
+        self.summary = engine.summary
+        self.cluster = cluster
+        self.precision = precision
+        self.n = cluster.num_devices
+        self.blocks = list(self.summary.block_indices)
+        self.devices = tuple(range(self.n))
+        self._speed: dict[tuple[int, ...], float] = {}
+
+    def even_bounds(self, k: int) -> list[tuple[int, int]]:
+        from ..cost.engine import _chunk_bounds
+        return _chunk_bounds(self.summary, k)
+
+    def bounds_from_counts(self, counts: Sequence[int]) -> list[tuple[int, int]]:
+        """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (glue follows its block)."""
+        starts, b = [0], 0
+        for c in counts[:-1]:
+            b += c
+            first = self.blocks[b]
+            i = first
+            while i > 0 and not self.summary.layers[i - 1].is_block and i - 1 > self.blocks[b - 1]:
+                i -= 1
+            starts.append(i)
+        return list(zip(starts, starts[1:] + [self.summary.num_layers]))
+
+    def proportional_bounds(self, c: _Combo) -> list[tuple[int, int]]:
+        """Blocks per rank in proportion to the rank's speed (even on identical ranks)."""
+        per_rank = c.dp * c.cp * c.tp
+        speeds = [self.replica_speed(self.devices[p * per_rank:p * per_rank + c.cp * c.tp])
+                  for p in range(c.pp)]
+        if len(set(speeds)) == 1:
+            return self.even_bounds(c.pp)
+        n = len(self.blocks)
+        if n < c.pp:
+            raise StrategyError(f"the model has {n} blocks, fewer than pp={c.pp}")
+        total = sum(speeds)
+        counts = [max(1, round(n * sp / total)) for sp in speeds]
+        while sum(counts) > n:
+            i = max(range(c.pp), key=lambda j: (counts[j] - n * speeds[j] / total, j))
+            counts[i] -= 1
+        while sum(counts) < n:
+            i = max(range(c.pp), key=lambda j: (n * speeds[j] / total - counts[j], -j))
+            counts[i] += 1
+        return self.bounds_from_counts(counts)
+
+    def replica_speed(self, devices: tuple[int, ...]) -> float:
+        hit = self._speed.get(devices)
+        if hit is None:
+            dtype = _DTYPE[self.precision]
+            hit = min(self.cluster.device_type_of(d).peak(dtype) for d in devices)
+            self._speed[devices] = hit
+        return hit
+
+    def replica_batches(self, c: _Combo, global_batch: int) -> tuple[int, ...] | None:
+        """Micro-batches per replica: equal on identical replicas, in proportion to speed otherwise."""
+        per_rank = c.dp * c.cp * c.tp
+        speeds = []
+        for r in range(c.dp):
+            t = math.inf
+            for p in range(c.pp):
+                devs = self.devices[p * per_rank:(p + 1) * per_rank]
+                rep = devs[r * c.cp * c.tp:(r + 1) * c.cp * c.tp]
+                t = min(t, self.replica_speed(rep))
+            speeds.append(t)
+        if len(set(speeds)) == 1:
+            if global_batch % (c.dp * c.micro_batch):
+                return None
+            return (global_batch // (c.dp * c.micro_batch),) * c.dp
+        split = _split_batch(global_batch, speeds, c.micro_batch)
+        return None if split is None else tuple(b // c.micro_batch for b in split)
+
+    def layout(self, c: _Combo, zero: int, rc: Recompute, replica_mbs: tuple[int, ...],
+               global_batch: int, bounds: Sequence[tuple[int, int]] | None = None,
+               options: Sequence[Sequence[tuple[int, Recompute]]] | None = None) -> Layout:
+        """A layout; ``options[k]`` optionally gives ``(blocks, recompute)`` runs per chunk."""
+        k = c.pp * c.v
+        if bounds is None:
+            bounds = self.proportional_bounds(c) if c.v == 1 else self.even_bounds(k)
+        bounds = list(bounds)
+        chunks = []
+        for ci, (lo, hi) in enumerate(bounds):
+            runs = list(options[ci]) if options is not None else None
+            segs: list[Segment] = []
+            start = lo
+            for i in range(lo, hi + 1):
+                edge = i == hi or (i > start and self.summary.layers[i].is_block
+                                   != self.summary.layers[start].is_block)
+                if not edge:
+                    continue
+                if not self.summary.layers[start].is_block:
+                    segs.append(Segment(start, i, c.tp, c.sp, zero, Recompute.NONE))
+                elif runs is None:
+                    segs.append(Segment(start, i, c.tp, c.sp, zero, rc))
+                else:
+                    j = start
+                    while j < i and runs:
+                        count, opt = runs[0]
+                        take = min(count, i - j)
+                        if take > 0:
+                            segs.append(Segment(j, j + take, c.tp, c.sp, zero, opt))
+                        j += take
+                        if take == count:
+                            runs.pop(0)
+                        else:
+                            runs[0] = (count - take, opt)
+                    if j < i:
+                        segs.append(Segment(j, i, c.tp, c.sp, zero, rc))
+                start = i
+            chunks.append(tuple(segs))
+        per_rank = c.dp * c.cp * c.tp
+        rank_devices = tuple(self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
+        return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
+                      c.schedule, self.precision, tuple(chunks), rank_devices, (c.tp,) * c.pp)
+
+    def plan(self, lay: Layout, global_batch: int) -> Plan:
+        """The :class:`Plan` record of a layout (the engine prices both the same)."""
+        layers = self.summary.layers
+        pp, v = lay.pp, lay.virtual_stages
+        stages, placements = [], []
+        for k, chunk in enumerate(lay.chunks):
+            rank = k % pp
+            devs = lay.rank_devices[rank]
+            names = []
+            for seg in chunk:
+                for i in range(seg.lo, seg.hi):
+                    names.append(layers[i].name)
+                    placements.append(LayerPlacement(layers[i].name, k, seg.tp,
+                                                     seg.sequence_parallel, seg.zero, seg.recompute))
+            types = list(dict.fromkeys(self.cluster.device_type_of(d).name for d in devs))
+            stages.append(StagePlan(k, rank, k // pp, tuple(names), tuple(devs), "+".join(types),
+                                    lay.rank_tp[rank], lay.dp, lay.cp))
+        mesh = MeshPlan(MESH_DIMS, (pp, lay.dp, lay.cp, lay.rank_tp[0]),
+                        tuple(d for devs in lay.rank_devices for d in devs))
+        replica_batch = tuple(m * lay.micro_batch for m in lay.replica_micro_batches)
+        return Plan(model=self.graph.model, cluster=ClusterSummary.from_cluster(self.cluster),
+                    global_batch=global_batch, seq_len=self.graph.seq_len,
+                    precision=lay.precision, mesh=mesh, stages=tuple(stages),
+                    layers=tuple(placements), micro_batch=lay.micro_batch,
+                    num_micro_batches=max(lay.replica_micro_batches),
+                    replica_batch=replica_batch, schedule=lay.schedule, virtual_stages=v)
+
+
+# ------------------------------------------------------------------ enumeration
+def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -> Iterable[_Combo]:
+    n = cluster.num_devices
+    per_node = _devices_per_node(cluster)
+    tp_limit = _blocks_tp_limit(graph)
+    blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
+    seq = graph.seq_len or 0
+    for tp in _divisors(per_node):
+        if tp_limit % tp:
+            continue
+        cps = [cp for cp in space.context_parallel
+               if cp == 1 or (seq >= space.context_parallel_min_seq and seq % (2 * cp) == 0)]
+        for cp in cps:
+            if (n // tp) % cp:
+                continue
+            rest = n // (tp * cp)
+            for pp in _divisors(rest):
+                if pp > blocks:
+                    continue
+                dp = rest // pp
+                if dp > global_batch:
+                    continue
+                for mb in space.micro_batches:
+                    if dp * mb > global_batch:
+                        continue
+                    m = global_batch // (dp * mb)
+                    scheds: list[tuple[Schedule, int]] = []
+                    if pp == 1:
+                        scheds = [(Schedule.ONE_F_ONE_B, 1)]
+                    else:
+                        for s in space.schedules:
+                            if s is Schedule.INTERLEAVED:
+                                scheds += [(s, v) for v in space.virtual_stages
+                                           if blocks >= pp * v and m >= pp and m % pp == 0]
+                            elif s is Schedule.ZERO_BUBBLE:
+                                if blocks >= 2 * pp and m >= 2 * pp:
+                                    scheds.append((s, 2))
+                            elif s is Schedule.ONE_F_ONE_B:
+                                if m >= pp:
+                                    scheds.append((s, 1))
+                            else:
+                                scheds.append((s, 1))
+                    sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
+                    if tp > 1 and True in sps and False in sps:
+                        sps = [True, False]
+                    for sched, v in scheds:
+                        for sp in sps:
+                            yield _Combo(tp, cp, pp, dp, mb, sched, v, sp)
+
+
+def _ladder(space: SearchSpace, schedule: Schedule) -> list[list[tuple[int, Recompute]]]:
+    """Rungs of (ZeRO stage, recompute), cheapest first; a rung is tried only when the
+    rungs below hold nothing that fits."""
+    rc = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL) if r in space.recompute]
+    zs = [z for z in space.zero if not (schedule is Schedule.ZERO_BUBBLE and z == 3)]
+    # ZeRO-3 reshards after forward: with zero-bubble schedules that gives wrong gradients
+    # in torch (see shared notes), so the search never proposes it.
+    rungs = [
+        [(z, Recompute.NONE) for z in zs if z in (0, 1)],
+        [(z, r) for z in zs for r in rc if (z, r) in ((0, Recompute.SELECTIVE),
+                                                      (1, Recompute.SELECTIVE),
+                                                      (2, Recompute.NONE),
+                                                      (2, Recompute.SELECTIVE))],
+        [(z, r) for z in zs for r in rc if (z == 3 and r is not Recompute.FULL)
+         or (r is Recompute.FULL)],
+    ]
+    return [r for r in rungs if r]
+
+
+# ------------------------------------------------------------------ refinement
+def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidate | None:
+    """CP-SAT over blocks per rank and recompute per block, from the candidate's layout."""
+    c, engine, s = cand.combo, builder.engine, builder.summary
+    if c.v != 1 or not builder.blocks:
+        return None
+    lay = cand.layout
+    full = engine.estimate(lay)
+    dtype = _DTYPE[lay.precision]
+    mixed = lay.precision is not Precision.FP32
+    pb, gb, ob = engine.constants.model_states.per_param(mixed)
+    act_scale = lay.precision.bytes / s.activation_bytes
+    m = max(lay.replica_micro_batches)
+    opts = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+            if not (r is Recompute.SELECTIVE and engine.options.fused_attention)]
+    mid = s.layers[builder.blocks[len(builder.blocks) // 2]]
+    zero_deg = c.dp * c.cp
+    state_bytes = {0: pb + gb + ob, 1: pb + gb + ob / zero_deg, 2: pb + (gb + ob) / zero_deg,
+                   3: (pb + gb + ob) / zero_deg}[cand.zero]
+    local_params = mid.sharded_params / c.tp + (mid.params - mid.sharded_params)
+    time_us, mem_mib, fixed_t, fixed_m, cap = [], [], [], [], []
+    counts_now = []
+    for p in range(c.pp):
+        chunk = lay.chunks[p]
+        nblocks = sum(seg.hi - seg.lo for seg in chunk if s.layers[seg.lo].is_block)
+        counts_now.append(nblocks)
+        device = engine._device(lay.rank_devices[p][:c.cp * c.tp])
+        f, bw, core, _ = engine._time(mid.template, c.micro_batch, c.tp, c.cp, device, dtype)
+        flight = in_flight(c.schedule, p, c.pp, m, 1)
+        t_row, m_row = [], []
+        for rc in opts:
+            extra = f if rc is Recompute.FULL else (core if rc is Recompute.SELECTIVE else 0.0)
+            t_row.append(max(1, round((f + bw + extra) * 1e6)))
+            act = engine._activation(mid, c.tp, c.sp, rc, c.cp) * c.micro_batch * act_scale * flight
+            m_row.append(max(1, math.ceil((act + local_params * state_bytes) / _MiB)))
+        time_us.append(tuple(t_row))
+        mem_mib.append(tuple(m_row))
+        st = full.stages[p]
+        per_mb = st.forward_s + st.backward_s
+        base_rc = opts.index(cand.recompute) if cand.recompute in opts else 0
+        fixed_t.append(max(0, round(per_mb * 1e6) - nblocks * t_row[base_rc]))
+        fixed_m.append(max(0, math.ceil(st.memory.total_bytes / _MiB) - nblocks * m_row[base_rc]))
+        cap.append(int(st.memory_capacity_bytes * engine.options.memory_fraction / _MiB))
+    base = opts.index(cand.recompute) if cand.recompute in opts else 0
+    hint = tuple(tuple(counts_now[p] if o == base else 0 for o in range(len(opts)))
+                 for p in range(c.pp))
+    problem = StageProblem(num_blocks=len(builder.blocks), options=tuple(o.value for o in opts),
+                           time_us=tuple(time_us), memory_mib=tuple(mem_mib),
+                           fixed_time_us=tuple(fixed_t), fixed_memory_mib=tuple(fixed_m),
+                           capacity_mib=tuple(cap), hint=hint)
+    best: _Candidate | None = None
+    for _ in range(3):   # tighten the budget if the engine disagrees on memory
+        try:
+            sol = solve_stage_problem(problem)
+        except InfeasiblePlan:
+            return best
+        counts = [sum(row) for row in sol.counts]
+        # within a rank: the most memory-saving options first (earliest layers live longest)
+        runs = [[(row[o], opts[o]) for o in reversed(range(len(opts))) if row[o]] for row in sol.counts]
+        bounds = builder.bounds_from_counts(counts)
+        new = builder.layout(c, cand.zero, cand.recompute, lay.replica_micro_batches, global_batch,
+                             bounds=bounds, options=runs)
+        q = engine.quick(new)
+        if q.fits:
+            rcs = {r for run in runs for _, r in run}
+            best = _Candidate(q.step_time_s, q.peak_memory_bytes, cand.key + ("refined",), c, cand.zero,
+                              cand.recompute if len(rcs) != 1 else next(iter(rcs)), new)
+            break
+        over = math.ceil((q.peak_memory_bytes - min(cap) * _MiB) / _MiB) + 1
+        problem = replace(problem, capacity_mib=tuple(max(1, x - max(over, 1)) for x in problem.capacity_mib))
+    return best
+
+
+# ------------------------------------------------------------------ search
+def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: float = 0.9,
+           time_limit_s: float = 60.0, top_k: int = 1, precision: Precision | str = Precision.BF16,
+           options: CostOptions | None = None, space: SearchSpace | None = None) -> SearchResult:
+    """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`."""
+    t0 = time.perf_counter()
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch must be a positive integer (sequences per step), "
+                          f"got {global_batch!r}")
+    if cluster.num_devices < 1:
+        raise ConfigError("the cluster has no devices")
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ConfigError(f"top_k must be a positive integer, got {top_k!r}")
+    precision = Precision(precision)
+    space = space or SearchSpace()
+    options = replace(options or CostOptions(), memory_fraction=memory_fraction)
+    engine = CostEngine(graph, cluster, options=options)
+    builder = _Builder(graph, engine, cluster, precision)
+
+    combos = list(_combos(graph, cluster, global_batch, space))
+    if not combos:
+        dps = sorted({cluster.num_devices // (tp * pp) for tp in _divisors(_devices_per_node(cluster))
+                      for pp in _divisors(cluster.num_devices // tp)
+                      if cluster.num_devices % (tp * pp) == 0})
+        raise ConfigError(
+            f"global_batch={global_batch} cannot be split over any data-parallel degree the "
+            f"cluster allows ({dps[:12]}): choose a global batch that is a multiple of one of them")
+
+    best_time = math.inf
+    ranked: list[_Candidate] = []
+    least_memory: _Candidate | None = None
+    lowest: list[_Candidate] = []
+    evaluated = pruned = 0
+    limit_hit = False
+    for c in combos:
+        if time.perf_counter() - t0 > time_limit_s:
+            limit_hit = True
+            break
+        mbs = builder.replica_batches(c, global_batch)
+        if mbs is None:
+            continue
+        if c.schedule is Schedule.ONE_F_ONE_B and c.pp > 1 and min(mbs) < c.pp:
+            continue
+        found_rung = False
+        for rung_i, rung in enumerate(_ladder(space, c.schedule)):
+            rung_cands = []
+            for zero, rc in rung:
+                try:
+                    lay = builder.layout(c, zero, rc, mbs, global_batch)
+                    q = engine.quick(lay)
+                except StrategyError:
+                    continue
+                evaluated += 1
+                cand = _Candidate(q.step_time_s, q.peak_memory_bytes,
+                                  c.key() + (zero, rc.value), c, zero, rc, lay, q.fits)
+                if least_memory is None or q.peak_memory_bytes < least_memory.peak_bytes:
+                    least_memory = cand
+                if not q.fits and c.v == 1:
+                    lowest.append(cand)
+                    if len(lowest) > 64:
+                        lowest.sort(key=lambda x: (x.peak_bytes, x.key))
+                        del lowest[32:]
+                rung_cands.append(cand)
+            if not rung_cands:
+                break
+            fitting = [x for x in rung_cands if x.fits]
+            if fitting:
+                ranked.extend(fitting)
+                best_time = min(best_time, min(x.step_time_s for x in fitting))
+                found_rung = True
+                break
+            # the lowest rung's time bounds every higher rung: prune dominated combos
+            if rung_i == 0 and min(x.step_time_s for x in rung_cands) > best_time:
+                pruned += 1
+                break
+        del found_rung
+
+    if not ranked:
+        # nothing fits evenly: let CP-SAT rebalance the least-memory candidates (e.g. fewer
+        # layers on the stage of smaller GPUs) before giving up
+        for cand in sorted(lowest, key=lambda x: (x.peak_bytes, x.key))[:space.refine * 2]:
+            better = _refine(cand, builder, global_batch)
+            if better is not None:
+                ranked.append(better)
+        if not ranked:
+            raise _infeasible(engine, least_memory, graph, cluster)
+
+    ranked.sort()
+    refined = 0
+    seen_keys = set()
+    for cand in list(ranked[:space.refine * 3]):
+        if refined >= space.refine:
+            break
+        if cand.combo.key() in seen_keys:
+            continue
+        seen_keys.add(cand.combo.key())
+        better = _refine(cand, builder, global_batch)
+        refined += 1
+        if better is not None and better.step_time_s < cand.step_time_s * (1 - 1e-9):
+            ranked.append(better)
+    ranked.sort()
+
+    plans: list[Plan] = []
+    descriptions: set[str] = set()
+    for cand in ranked:
+        if len(plans) >= max(top_k, 1):
+            break
+        p = builder.plan(cand.layout, global_batch)
+        desc = p.describe()
+        if desc in descriptions:
+            continue
+        descriptions.add(desc)
+        plans.append(p.with_estimate(engine.estimate(p)))
+    return SearchResult(plans, evaluated, pruned, refined, time.perf_counter() - t0, limit_hit)
+
+
+def _infeasible(engine: CostEngine, least: _Candidate | None, graph: ModelGraph, cluster) -> InfeasiblePlan:
+    cap = min(t.memory_bytes for t in cluster.device_types) * engine.options.memory_fraction
+    if least is None:
+        return InfeasiblePlan("no layout could be built for this model and cluster")
+    est = engine.estimate(least.layout)
+    worst = max(est.stages, key=lambda st: st.memory.total_bytes)
+    mem = worst.memory
+    states = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes
+    binding = "model states (parameters, gradients, optimizer)" if states >= mem.activations_bytes \
+        else "activations"
+    need = worst.memory.total_bytes
+    helps = []
+    if states >= mem.activations_bytes:
+        helps += ["more devices (more pipeline/tensor parallelism or ZeRO-3 sharding)",
+                  "a GPU with more memory"]
+    else:
+        helps += ["a smaller micro-batch or global batch", "shorter sequences",
+                  "full recompute", "more devices"]
+    return InfeasiblePlan(
+        f"no layout of {graph.model} ({graph.num_params / 1e9:.2f}B parameters) fits on "
+        f"{cluster.num_devices} devices of {cluster.name}: the least memory any layout needs is "
+        f"{need / 2**30:.1f} GiB per device ({least.combo.key()[:4]} tp/cp/pp/dp, ZeRO-{least.zero}, "
+        f"recompute {least.recompute.value}), but each device allows "
+        f"{cap / 2**30:.1f} GiB; the binding constraint is {binding}. "
+        f"What would help: {', '.join(helps)}.",
+        required_bytes=need, available_bytes=cap, binding=binding)
+
+
+def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None = None,
+         example_inputs: Any = None, memory_fraction: float = 0.9, time_limit_s: float = 60.0,
+         top_k: int = 1, precision: Precision | str = Precision.BF16,
+         options: CostOptions | None = None, space: SearchSpace | None = None) -> Plan:
+    """The fastest layout of a model on a cluster that fits every device's memory.
+
+    Parameters
+    ----------
+    model_or_graph : nn.Module or ModelGraph
+        A model (captured with :func:`autoplan.trace`) or its graph.
+    cluster : Cluster
+        From :func:`autoplan.load_cluster` / :func:`autoplan.compose_cluster`.
+    global_batch : int
+        Sequences (samples) per optimizer step.
+    memory_fraction : float
+        Plans use at most this fraction of each device's memory.
+    time_limit_s : float
+        Wall-time bound of the search; the best plan so far is returned when it binds.
+    top_k : int
+        How many plans to rank; the runners-up are ``plan.runners_up``.
+
+    Returns
+    -------
+    Plan
+        With its :class:`~autoplan.cost.Estimate`; ``plan.runners_up`` holds the next
+        ``top_k - 1`` plans and ``plan.search_stats`` what the search did.
+
+    Raises
+    ------
+    InfeasiblePlan
+        When nothing fits: says the least memory a layout needs, what binds and what would help.
+    ConfigError
+        For arguments that cannot work (e.g. a global batch no data-parallel degree divides).
+    """
+    from ..capture import trace
+    from ..graph import ModelGraph as _MG
+    graph = model_or_graph if isinstance(model_or_graph, _MG) else \
+        trace(model_or_graph, seq_len=seq_len, example_inputs=example_inputs)
+    result = search(graph, cluster, global_batch=global_batch, memory_fraction=memory_fraction,
+                    time_limit_s=time_limit_s, top_k=top_k, precision=precision, options=options,
+                    space=space)
+    best = result.best
+    best.__dict__["runners_up"] = tuple(result.plans[1:])
+    best.__dict__["search_stats"] = result
+    return best
