@@ -394,7 +394,8 @@ def test_load_cluster_shipped():
     assert two.path(0, 32).latency_s == approx(5e-6 + 10e-3 + 5e-6)
     mixed = load_cluster("mixed-a100-v100")
     assert [t.name for t in mixed.device_types] == ["A100-SXM4-80GB", "V100-SXM2-32GB"]
-    assert mixed.path(0, 16).bw_bytes_per_s == 6.25e9  # the V100 node's NIC share
+    assert mixed.num_devices == 64
+    assert mixed.path(0, 32).bw_bytes_per_s == 6.25e9  # the V100 node's NIC share
     with pytest.raises(ConfigError, match="composite of 8 nodes"):
         load_cluster("two-sites", nodes=4)
     with pytest.raises(ConfigError, match="nodes must be"):

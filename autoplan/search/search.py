@@ -176,6 +176,9 @@ class _Builder:
 
     def bounds_from_counts(self, counts: Sequence[int]) -> list[tuple[int, int]]:
         """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (glue follows its block)."""
+        if any(c < 1 for c in counts) or sum(counts) != len(self.blocks):
+            raise StrategyError(f"block counts {list(counts)} must be positive and sum to "
+                                f"{len(self.blocks)}")
         starts, b = [0], 0
         for c in counts[:-1]:
             b += c
@@ -199,7 +202,8 @@ class _Builder:
         total = sum(speeds)
         counts = [max(1, round(n * sp / total)) for sp in speeds]
         while sum(counts) > n:
-            i = max(range(c.pp), key=lambda j: (counts[j] - n * speeds[j] / total, j))
+            i = max((j for j in range(c.pp) if counts[j] > 1),
+                    key=lambda j: (counts[j] - n * speeds[j] / total, j))
             counts[i] -= 1
         while sum(counts) < n:
             i = max(range(c.pp), key=lambda j: (n * speeds[j] / total - counts[j], -j))
