@@ -89,6 +89,172 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Step:
+    """A progress line on stderr for a step that may take more than a second."""
+
+    def __init__(self, what: str, quiet: bool = False) -> None:
+        self.what, self.quiet = what, quiet
+
+    def __enter__(self) -> "_Step":
+        import time
+        self.t0 = time.perf_counter()
+        if not self.quiet:
+            sys.stderr.write(f"  {self.what} ...")
+            sys.stderr.flush()
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        import time
+        if not self.quiet:
+            status = "failed" if exc_type else f"{time.perf_counter() - self.t0:.1f} s"
+            sys.stderr.write(f" {status}\n")
+            sys.stderr.flush()
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", required=True,
+                   help="a shipped profile name (autoplan.available_profiles()) or a YAML path")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a single-node-kind profile")
+
+
+def _load_cluster(args: argparse.Namespace):
+    from .hardware import load_cluster
+    return load_cluster(args.cluster, nodes=args.nodes)
+
+
+def _trace_cached(args: argparse.Namespace, quiet: bool):
+    from .capture import trace
+    model, seq = _load_model(args)
+    if seq is None:
+        raise _UsageError(f"{args.model} needs --seq-len")
+    with _Step(f"capturing {args.model} at seq_len {seq}", quiet):
+        return trace(model, seq_len=seq)
+
+
+class _UsageError(AutoplanError, ValueError):
+    """Bad command-line usage found after parsing (exit code 2)."""
+
+
+def _estimate_text(est) -> str:
+    return est.report() if hasattr(est, "report") else str(est)
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .cost import estimate
+    from .strategy import Strategy
+    graph = _trace_cached(args, args.json)
+    cluster = _load_cluster(args)
+    strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, micro_batch=args.micro_batch,
+                        global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
+                        sequence_parallel=args.sequence_parallel, schedule=args.schedule,
+                        virtual_stages=args.virtual_stages, precision=args.precision)
+    est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction)
+    text = f"{strategy.describe()} on {cluster.num_devices} devices of {cluster.name}\n" + \
+        _estimate_text(est) + "\n\n" + est.stage_table().to_string(index=False)
+    _emit(args, {"strategy": strategy.to_dict(), "estimate": est.to_dict()}, text)
+    return 0
+
+
+def _build_estimate(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    _add_cluster_args(p)
+    for name in ("dp", "tp", "pp", "cp", "micro-batch", "virtual-stages"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--json", action="store_true")
+
+
+def _plan_text(plan, cluster) -> str:
+    lines = [plan.describe(), ""]
+    if plan.estimate is not None:
+        lines.append(plan.estimate.report())
+    alts = getattr(plan, "runners_up", ())
+    if alts:
+        lines += ["", "why it won: the next best plans", ""]
+        best = plan.estimate.step_time_s
+        rows = [(1, plan)] + [(i + 2, p) for i, p in enumerate(alts)]
+        for rank, p in rows:
+            t = p.estimate.step_time_s
+            lines.append(f"  #{rank}  {t:9.3f} s  ({(t / best - 1) * 100:+6.1f}%)  {p.summary().split(': ')[0]}")
+    stats = getattr(plan, "search_stats", None)
+    if stats is not None:
+        lines += ["", f"searched {stats.evaluated} layouts ({stats.pruned} degree combinations pruned "
+                      f"as dominated, {stats.refined} refined with CP-SAT) in {stats.seconds:.1f} s"
+                      + (" - time limit reached" if stats.time_limit_hit else "")]
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .records import atomic_write_text
+    from .search import plan as make_plan
+    graph = _trace_cached(args, args.json)
+    cluster = _load_cluster(args)
+    with _Step(f"searching layouts for {cluster.num_devices} devices of {cluster.name}", args.json):
+        best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
+                         memory_fraction=args.memory_fraction, time_limit_s=args.time_limit,
+                         precision=args.precision)
+    if args.out:
+        atomic_write_text(args.out, best.to_json())
+    payload = {"plan": best.to_dict(),
+               "runners_up": [p.to_dict() for p in getattr(best, "runners_up", ())]}
+    _emit(args, payload, _plan_text(best, cluster) + (f"\n\nplan written to {args.out}" if args.out else ""))
+    return 0
+
+
+def _build_plan(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    _add_cluster_args(p)
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--top-k", type=int, default=3, help="plans to rank (default 3)")
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--out", help="write the best plan's JSON here")
+    p.add_argument("--json", action="store_true")
+
+
+DEMO = dict(model="zoo:gpt3-175b", cluster="a100-sxm4-80gb", nodes=128, global_batch=1536)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .cost import estimate
+    from .search import plan as make_plan
+    from .strategy import Strategy
+    ns = argparse.Namespace(model=DEMO["model"], model_arg=[], seq_len=None, cluster=DEMO["cluster"],
+                            nodes=DEMO["nodes"], json=args.json)
+    if not args.json:
+        sys.stdout.write(
+            f"autoplan demo: GPT-3 175B (zoo:gpt3-175b, built on the meta device, nothing downloaded)\n"
+            f"on {DEMO['nodes']} DGX A100 nodes (1024 GPUs, shipped profile {DEMO['cluster']}), "
+            f"global batch {DEMO['global_batch']} x 2048 tokens\n\n")
+        sys.stdout.flush()
+    graph = _trace_cached(ns, args.json)
+    cluster = _load_cluster(ns)
+    with _Step("searching layouts", args.json):
+        best = make_plan(graph, cluster, global_batch=DEMO["global_batch"], top_k=5)
+    # the layout Megatron-LM's authors ran (Narayanan et al. 2021, Sec. 5.1 / Table 1 style)
+    published = Strategy(dp=16, tp=8, pp=8, micro_batch=1, global_batch=DEMO["global_batch"],
+                         recompute="full", schedule="interleaved", virtual_stages=2)
+    ref = estimate(graph, cluster, published, memory_fraction=0.9)
+    text = _plan_text(best, cluster) + (
+        f"\n\nthe published Megatron-LM layout for this run ({published.describe()}), priced by the "
+        f"same cost model:\n  {ref.summary()}\n  the plan is "
+        f"{ref.step_time_s / best.estimate.step_time_s:.2f}x its speed")
+    _emit(args, {"plan": best.to_dict(), "runners_up": [p.to_dict() for p in best.runners_up],
+                 "published": {"strategy": published.to_dict(), "estimate": ref.to_dict()}}, text)
+    return 0
+
+
+def _build_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true")
+
+
 def _cmd_profile(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from .hardware import profiler
     return int(profiler.main(list(rest)))
@@ -109,7 +275,11 @@ def _build_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
 
 
+_register("demo", "plan GPT-3 175B on 1024 A100 GPUs (offline) and explain the choice",
+          _build_demo, _cmd_demo)
 _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd_trace)
+_register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
+_register("plan", "search the fastest layout that fits", _build_plan, _cmd_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
