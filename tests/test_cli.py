@@ -1,0 +1,83 @@
+"""The command line, run as a subprocess: exit codes, --json output, errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.plan import Plan
+
+GPT = ["gpt", "--model-arg", "vocab_size=256", "--model-arg", "seq_len=64", "--model-arg", "hidden=64",
+       "--model-arg", "heads=4", "--model-arg", "layers=4", "--seq-len", "64"]
+
+
+def run(*args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "autoplan.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+    if check_rc is not None:
+        assert proc.returncode == check_rc, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+    return proc
+
+
+def test_trace_json():
+    out = run("trace", *GPT, "--json")
+    data = json.loads(out.stdout)
+    assert [l["kind"] for l in data["layers"]] == ["pre", "block", "block", "block", "block", "post"]
+    text = run("trace", *GPT).stdout
+    assert "blocks.3" in text and "forward" in text
+
+
+def test_estimate_json():
+    out = run("estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "4", "--tp", "2",
+              "--global-batch", "8", "--json")
+    data = json.loads(out.stdout)
+    assert data["strategy"]["dp"] == 4 and data["estimate"]["step_time_s"] > 0
+
+
+def test_plan_writes_a_plan_that_round_trips(tmp_path: Path):
+    dest = tmp_path / "plan.json"
+    out = run("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "16", "--top-k", "2",
+              "--out", str(dest), "--json")
+    data = json.loads(out.stdout)
+    plan = Plan.from_dict(data["plan"])
+    assert Plan.from_json(dest.read_text()) == plan
+    assert len(data["runners_up"]) == 1
+    text = run("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "16").stdout
+    assert "why it won" in text
+
+
+def test_demo_runs_offline():
+    out = run("demo", "--json")
+    data = json.loads(out.stdout)
+    plan = Plan.from_dict(data["plan"])
+    assert plan.num_devices == 1024 and plan.estimate.fits
+    assert data["published"]["estimate"]["step_time_s"] >= plan.estimate.step_time_s
+
+
+def test_profile_help():
+    out = run("profile", "--help")
+    assert "--quick" in out.stdout
+
+
+@pytest.mark.parametrize("args,expect", [
+    (("trce",), "did you mean: trace"),
+    (("trace", "zoo:llama9", "--seq-len", "8"), "did you mean llama3-8b"),
+    (("trace", "gpt", "--sq-len", "8"), "did you mean: --seq-len"),
+    (("plan", *GPT, "--cluster", "a100-sxm4-8gb", "--global-batch", "8"), "a100-sxm4-80gb"),
+    (("trace", "hf:lama", "--seq-len", "8"), "did you mean"),
+    (("estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "3", "--global-batch", "8"),
+     "dp=3"),
+])
+def test_bad_input_gets_a_clear_message_and_code_2(args, expect):
+    out = run(*args, check_rc=2)
+    assert expect in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_debug_shows_the_traceback():
+    out = run("--debug", "trace", "zoo:llama9", "--seq-len", "8", check_rc=None)
+    assert out.returncode != 0 and "Traceback" in out.stderr
