@@ -15,10 +15,10 @@ from .hardware import Cluster, available_profiles, compose_cluster, load_cluster
 from .strategy import Strategy
 from .cost import Estimate, estimate, estimate_plan
 from .plan import Plan
-from .search import plan
+from .search import plan, plan_diff, replan
 
 __all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster", "compose_cluster",
            "available_profiles", "Cluster", "Strategy", "estimate", "estimate_plan", "Estimate",
-           "plan", "Plan", "__version__"]
+           "plan", "Plan", "replan", "plan_diff", "__version__"]
 
 __version__ = "0.1.0"

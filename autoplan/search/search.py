@@ -67,6 +67,8 @@ class SearchSpace:
     context_parallel: tuple[int, ...] = (1, 2, 4)
     context_parallel_min_seq: int = 16384
     refine: int = 4                # candidates refined with CP-SAT
+    tensor_parallel: tuple[int, ...] | None = None    # None: every degree that fits a node
+    pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,10 @@ class _Builder:
                 rep = devs[r * c.cp * c.tp:(r + 1) * c.cp * c.tp]
                 t = min(t, self.replica_speed(rep))
             speeds.append(t)
-        if len(set(speeds)) == 1:
-            if global_batch % (c.dp * c.micro_batch):
-                return None
+        if len(set(speeds)) == 1 and global_batch % (c.dp * c.micro_batch) == 0:
             return (global_batch // (c.dp * c.micro_batch),) * c.dp
+        # replicas of different speeds, or a batch that does not divide: split in proportion
+        # to speed, in whole micro-batches (the step waits for the busiest replica)
         split = _split_batch(global_batch, speeds, c.micro_batch)
         return None if split is None else tuple(b // c.micro_batch for b in split)
 
@@ -315,7 +317,7 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -
     blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
     seq = graph.seq_len or 0
     for tp in _divisors(per_node):
-        if tp_limit % tp:
+        if tp_limit % tp or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
             continue
         cps = [cp for cp in space.context_parallel
                if cp == 1 or (seq >= space.context_parallel_min_seq and seq % (2 * cp) == 0)]
@@ -325,6 +327,9 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -
             rest = n // (tp * cp)
             for pp in _divisors(rest):
                 if pp > blocks:
+                    continue
+                if space.pipeline_parallel is not None and \
+                        not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
                     continue
                 dp = rest // pp
                 if dp > global_batch:
@@ -452,8 +457,13 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
 # ------------------------------------------------------------------ search
 def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: float = 0.9,
            time_limit_s: float = 60.0, top_k: int = 1, precision: Precision | str = Precision.BF16,
-           options: CostOptions | None = None, space: SearchSpace | None = None) -> SearchResult:
-    """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`."""
+           options: CostOptions | None = None, space: SearchSpace | None = None,
+           bound_s: float = math.inf) -> SearchResult:
+    """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`.
+
+    ``bound_s``: the step time of a plan already known to fit (a warm start); degree
+    combinations whose cheapest layout is slower are pruned without climbing the ladder.
+    """
     t0 = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch must be a positive integer (sequences per step), "
@@ -477,7 +487,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             f"global_batch={global_batch} cannot be split over any data-parallel degree the "
             f"cluster allows ({dps[:12]}): choose a global batch that is a multiple of one of them")
 
-    best_time = math.inf
+    best_time = bound_s
     ranked: list[_Candidate] = []
     least_memory: _Candidate | None = None
     lowest: list[_Candidate] = []
@@ -634,7 +644,15 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     result = search(graph, cluster, global_batch=global_batch, memory_fraction=memory_fraction,
                     time_limit_s=time_limit_s, top_k=top_k, precision=precision, options=options,
                     space=space)
+    return _attach(result, graph)
+
+
+def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
+    """The best plan, carrying its runners-up, the search statistics and the graph
+    (not serialized: ``replan`` uses the graph to search again)."""
     best = result.best
     best.__dict__["runners_up"] = tuple(result.plans[1:])
     best.__dict__["search_stats"] = result
+    for p in result.plans:
+        p.__dict__["graph"] = graph
     return best

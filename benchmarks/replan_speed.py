@@ -1,0 +1,46 @@
+"""Re-planning speed after losing a node (issue: elastic).
+
+Target: GPT-3 175B planned on 1024 A100 (128 nodes of a100-sxm4-80gb), then one node
+(8 GPUs) lost: replanned for the 1016 remaining GPUs in <= 2 s on a 2-core machine,
+warm-started from the previous plan.  Prints how the new plan differs.
+
+    python benchmarks/replan_speed.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import autoplan
+from autoplan.zoo import build_model
+
+TARGET_S = 2.0
+
+
+def main() -> int:
+    model, seq = build_model("zoo:gpt3-175b")
+    graph = autoplan.trace(model, seq_len=seq)
+    cluster = autoplan.load_cluster("a100-sxm4-80gb", nodes=128)
+    t0 = time.perf_counter()
+    old = autoplan.plan(graph, cluster, global_batch=1536)
+    t_plan = time.perf_counter() - t0
+    survivors = cluster.without(range(8))          # node 0 fails
+    times = []
+    for _ in range(3):
+        t1 = time.perf_counter()
+        new = autoplan.replan(old, survivors)
+        times.append(time.perf_counter() - t1)
+    t_replan = sorted(times)[1]
+    assert new.num_devices == survivors.num_devices
+    ok = t_replan <= TARGET_S and new.estimate.fits
+    print(f"initial plan on {cluster.num_devices} GPUs: {t_plan:.2f} s\n  {old.summary()}")
+    print(f"replan on {survivors.num_devices} GPUs (median of 3): {t_replan:.2f} s, target <= "
+          f"{TARGET_S:.0f} s, warm start {'used' if new.warm_start else 'fell back to full search'}: "
+          f"{'PASS' if ok else 'FAIL'}\n  {new.summary()}")
+    print("what changed:\n  " + autoplan.plan_diff(old, new).replace("\n", "\n  "))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Re-planning after devices are lost or added."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autoplan
+from autoplan.errors import ConfigError, InfeasiblePlan
+from autoplan.hardware import NodeGroup, load_profile
+from autoplan.plan import Plan
+
+tf = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    cfg = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    with torch.device("meta"):
+        model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    return autoplan.trace(model, seq_len=2048)
+
+
+def _uses_exactly(plan: Plan, cluster) -> None:
+    assert plan.num_devices == cluster.num_devices
+    assert sorted(plan.mesh.devices) == list(range(cluster.num_devices))
+    assert plan.estimate.fits
+    for st in plan.estimate.stages:
+        assert st.memory.total_bytes <= st.memory_capacity_bytes * plan.estimate.memory_fraction
+
+
+def test_lose_and_gain_nodes_homogeneous(llama8b):
+    four = autoplan.load_cluster("a100-sxm4-80gb", nodes=4)
+    old = autoplan.plan(llama8b, four, global_batch=96)
+    three = four.without(range(8, 16))           # node 1 fails
+    new = autoplan.replan(old, three)
+    _uses_exactly(new, three)
+    assert new.warm_start
+    diff = autoplan.plan_diff(old, new)
+    assert "devices: 32 -> 24" in diff
+    six = autoplan.load_cluster("a100-sxm4-80gb", nodes=6)
+    more = autoplan.replan(new, six)
+    _uses_exactly(more, six)
+    # at least as fast as re-planning from scratch finds
+    scratch = autoplan.plan(llama8b, six, global_batch=96)
+    assert more.estimate.step_time_s <= scratch.estimate.step_time_s * (1 + 1e-9)
+
+
+def test_lose_and_gain_devices_mixed(llama8b):
+    mixed = autoplan.load_cluster("mixed-a100-v100")
+    old = autoplan.plan(llama8b, mixed, global_batch=128)
+    fewer = mixed.without(range(56, 64))         # a V100 node fails
+    new = autoplan.replan(old, fewer)
+    _uses_exactly(new, fewer)
+    grown = autoplan.compose_cluster(
+        [NodeGroup(load_profile("a100-sxm4-80gb"), 5), NodeGroup(load_profile("v100-sxm2-32gb"), 3)])
+    more = autoplan.replan(new, grown)
+    _uses_exactly(more, grown)
+
+
+def test_nothing_fits_the_survivors(llama8b):
+    cluster = autoplan.load_cluster("a100-sxm4-80gb")
+    old = autoplan.plan(llama8b, cluster, global_batch=16)
+    one = cluster.subset([0])
+    with pytest.raises(InfeasiblePlan) as info:
+        autoplan.replan(old, one)
+    msg = str(info.value)
+    assert "GiB per device" in msg and "1 devices" in msg
+
+
+def test_plan_from_json_needs_the_graph(llama8b):
+    cluster = autoplan.load_cluster("a100-sxm4-80gb")
+    old = Plan.from_json(autoplan.plan(llama8b, cluster, global_batch=16).to_json())
+    with pytest.raises(ConfigError, match="graph="):
+        autoplan.replan(old, cluster.subset(range(4)))
+    new = autoplan.replan(old, cluster.subset(range(4)), graph=llama8b)
+    assert new.num_devices == 4
