@@ -1,0 +1,201 @@
+"""Constants and options of the cost model.
+
+:class:`CostConstants` holds the numbers the cost model needs that are not a
+property of one device or link (bytes of model state per parameter, the
+allocator reserve, communication buffers).  They are read from
+``profiles/cost/cost-model.yaml``; each carries its source there.
+
+:class:`CostOptions` holds the choices of the training *implementation* that
+change the cost of a layout without being part of it: whether the attention
+core runs as a fused kernel, which communications overlap with compute.  They
+default to what autoplan's own runtime does.
+
+Examples
+--------
+>>> c = load_constants()
+>>> c.model_states.mixed_param_bytes + c.model_states.mixed_grad_bytes + \\
+...     c.model_states.mixed_optimizer_bytes
+16
+>>> CostOptions().overlap_grad_reduce
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from ..errors import ConfigError, RecordError
+from ..records import Record
+
+__all__ = [
+    "ModelStateBytes",
+    "OptimizerTraffic",
+    "MemoryConstants",
+    "CostConstants",
+    "CostOptions",
+    "cost_profiles_dir",
+    "load_constants",
+]
+
+
+@dataclass(frozen=True)
+class ModelStateBytes(Record):
+    """Bytes per parameter of parameters, gradients and optimizer states.
+
+    Rajbhandari et al. 2020 (ZeRO), Sec. 3.1: mixed-precision Adam keeps
+    ``2 + 2 + 12`` bytes per parameter.
+    """
+
+    mixed_param_bytes: int
+    mixed_grad_bytes: int
+    mixed_optimizer_bytes: int
+    fp32_param_bytes: int
+    fp32_grad_bytes: int
+    fp32_optimizer_bytes: int
+    source: str
+
+    def per_param(self, mixed: bool) -> tuple[int, int, int]:
+        """``(param, grad, optimizer)`` bytes per parameter."""
+        if mixed:
+            return self.mixed_param_bytes, self.mixed_grad_bytes, self.mixed_optimizer_bytes
+        return self.fp32_param_bytes, self.fp32_grad_bytes, self.fp32_optimizer_bytes
+
+
+@dataclass(frozen=True)
+class OptimizerTraffic(Record):
+    """Device-memory bytes one Adam step reads and writes per parameter."""
+
+    mixed_bytes_accessed_per_param: int
+    fp32_bytes_accessed_per_param: int
+    source: str
+
+
+@dataclass(frozen=True)
+class MemoryConstants(Record):
+    """Memory outside the model states and activations (see the YAML for sources)."""
+
+    runtime_reserved_bytes: int
+    runtime_reserved_source: str
+    allocator_fragmentation_fraction: float
+    allocator_source: str
+    grad_bucket_bytes: int
+    grad_buckets_in_flight: int
+    grad_bucket_source: str
+    zero3_gathered_layers: int
+    zero3_unsharded_grad_layers: int
+    zero3_source: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.allocator_fragmentation_fraction < 1:
+            raise ConfigError("allocator_fragmentation_fraction must be in [0, 1), got "
+                              f"{self.allocator_fragmentation_fraction!r}")
+        for name in ("runtime_reserved_bytes", "grad_bucket_bytes", "grad_buckets_in_flight",
+                     "zero3_gathered_layers", "zero3_unsharded_grad_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class CostConstants(Record):
+    """Every constant of the cost model that is not in a device profile."""
+
+    name: str
+    model_states: ModelStateBytes
+    optimizer: OptimizerTraffic
+    memory: MemoryConstants
+
+
+@dataclass(frozen=True)
+class CostOptions(Record):
+    """Implementation choices that change the cost of a layout.
+
+    Parameters
+    ----------
+    fused_attention : bool
+        The attention core runs as one fused kernel (FlashAttention, Dao et al.
+        2022): its ``s x s`` intermediates (``saved_quadratic_bytes``) are never
+        stored, the backward recomputes them (the attention-core forward FLOPs
+        again), and for causal models the kernel skips the masked half of the
+        score blocks (Dao 2023, FlashAttention-2, Sec. 3.1).  ``False``: the
+        captured graph is costed as it is.
+    overlap_grad_reduce : bool
+        The data-parallel gradient reduction runs in buckets during the last
+        backward pass (PyTorch DDP; Megatron ``--overlap-grad-reduce``).
+    overlap_param_gather : bool
+        ZeRO parameter all-gathers are prefetched under compute (FSDP
+        forward/backward prefetch; Megatron ``--overlap-param-gather``).
+    tp_comm_overlap : bool
+        Tensor-parallel collectives are split and overlapped with the GEMMs
+        they feed (Transformer Engine userbuffers, Megatron ``--tp-comm-overlap``).
+    pp_comm_overlap : bool
+        Pipeline sends/receives are asynchronous and hidden behind compute.
+    zero3_regather_for_recompute : bool
+        Under full recompute, ZeRO-3 gathers a layer's parameters once more for
+        the recomputed forward (DeepSpeed's hooks release them after every
+        forward); FSDP gathers once for recompute and backward together.
+    zero3_gather_unit : {"layer", "module"}
+        What ZeRO-3 gathers at once: a whole layer (FSDP wrapping each block) or
+        one submodule's parameters (DeepSpeed's per-module hooks); sets the
+        gathered-parameter buffers.
+    dp_nic_per_device : bool
+        Data-parallel collectives get only each device's own share of its node's
+        NICs (``concurrent_groups = devices per node``) instead of all the NICs of
+        the node aggregated over the intra-node fabric (NCCL with one channel per
+        NIC, the default).
+    memory_fraction : float
+        A plan fits when its peak memory is at most this fraction of each
+        device's memory.
+    """
+
+    fused_attention: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+    pp_comm_overlap: bool = False
+    zero3_regather_for_recompute: bool = False
+    zero3_gather_unit: str = "layer"
+    dp_nic_per_device: bool = False
+    memory_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.zero3_gather_unit not in ("layer", "module"):
+            raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
+                              f"{self.zero3_gather_unit!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+
+
+def cost_profiles_dir() -> Path:
+    """``profiles/cost/`` beside the package: the cost model's constants and fits."""
+    return Path(__file__).resolve().parent.parent.parent / "profiles" / "cost"
+
+
+@lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int) -> CostConstants:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read cost-model constants ({exc})") from None
+    try:
+        return CostConstants.from_dict(data)
+    except RecordError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_constants(path: str | os.PathLike[str] | None = None) -> CostConstants:
+    """Load the cost-model constants (default ``profiles/cost/cost-model.yaml``).
+
+    Raises
+    ------
+    ConfigError
+        Naming the file and the offending field on a missing, unknown or ill-typed key.
+    """
+    p = Path(path) if path is not None else cost_profiles_dir() / "cost-model.yaml"
+    if not p.is_file():
+        raise ConfigError(f"no cost-model constants file at {p}")
+    return _load(str(p.resolve()), p.stat().st_mtime_ns)

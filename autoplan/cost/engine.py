@@ -1,0 +1,714 @@
+"""The cost engine: step time and memory of a layout, from a captured graph and a cluster.
+
+One engine prices both a uniform :class:`~autoplan.strategy.Strategy` and a
+per-layer :class:`~autoplan.plan.Plan`: both become the same internal layout
+(virtual stages made of *segments*, runs of consecutive layers with the same
+options), so the search and :func:`autoplan.cost.estimate` never disagree.
+
+Time of one step (per data-parallel replica; the step waits for the slowest)
+----------------------------------------------------------------------------
+Per pipeline rank ``p`` and micro-batch, ``F_p`` and ``B_p`` are the forward
+and backward times of all its chunks:
+
+* **compute** of every FLOP-carrying node ``n`` of the layer:
+  ``flops_n / (peak[dtype] * efficiency(flops_n))`` with ``flops_n`` the node's
+  FLOPs on one device (``/tp`` inside tensor-parallel regions, ``/cp`` under
+  context parallelism), ``peak`` and the efficiency table from the device
+  profile (:meth:`DeviceType.efficiency`).  The backward of a matmul runs two
+  matmuls of the forward's size (input and weight gradients), so it is priced at
+  the forward's efficiency.
+* **recompute** (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): full
+  recompute re-runs each block's forward (and its tensor-parallel collectives)
+  before its backward; selective recompute re-runs only the attention core.
+* **fused attention** (Dao et al. 2022, Alg. 2/4; Dao 2023 Sec. 3.1): the
+  attention core's backward recomputes its forward; a causal mask halves the
+  core's work (:data:`CAUSAL_BLOCK_FRACTION`).
+* **tensor parallelism** (Shoeybi et al. 2019, Sec. 3; Korthikanti et al. 2022,
+  Sec. 4.2.2): the collectives captured per layer, all-reduces or (sequence
+  parallel) all-gathers and reduce-scatters, over the tensor-parallel group;
+  exposed unless ``tp_comm_overlap``, then hidden behind the layer's compute.
+* **context parallelism**, ring attention (Liu et al. 2023, "Ring Attention
+  with Blockwise Transformers", Sec. 3): ``cp - 1`` exchanges of a key/value
+  block per layer in the forward and twice that (keys/values and their
+  gradients) in the backward, overlapped with the attention core.
+* **ZeRO-3 / FSDP** (Rajbhandari et al. 2020, Sec. 5.3; Zhao et al. 2023,
+  Sec. 3.3): each micro-batch all-gathers every layer's parameters in the
+  forward and again in the backward and reduce-scatters its gradients; with
+  prefetch a layer's collectives run under the previous layer's compute:
+  ``sum_i max(f_i, ag_i)`` in the forward and ``sum_i max(b_i, ag_i + rs_i)``
+  in the backward.  ZeRO-2 reduce-scatters gradients per micro-batch the same
+  way.
+* **pipeline point-to-point**: each chunk sends its boundary activation forward
+  and its gradient backward; with tensor parallelism each rank sends ``1/tp``
+  of it (scatter/gather, Narayanan et al. 2021, Sec. 4.1).
+
+The ranks combine through the schedule (:mod:`autoplan.cost.schedules`).  After
+the last backward, each rank reduces its gradients over its data-parallel (x
+context-parallel) group: an all-reduce (ZeRO-0) or reduce-scatter plus
+parameter all-gather (ZeRO-1, Megatron's distributed optimizer; ZeRO-2's
+all-gather).  With ``overlap_grad_reduce`` the reduction runs under the last
+backward; rank ``p`` also finishes its backward ``sum_{q<p} B_q`` before rank 0
+does, which hides more.  Tied embeddings split over the first and last stages
+all-reduce their gradient between the two (Shoeybi et al. 2019).  The
+**optimizer** step is memory-bound: ``local params * bytes accessed per param /
+memory bandwidth``.
+
+Memory of one device
+--------------------
+Model states per ZeRO stage (Rajbhandari et al. 2020, Sec. 5) over the
+``dp * cp`` group; activations per micro-batch from the captured saved bytes
+(Korthikanti et al. 2022, Sec. 4: the part outside tensor-parallel regions
+shrinks by ``tp`` only with sequence parallelism, the part inside by ``tp``;
+selective recompute and fused attention drop the ``s x s`` part; full recompute
+keeps each block's input) times the micro-batches in flight, plus one layer's
+working set under full recompute; buffers (gathered ZeRO-3 layers, gradient
+buckets, pipeline send/receive) and the runtime reserve from
+``profiles/cost/cost-model.yaml``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from ..errors import ConfigError, StrategyError
+from ..graph import LayerKind
+from ..strategy import Precision, Recompute, Schedule, Strategy
+from .calibration import DEFAULT_CALIBRATION, Calibration, apply_calibration, resolve_calibration
+from .constants import CostConstants, CostOptions, load_constants
+from .memory import activation_bytes, model_state_bytes
+from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
+from .schedules import in_flight, pipeline_time
+from .summary import GraphSummary, LayerCost, summarize
+
+__all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "layout_from_strategy",
+           "layout_from_plan", "Layout", "Segment"]
+
+#: Fraction of the attention core a fused kernel computes under a causal mask: the
+#: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
+CAUSAL_BLOCK_FRACTION = 0.5
+
+_DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32"}
+
+
+# --------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive layers ``lo .. hi-1`` of one virtual stage with the same options."""
+
+    lo: int
+    hi: int
+    tp: int
+    sequence_parallel: bool
+    zero: int
+    recompute: Recompute
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the engine prices: a Strategy or a Plan reduced to segments and devices.
+
+    ``chunks[k]`` are the segments of virtual stage ``k`` (on pipeline rank
+    ``k % pp``); ``rank_devices[p]`` the devices of rank ``p`` in rank order
+    (dp, cp, tp innermost); ``rank_tp[p]`` its tensor-parallel degree;
+    ``replica_micro_batches[r]`` the micro-batches replica ``r`` runs per step.
+    """
+
+    pp: int
+    virtual_stages: int
+    dp: int
+    cp: int
+    micro_batch: int
+    global_batch: int
+    replica_micro_batches: tuple[int, ...]
+    schedule: Schedule
+    precision: Precision
+    chunks: tuple[tuple[Segment, ...], ...]
+    rank_devices: tuple[tuple[int, ...], ...]
+    rank_tp: tuple[int, ...]
+
+
+def layout_from_strategy(summary: GraphSummary, strategy: Strategy, num_devices: int,
+                         devices: Sequence[int] | None = None) -> Layout:
+    """The layout of :meth:`Plan.from_strategy` computed directly (no records built).
+
+    Raises
+    ------
+    StrategyError
+        When the degrees do not match ``num_devices`` or the model.
+    """
+    strategy.check_world(num_devices if devices is None else len(devices))
+    devs = tuple(range(num_devices)) if devices is None else tuple(devices)
+    pp, v, dp, cp, tp = (strategy.pp, strategy.chunks_per_rank, strategy.dp, strategy.cp,
+                         strategy.tp)
+    for l in summary.layers:
+        if l.is_block and l.max_tp and l.max_tp % tp:
+            raise StrategyError(f"tp={tp} does not divide layer {l.name!r}; valid degrees divide "
+                                f"{l.max_tp}")
+    bounds = _chunk_bounds(summary, pp * v)
+    chunks = []
+    for lo, hi in bounds:
+        segs = []
+        # recompute applies to blocks only: split the chunk where the kind changes
+        start = lo
+        for i in range(lo, hi + 1):
+            if i == hi or (i > start and summary.layers[i].is_block != summary.layers[start].is_block):
+                rc = strategy.recompute if summary.layers[start].is_block else Recompute.NONE
+                segs.append(Segment(start, i, tp, strategy.sequence_parallel, strategy.zero, rc))
+                start = i
+        chunks.append(tuple(segs))
+    per_rank = dp * cp * tp
+    rank_devices = tuple(devs[p * per_rank:(p + 1) * per_rank] for p in range(pp))
+    return Layout(pp, v, dp, cp, strategy.micro_batch, strategy.global_batch,
+                  (strategy.num_micro_batches,) * dp, strategy.schedule, strategy.precision,
+                  tuple(chunks), rank_devices, (tp,) * pp)
+
+
+def _chunk_bounds(summary: GraphSummary, k: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each of ``k`` chunks, as :func:`autoplan.plan.split_layers` splits."""
+    blocks = summary.block_indices
+    n = len(blocks)
+    if n < k:
+        raise StrategyError(f"the model has {n} blocks, fewer than the {k} pipeline (virtual) "
+                            "stages; lower pp or virtual_stages")
+    starts = [0]
+    for c in range(1, k):
+        first_block = blocks[(c * n) // k]
+        # glue layers before a block belong to the block's chunk
+        i = first_block
+        while i > 0 and not summary.layers[i - 1].is_block and i - 1 > blocks[(c * n) // k - 1]:
+            i -= 1
+        starts.append(i)
+    ends = starts[1:] + [summary.num_layers]
+    return list(zip(starts, ends))
+
+
+def layout_from_plan(summary: GraphSummary, plan) -> Layout:
+    """The layout of a :class:`~autoplan.plan.Plan` (segments from its layer placements)."""
+    index = summary.index
+    placement = {lp.name: lp for lp in plan.layers}
+    unknown = [n for n in placement if n not in index]
+    if unknown or len(placement) != summary.num_layers:
+        missing = [l.name for l in summary.layers if l.name not in placement]
+        raise StrategyError(f"the plan does not match the model {summary.model!r}: unknown layers "
+                            f"{unknown[:5]}, missing {missing[:5]}")
+    chunks = []
+    for st in plan.stages:
+        segs: list[Segment] = []
+        for name in st.layers:
+            i, lp = index[name], placement[name]
+            key = (lp.tp, lp.sequence_parallel, lp.zero, lp.recompute)
+            if segs and segs[-1].hi == i and (segs[-1].tp, segs[-1].sequence_parallel,
+                                               segs[-1].zero, segs[-1].recompute) == key:
+                s = segs[-1]
+                segs[-1] = Segment(s.lo, i + 1, *key)
+            else:
+                segs.append(Segment(i, i + 1, *key))
+        chunks.append(tuple(segs))
+    pp = plan.pp
+    rank_devices = tuple(plan.stages[p].devices for p in range(pp))
+    rank_tp = tuple(plan.stages[p].tp for p in range(pp))
+    cp = plan.stages[0].cp
+    return Layout(pp, plan.virtual_stages, plan.dp, cp, plan.micro_batch, plan.global_batch,
+                  tuple(plan.micro_batches_of(r) for r in range(plan.dp)), plan.schedule,
+                  plan.precision, tuple(chunks), rank_devices, rank_tp)
+
+
+# --------------------------------------------------------------------------- results
+class QuickEstimate(NamedTuple):
+    """The three numbers a search needs, without building records."""
+
+    step_time_s: float
+    peak_memory_bytes: float
+    fits: bool
+
+
+@dataclass
+class _RankEval:
+    """One pipeline rank on one replica: per-micro-batch times and per-step terms."""
+
+    device_type: str
+    layers: int
+    fwd_compute: float = 0.0
+    bwd_compute: float = 0.0
+    recompute: float = 0.0
+    wgrad: float = 0.0
+    tp_exposed: float = 0.0
+    tp_total: float = 0.0
+    cp_exposed: float = 0.0
+    cp_total: float = 0.0
+    zero_exposed: float = 0.0     # ZeRO-2/3 per-micro-batch collectives, exposed
+    zero_total: float = 0.0
+    p2p: float = 0.0
+    fwd: float = 0.0              # F_p: forward per micro-batch incl. exposed comm
+    bwd: float = 0.0              # B_p
+    dp_step_total: float = 0.0    # per-step gradient reduction / parameter gather
+    dp_step_exposed: float = 0.0  # before the pipeline slack
+    optimizer: float = 0.0
+    memory: MemoryBreakdown | None = None
+    in_flight: float = 1.0
+    capacity: float = 0.0
+    peak_flops: float = 0.0
+
+    @property
+    def per_micro_batch(self) -> float:
+        return self.fwd + self.bwd
+
+
+# --------------------------------------------------------------------------- engine
+class CostEngine:
+    """Prices layouts of one model on one cluster; caches everything reusable.
+
+    Parameters
+    ----------
+    graph : ModelGraph or GraphSummary
+    cluster : Cluster
+    options : CostOptions, optional
+    constants : CostConstants, optional
+        Default: ``profiles/cost/cost-model.yaml``.
+    calibration : Calibration, str or None
+        Fitted device figures (:mod:`autoplan.cost.calibration`) applied on top
+        of the cluster's profiles; default the fit to published runs
+        (``profiles/cost/published-fit.yaml``); ``None`` prices the profiles as
+        they are.
+
+    Examples
+    --------
+    >>> from autoplan import trace
+    >>> from autoplan.models import GPT, GPTConfig
+    >>> from autoplan.hardware import load_cluster
+    >>> g = trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4)), seq_len=16)
+    >>> engine = CostEngine(g, load_cluster("a100-sxm4-80gb"))
+    >>> q = engine.quick(Strategy(dp=8, global_batch=8))
+    >>> q.fits and q.step_time_s > 0
+    True
+    """
+
+    def __init__(self, graph, cluster, *, options: CostOptions | None = None,
+                 constants: CostConstants | None = None,
+                 calibration: Calibration | str | None = DEFAULT_CALIBRATION) -> None:
+        self.summary = summarize(graph)
+        calibration = resolve_calibration(calibration)
+        self.calibration = calibration
+        self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
+        self._attention_tables = {
+            name: dc.attention_efficiency for name, dc in (calibration.devices.items()
+                                                           if calibration else ())
+            if dc.attention_efficiency is not None}
+        self.options = options or CostOptions()
+        self.constants = constants or load_constants()
+        self._template_time: dict[tuple, tuple[float, float, float, float]] = {}
+        self._coll: dict[tuple, float] = {}
+        self._template_counts: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
+        self._rep: dict[str, LayerCost] = {}
+        for l in self.summary.layers:
+            self._rep.setdefault(l.template, l)
+        self._device_cache: dict[tuple[int, ...], object] = {}
+        self._strategy_layouts: dict[Strategy, Layout] = {}
+
+    # ------------------------------------------------------------------ entry points
+    def layout(self, layout) -> Layout:
+        if isinstance(layout, Layout):
+            return layout
+        if isinstance(layout, Strategy):
+            hit = self._strategy_layouts.get(layout)
+            if hit is None:
+                hit = layout_from_strategy(self.summary, layout, self.cluster.num_devices)
+                if len(self._strategy_layouts) > 4096:
+                    self._strategy_layouts.clear()
+                self._strategy_layouts[layout] = hit
+            return hit
+        return layout_from_plan(self.summary, layout)
+
+    def estimate(self, layout) -> Estimate:
+        """Full :class:`Estimate` of a Strategy, Plan or Layout."""
+        return self._evaluate(self.layout(layout), full=True)  # type: ignore[return-value]
+
+    def quick(self, layout) -> QuickEstimate:
+        """Step time, peak memory and fit only (what a search loop needs)."""
+        return self._evaluate(self.layout(layout), full=False)  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ helpers
+    def _collective(self, op: str, group: tuple[int, ...], nbytes: float,
+                    concurrent: int | None = None) -> float:
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        key = (op, group, nbytes, concurrent)
+        t = self._coll.get(key)
+        if t is None:
+            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
+            self._coll[key] = t
+        return t
+
+    def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
+        """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
+        if not self.options.dp_nic_per_device:
+            return None
+        return self.cluster.profile_of(group[0]).node.devices_per_node
+
+    def _device(self, devices: tuple[int, ...]):
+        """The slowest device type among ``devices`` (lowest bf16-or-best peak)."""
+        d = self._device_cache.get(devices)
+        if d is None:
+            types = {self.cluster.device_type_of(i).name: self.cluster.device_type_of(i)
+                     for i in devices}
+            d = min(types.values(), key=lambda t: (max(t.peak_flops_per_s.values()), t.memory_bytes))
+            self._device_cache[devices] = d
+        return d
+
+    def _counts(self, lo: int, hi: int) -> tuple[tuple[str, int], ...]:
+        key = (lo, hi)
+        c = self._template_counts.get(key)
+        if c is None:
+            counts: dict[str, int] = {}
+            for l in self.summary.layers[lo:hi]:
+                counts[l.template] = counts.get(l.template, 0) + 1
+            c = tuple(counts.items())
+            self._template_counts[key] = c
+        return c
+
+    def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str
+              ) -> tuple[float, float, float, float]:
+        """``(forward, backward, core forward, weight-gradient)`` seconds of one layer.
+
+        Each node: ``flops / (peak * efficiency(flops))`` on one device.
+        """
+        fused = self.options.fused_attention
+        key = (template, b, tp, cp, device.name, dtype, fused)
+        hit = self._template_time.get(key)
+        if hit is not None:
+            return hit
+        peak = device.peak(dtype)
+        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
+        fwd = bwd = core = wgrad = 0.0
+        attention = self._attention_tables.get(device.name) if fused else None
+        for n in self.summary.templates[template]:
+            div = (tp if n.sharded else 1) * cp
+            f = n.fwd_flops * b / div
+            g = n.bwd_flops * b / div
+            ref = f if f > 0 else g / 2
+            if ref <= 0:
+                continue
+            if n.core and attention is not None:
+                rate = peak * attention.efficiency(ref)
+            else:
+                rate = peak * device.efficiency(ref, dtype)
+            tf, tb = f / rate, g / rate
+            if n.core:
+                tf *= causal
+                tb *= causal
+                core += tf
+                if fused:
+                    tb += tf  # the kernel's backward recomputes the scores (Dao et al. 2022)
+            if n.weight:
+                wgrad += tb / 2
+            fwd += tf
+            bwd += tb
+        hit = (fwd, bwd, core, wgrad)
+        self._template_time[key] = hit
+        return hit
+
+    def _activation(self, l: LayerCost, tp: int, sp: bool, rc: Recompute, cp: int) -> float:
+        """Saved activation bytes of one layer per sequence (Korthikanti et al. 2022, Sec. 4)."""
+        return activation_bytes(l, tp=tp, sequence_parallel=sp, recompute=rc, cp=cp,
+                                fused_attention=self.options.fused_attention)
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self, lay: Layout, full: bool):
+        s = self.summary
+        opts = self.options
+        k_mem = self.constants.memory
+        dtype = _DTYPE[lay.precision]
+        mixed = lay.precision is not Precision.FP32
+        pb, gb, ob = self.constants.model_states.per_param(mixed)
+        opt_bytes = (self.constants.optimizer.mixed_bytes_accessed_per_param if mixed
+                     else self.constants.optimizer.fp32_bytes_accessed_per_param)
+        act_scale = lay.precision.bytes / s.activation_bytes
+        b = lay.micro_batch
+        pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
+        if len(lay.chunks) != pp * v:
+            raise StrategyError(f"layout has {len(lay.chunks)} chunks for pp={pp} x v={v}")
+        if cp > 1 and s.kv_bytes_per_token is None:
+            raise ConfigError("context parallelism needs the model's hidden size and heads "
+                              "(graph.attributes) to size the key/value exchange")
+        if cp > 1 and s.seq_len is None:
+            raise ConfigError("context parallelism needs a sequence length")
+
+        # replicas with the same device types and micro-batch count cost the same
+        signatures: dict[tuple, int] = {}
+        for r in range(lay.dp):
+            sig = (tuple(self._device(self._replica_devices(lay, p, r)).name for p in range(pp)),
+                   lay.replica_micro_batches[r])
+            signatures.setdefault(sig, r)
+
+        best = None
+        for sig, r in signatures.items():
+            m = lay.replica_micro_batches[r]
+            ranks = [self._rank(lay, p, r, m, dtype, pb, gb, ob, opt_bytes, act_scale, b, full)
+                     for p in range(pp)]
+            times = [rk.per_micro_batch for rk in ranks]
+            crit = max(range(pp), key=lambda p: times[p])
+            zb_excess = 0.0
+            if lay.schedule is Schedule.ZERO_BUBBLE:
+                c = ranks[crit]
+                zb_excess = max(0.0, c.fwd + (c.bwd - c.wgrad) - 2 * c.wgrad)
+            t_pipe = pipeline_time(lay.schedule, times, m, virtual_stages=v, zb_excess_s=zb_excess)
+            # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
+            tail, slack, tail_rank = 0.0, 0.0, 0
+            for p, rk in enumerate(ranks):
+                t = max(0.0, rk.dp_step_exposed - slack) + rk.optimizer
+                if t > tail:
+                    tail, tail_rank = t, p
+                slack += rk.bwd
+            step = t_pipe + tail
+            if best is None or step > best[0]:
+                best = (step, m, ranks, crit, t_pipe, tail_rank, slack)
+        assert best is not None
+        step, m, ranks, crit, t_pipe, tail_rank, _ = best
+
+        # memory of every rank of every replica signature: the fullest decides
+        peak = 0.0
+        fits = True
+        for rk in ranks:
+            assert rk.memory is not None
+            total = rk.memory.total_bytes
+            peak = max(peak, total)
+            fits &= total <= rk.capacity * opts.memory_fraction
+        if len(signatures) > 1:
+            for sig, r in signatures.items():
+                rm = lay.replica_micro_batches[r]
+                for p in range(pp):
+                    rk = self._rank(lay, p, r, rm, dtype, pb, gb, ob, opt_bytes, act_scale, b, False)
+                    assert rk.memory is not None
+                    peak = max(peak, rk.memory.total_bytes)
+                    fits &= rk.memory.total_bytes <= rk.capacity * opts.memory_fraction
+        if not full:
+            return QuickEstimate(step, peak, bool(fits))
+
+        # ---------------------------------------------------------------- records
+        c = ranks[crit]
+        tr = ranks[tail_rank]
+        slack_before = sum(rk.bwd for rk in ranks[:tail_rank])
+        dp_step_exp = max(0.0, tr.dp_step_exposed - slack_before)
+        breakdown = {
+            "compute_s": m * (c.fwd_compute + c.bwd_compute),
+            "recompute_s": m * c.recompute,
+            "tp_comm_s": m * c.tp_exposed,
+            "cp_comm_s": m * c.cp_exposed,
+            "dp_comm_s": m * c.zero_exposed + dp_step_exp,
+            "pp_comm_s": m * c.p2p,
+            "bubble_s": t_pipe - m * c.per_micro_batch,
+            "optimizer_s": tr.optimizer,
+        }
+        breakdown = {k: breakdown[k] for k in BREAKDOWN_KEYS}
+        comm_total = {
+            "tp_comm_s": m * c.tp_total, "cp_comm_s": m * c.cp_total,
+            "dp_comm_s": m * c.zero_total + tr.dp_step_total, "pp_comm_s": m * c.p2p,
+        }
+        seq = s.seq_len or 1
+        tokens = lay.global_batch * seq
+        model_flops = sum(l.fwd_flops + l.bwd_flops for l in s.layers) * lay.global_batch
+        rc_flops = 0.0
+        for chunk in lay.chunks:
+            for seg in chunk:
+                if seg.recompute is Recompute.FULL:
+                    rc_flops += s.total("fwd_flops", seg.lo, seg.hi)
+                elif seg.recompute is Recompute.SELECTIVE and not opts.fused_attention:
+                    rc_flops += s.total("selective_flops", seg.lo, seg.hi)
+        hw_flops = model_flops + rc_flops * lay.global_batch
+        n_dev = sum(len(d) for d in lay.rank_devices)
+        peak_sum = sum(self.cluster.device_type_of(i).peak(dtype)
+                       for devs in lay.rank_devices for i in devs)
+        stages = tuple(StageEstimate(
+            rank=p, device_type=rk.device_type, layers=rk.layers,
+            micro_batches_in_flight=rk.in_flight, forward_s=rk.fwd, backward_s=rk.bwd,
+            busy_s=m * rk.per_micro_batch + rk.optimizer,
+            dp_comm_exposed_s=rk.dp_step_exposed, memory=rk.memory,  # type: ignore[arg-type]
+            memory_capacity_bytes=rk.capacity,
+            fits=rk.memory.total_bytes <= rk.capacity * opts.memory_fraction)  # type: ignore[union-attr]
+            for p, rk in enumerate(ranks))
+        notes = []
+        if len(signatures) > 1:
+            notes.append(f"{len(signatures)} kinds of replica; the slowest sets the step")
+        return Estimate(
+            step_time_s=step, breakdown=breakdown, comm_total=comm_total, tokens_per_step=tokens,
+            tokens_per_s=tokens / step, model_flops_per_step=model_flops,
+            hardware_flops_per_step=hw_flops, model_tflops_per_gpu=model_flops / step / n_dev / 1e12,
+            mfu=model_flops / step / peak_sum, hfu=hw_flops / step / peak_sum, num_devices=n_dev,
+            stages=stages, peak_memory_bytes=peak, fits=bool(fits),
+            memory_fraction=opts.memory_fraction, notes=tuple(notes))
+
+    @staticmethod
+    def _replica_devices(lay: Layout, p: int, r: int) -> tuple[int, ...]:
+        n = lay.cp * lay.rank_tp[p]
+        return lay.rank_devices[p][r * n:(r + 1) * n]
+
+    def _rank(self, lay: Layout, p: int, r: int, m: int, dtype: str, pb: int, gb: int, ob: int,
+              opt_bytes: int, act_scale: float, b: int, full: bool) -> _RankEval:
+        s = self.summary
+        opts = self.options
+        kmem = self.constants.memory
+        pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
+        tp_stage = lay.rank_tp[p]
+        rep = self._replica_devices(lay, p, r)
+        device = self._device(rep)
+        all_devs = lay.rank_devices[p]
+        dp_group = all_devs[0::tp_stage]                   # same tp index: dp x cp members
+        zero_degree = len(dp_group)
+        dp_conc = self._dp_concurrency(dp_group)
+        cp_pair = (rep[0], rep[tp_stage]) if cp > 1 else ()
+        ev = _RankEval(device_type=device.name, layers=0)
+        ev.capacity = float(device.memory_bytes)
+
+        params_by_zero = [0.0, 0.0, 0.0, 0.0]   # local (after TP) parameters per ZeRO stage
+        act_per_mb = 0.0                        # saved activation bytes of one micro-batch
+        work = 0.0                              # one layer's working set (full recompute)
+        max_layer_params = 0.0
+        cut_out = 0.0
+        shared = 0.0                            # inputs every layer shares (held once)
+        tied_extra = 0.0
+        chunks = [lay.chunks[k] for k in range(p, pp * v, pp)]
+        for ci, chunk in enumerate(chunks):
+            k = p + ci * pp
+            for seg in chunk:
+                t = seg.tp
+                tp_group = rep[:t]
+                for template, count in self._counts(seg.lo, seg.hi):
+                    l = self._rep[template]
+                    ev.layers += count
+                    f, bw, core, wg = self._time(template, b, t, cp, device, dtype)
+                    ev.fwd_compute += count * f
+                    ev.bwd_compute += count * bw
+                    ev.wgrad += count * wg
+                    rc = 0.0
+                    if seg.recompute is Recompute.FULL and l.is_block:
+                        rc = f
+                    elif seg.recompute is Recompute.SELECTIVE and l.is_block and \
+                            not opts.fused_attention:
+                        rc = core
+                    ev.recompute += count * rc
+                    # tensor-parallel collectives of one layer
+                    tf = tb = 0.0
+                    if t > 1:
+                        colls = l.sp_collectives if seg.sequence_parallel else l.tp_collectives
+                        for op, phase, nbytes in colls:
+                            dt = self._collective(op, tp_group, nbytes * b * act_scale / cp)
+                            if phase == "forward":
+                                tf += dt
+                            else:
+                                tb += dt
+                    if seg.recompute is Recompute.FULL and l.is_block:
+                        tb += tf   # the recomputed forward runs its collectives again
+                    if opts.tp_comm_overlap:
+                        ef, eb = max(0.0, tf - f), max(0.0, tb - bw - rc)
+                    else:
+                        ef, eb = tf, tb
+                    ev.tp_total += count * (tf + tb)
+                    ev.tp_exposed += count * (ef + eb)
+                    # context parallelism: ring exchange of key/value blocks
+                    cf = cb = 0.0
+                    if cp > 1 and core > 0 and l.is_block:
+                        kv = s.kv_bytes_per_token * act_scale * (s.seq_len / cp) * b  # type: ignore[operator]
+                        step = self._collective("p2p", cp_pair, kv / t)
+                        cf, cb = (cp - 1) * step, 2 * (cp - 1) * step
+                        if seg.recompute is Recompute.FULL:
+                            cb += cf
+                        ev.cp_total += count * (cf + cb)
+                        ev.cp_exposed += count * (max(0.0, cf - core) + max(0.0, cb - 2 * core))
+                    # ZeRO: parameters of this layer on this device
+                    local = (l.sharded_params / t + (l.params - l.sharded_params))
+                    params_by_zero[seg.zero] += count * local
+                    if opts.zero3_gather_unit == "module":
+                        unit = l.largest_module_params / (t if l.largest_module_sharded else 1)
+                    else:
+                        unit = local
+                    max_layer_params = max(max_layer_params, unit)
+                    lf = f + ef + (max(0.0, cf - core) if cf else 0.0)
+                    lb = bw + rc + eb + (max(0.0, cb - 2 * core) if cb else 0.0)
+                    fwd_exp = bwd_exp = 0.0
+                    if seg.zero >= 2 and zero_degree > 1 and local > 0:
+                        rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc)
+                        ag = self._collective("all_gather", dp_group, local * pb, dp_conc) \
+                            if seg.zero == 3 else 0.0
+                        # backward: one gather, or two when the recomputed forward gathers again
+                        ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
+                                           seg.recompute is Recompute.FULL and l.is_block) else 1)
+                        if opts.overlap_param_gather:
+                            fwd_exp = max(0.0, ag - lf)
+                            bwd_exp = max(0.0, ag_b + rs - lb)
+                        else:
+                            fwd_exp, bwd_exp = ag, ag_b + rs
+                        ev.zero_total += count * (ag + ag_b + rs)
+                        ev.zero_exposed += count * (fwd_exp + bwd_exp)
+                    ev.fwd += count * (lf + fwd_exp)
+                    ev.bwd += count * (lb + bwd_exp)
+                    # activations
+                    act = self._activation(l, t, seg.sequence_parallel, seg.recompute, cp)
+                    act_per_mb += count * act * b * act_scale
+                    shared = max(shared, l.shared_input_bytes * b * act_scale / cp)
+                    if seg.recompute is Recompute.FULL and l.is_block:
+                        # the layer being recomputed holds all it saves, its checkpoint included
+                        whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp)
+                        work = max(work, (whole - act) * b * act_scale)
+                    if l.tied_params and s.tied_owner.get(l.index) is not None:
+                        owner = s.tied_owner[l.index]
+                        if not any(sg.lo <= owner < sg.hi for ch in chunks for sg in ch):
+                            tied_extra += l.tied_params / t
+            # pipeline point-to-point at this chunk's boundaries (scatter/gather over tp)
+            last = chunk[-1]
+            cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
+            cut_out = max(cut_out, cut)
+            if k < pp * v - 1:
+                nxt = (k + 1) % pp
+                pair = (rep[0], self._replica_devices(lay, nxt, r)[0])
+                if pair[0] != pair[1]:
+                    ev.p2p += 2 * self._collective("p2p", pair, cut)  # activation + its gradient
+        if opts.pp_comm_overlap:
+            ev.p2p = 0.0
+        ev.fwd += ev.p2p / 2
+        ev.bwd += ev.p2p / 2
+
+        # per-step data-parallel reduction of the layers with ZeRO-0/1 (and ZeRO-2's gather)
+        red0 = params_by_zero[0] + tied_extra
+        red1 = params_by_zero[1]
+        t_red = self._collective("all_reduce", dp_group, red0 * gb, dp_conc) + \
+            self._collective("reduce_scatter", dp_group, red1 * gb, dp_conc)
+        t_gather = self._collective("all_gather", dp_group, (red1 + params_by_zero[2]) * pb,
+                                    dp_conc)
+        ev.dp_step_total = t_red + t_gather
+        exp_red = max(0.0, t_red - ev.bwd) if opts.overlap_grad_reduce else t_red
+        exp_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
+        ev.dp_step_exposed = exp_red + exp_gather
+        if tied_extra and pp > 1:
+            pair = (rep[0], self._replica_devices(lay, 0 if p == pp - 1 else pp - 1, r)[0])
+            if pair[0] != pair[1]:
+                t_tied = self._collective("all_reduce", pair, tied_extra * gb)
+                ev.dp_step_total += t_tied
+                ev.dp_step_exposed += t_tied
+        # optimizer: memory-bound Adam over the parameters this device updates
+        local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
+        ev.optimizer = local_opt * opt_bytes / device.memory_bw_bytes_per_s
+
+        # memory
+        z = zero_degree
+        params_b = grads_b = optim_b = 0.0
+        for zero, n in enumerate(params_by_zero):
+            n += tied_extra if zero == 0 else 0.0    # a tied copy is kept whole
+            p_b, g_b, o_b = model_state_bytes(n, zero=zero, shards=z, per_param=(pb, gb, ob))
+            params_b, grads_b, optim_b = params_b + p_b, grads_b + g_b, optim_b + o_b
+        ev.in_flight = in_flight(lay.schedule, p, pp, m, v)
+        acts = ev.in_flight * (act_per_mb + shared) + work
+        buffers = 0.0
+        if params_by_zero[3] and z > 1:
+            buffers += max_layer_params * (kmem.zero3_gathered_layers * pb
+                                           + kmem.zero3_unsharded_grad_layers * gb)
+        if z > 1 and (params_by_zero[0] or params_by_zero[1]):
+            buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
+                           (params_by_zero[0] + params_by_zero[1]) * gb)
+        if pp > 1:
+            buffers += 2 * cut_out   # a receive and a send buffer
+        allocated = params_b + grads_b + optim_b + acts + buffers
+        reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
+        ev.memory = MemoryBreakdown(params_b, grads_b, optim_b, acts, buffers, reserve)
+        return ev

@@ -1,0 +1,285 @@
+"""Per-layer and per-template aggregates of a captured graph, computed once.
+
+The cost model is called ~10^4-10^5 times per search, so everything that
+depends only on the model is taken out of the :class:`~autoplan.graph.ModelGraph`
+once, here: per layer the FLOPs, parameters, saved bytes and collectives *per
+sequence* (the graph records them per micro-batch of ``graph.micro_batch``
+sequences, linear in the batch), and per template the list of FLOP-carrying
+nodes that the compute time is priced from.  Identical blocks share one
+template, so a 96-layer model prices one block.
+
+Prefix sums over the layers make any contiguous range's totals O(1).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from itertools import accumulate
+
+from ..capture import _attention_core
+from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
+
+__all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize"]
+
+# Linear roles whose weight is split by tensor parallelism (Megatron pattern).
+_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.EXPERT_COLUMN,
+                            LinearRole.EXPERT_ROW, LinearRole.VOCAB_EMBEDDING,
+                            LinearRole.VOCAB_HEAD})
+# Fused attention operators: the whole attention core in one node.
+_FUSED_ATTENTION_TARGETS = ("scaled_dot_product", "flash_attention", "efficient_attention",
+                            "cudnn_attention")
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+                "float8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class MatmulNode:
+    """A FLOP-carrying node of a template, per sequence.
+
+    ``sharded``: its work splits over the tensor-parallel group; ``core``: it is
+    part of the attention core (what selective recompute re-runs and a fused
+    attention kernel computes: the matmuls without weights that produce or
+    consume an ``s x s`` tensor);
+    ``weight``: it multiplies a parameter (half its backward is the weight
+    gradient, which zero-bubble schedules defer).
+    """
+
+    fwd_flops: float
+    bwd_flops: float
+    sharded: bool
+    core: bool
+    weight: bool
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's figures per sequence (bytes in the captured activation dtype).
+
+    ``stream_bytes`` is the layer's input from the layer before it (the output
+    of that layer's last node: the residual stream); ``shared_input_bytes`` the
+    rest of its inputs, produced before the stack and shared by every layer
+    (masks, position biases), which a stage holds once; ``send_bytes`` what a
+    pipeline boundary after the layer sends: ``cut_bytes`` less the next layer's
+    shared inputs (a stage rebuilds those; Megatron-LM sends the hidden state only).
+    """
+
+    index: int
+    name: str
+    kind: LayerKind
+    template: str
+    fwd_flops: float
+    bwd_flops: float
+    selective_flops: float
+    params: int
+    sharded_params: int
+    tied_params: int
+    saved_replicated_bytes: float
+    saved_sharded_bytes: float
+    saved_quadratic_bytes: float
+    input_bytes: float
+    cut_bytes: float
+    stream_bytes: float
+    shared_input_bytes: float
+    send_bytes: float
+    tp_collectives: tuple[tuple[str, str, float], ...]
+    sp_collectives: tuple[tuple[str, str, float], ...]
+    max_tp: int
+    largest_module_params: int = 0
+    largest_module_sharded: bool = False
+
+    @property
+    def is_block(self) -> bool:
+        return self.kind is LayerKind.BLOCK
+
+
+class GraphSummary:
+    """What the cost model needs of a :class:`ModelGraph` (see the module docstring).
+
+    Build it with :func:`summarize` (cached per graph object).  Attributes:
+
+    ``layers``
+        :class:`LayerCost` per layer, in execution order.
+    ``templates``
+        ``{template: tuple of MatmulNode}``.
+    ``activation_bytes``
+        Bytes per element of the captured activations (``graph.param_dtype``).
+    ``causal``
+        The objective is next-token prediction (a causal attention mask).
+    ``kv_bytes_per_token``
+        Bytes of one token's keys and values per layer in the captured dtype
+        (context parallelism exchanges them); ``None`` when the graph does not
+        state hidden size and heads.
+    """
+
+    def __init__(self, graph: ModelGraph) -> None:
+        self.model = graph.model
+        self.seq_len = graph.seq_len
+        self.num_params = graph.num_params
+        self.activation_bytes = _DTYPE_BYTES.get(graph.param_dtype, 4)
+        self.causal = graph.objective.startswith("next-token")
+        mb = graph.micro_batch
+        self.templates: dict[str, tuple[MatmulNode, ...]] = {}
+        layers = []
+        owners = _param_owners(graph)
+        streams = _stream_bytes(graph)
+        for i, rec in enumerate(graph.layers):
+            if rec.template not in self.templates:
+                self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
+                                                        graph.seq_len, mb)
+            core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
+            nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
+            shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
+            layers.append(_layer_cost(i, rec, mb, owners, core_flops, streams[i], shared_next))
+        self.layers: tuple[LayerCost, ...] = tuple(layers)
+        self.index = {l.name: l.index for l in self.layers}
+        attrs = graph.attributes
+        h, a = attrs.get("hidden_size"), attrs.get("num_attention_heads")
+        kv = attrs.get("num_key_value_heads", a)
+        self.kv_bytes_per_token = (2 * h * kv // a * self.activation_bytes
+                                   if h and a and kv else None)
+        self.tied_owner = {l.index: owners.get(l.index) for l in self.layers}
+        # prefix sums of the additive per-layer figures: totals of [lo, hi) in O(1)
+        self._prefix = {
+            key: [0.0, *accumulate(float(getattr(l, key)) for l in self.layers)]
+            for key in ("fwd_flops", "bwd_flops", "selective_flops", "params", "sharded_params",
+                        "saved_replicated_bytes", "saved_sharded_bytes", "saved_quadratic_bytes",
+                        "input_bytes")
+        }
+
+    def total(self, key: str, lo: int, hi: int) -> float:
+        """Sum of ``key`` over layers ``lo .. hi-1``."""
+        p = self._prefix[key]
+        return p[hi] - p[lo]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def block_indices(self) -> tuple[int, ...]:
+        return tuple(l.index for l in self.layers if l.is_block)
+
+
+_CACHE: dict[int, tuple[weakref.ref, GraphSummary]] = {}
+
+
+def summarize(graph: ModelGraph | GraphSummary) -> GraphSummary:
+    """The :class:`GraphSummary` of ``graph`` (computed once per graph object)."""
+    if isinstance(graph, GraphSummary):
+        return graph
+    hit = _CACHE.get(id(graph))
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    summary = GraphSummary(graph)
+    key = id(graph)
+    _CACHE[key] = (weakref.ref(graph, lambda _ref, k=key: _CACHE.pop(k, None)), summary)
+    return summary
+
+
+def _param_owners(graph: ModelGraph) -> dict[int, int]:
+    """For layers that use a parameter owned by another layer (tied embeddings): the owner."""
+    owner_of: dict[str, int] = {}
+    for i, l in enumerate(graph.layers):
+        for lin in l.tp.linears:
+            owner_of.setdefault(lin.name, i)
+    out = {}
+    for i, l in enumerate(graph.layers):
+        if l.tied_params:
+            # a tied parameter lives in the layer that saw it first (the embedding)
+            for j, other in enumerate(graph.layers[:i]):
+                if other.param_count and any(
+                        lin.role is LinearRole.VOCAB_EMBEDDING for lin in other.tp.linears):
+                    out[i] = j
+                    break
+    return out
+
+
+def _tied_count(rec: LayerRecord) -> int:
+    """Parameters this layer uses but does not own (e.g. a head tied to the embedding)."""
+    tied = {t.rsplit(".", 1)[0] for t in rec.tied_params}
+    return sum(lin.in_features * lin.out_features * lin.num_experts
+               for lin in rec.tp.linears if lin.name in tied)
+
+
+def _sharded_count(rec: LayerRecord) -> int:
+    n = 0
+    tied = {t.rsplit(".", 1)[0] for t in rec.tied_params}
+    for lin in rec.tp.linears:
+        if lin.role in _SHARDED_ROLES and lin.name not in tied:
+            n += lin.in_features * lin.out_features * lin.num_experts
+            if lin.bias and lin.role in (LinearRole.COLUMN, LinearRole.EXPERT_COLUMN):
+                n += lin.out_features * lin.num_experts
+    return min(n, rec.param_count)
+
+
+def _stream_bytes(graph: ModelGraph) -> list[int]:
+    """Per layer: bytes of the previous layer's last node output (its own input for layer 0)."""
+    out = []
+    prev = None
+    for rec in graph.layers:
+        if prev is None:
+            out.append(rec.input_bytes)
+        else:
+            nodes = graph.templates[prev.template]
+            last = nodes[-1].out_bytes if nodes else prev.cut_bytes
+            out.append(min(last, rec.input_bytes) if rec.input_bytes else last)
+        prev = rec
+    out.append(0)
+    return out
+
+
+def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
+                core_flops: float, stream: int, shared_next: int) -> LayerCost:
+    quad = rec.saved_quadratic_bytes
+    shd = max(rec.saved_tp_sharded_bytes - quad, 0)
+    rep = max(rec.saved_bytes - rec.saved_tp_sharded_bytes, 0)
+    return LayerCost(
+        index=i, name=rec.name, kind=rec.kind, template=rec.template,
+        fwd_flops=rec.fwd_flops / mb, bwd_flops=rec.bwd_flops / mb,
+        selective_flops=core_flops,
+        params=rec.param_count, sharded_params=_sharded_count(rec),
+        tied_params=_tied_count(rec) if i in owners else 0,
+        saved_replicated_bytes=rep / mb, saved_sharded_bytes=shd / mb,
+        saved_quadratic_bytes=quad / mb, input_bytes=rec.input_bytes / mb,
+        cut_bytes=rec.cut_bytes / mb,
+        stream_bytes=stream / mb,
+        shared_input_bytes=max(0, rec.input_bytes - stream) / mb,
+        send_bytes=max(0, rec.cut_bytes - shared_next) / mb,
+        tp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.tp_collectives),
+        sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.sp_collectives),
+        max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
+        **_largest_module(rec),
+    )
+
+
+def _largest_module(rec: LayerRecord) -> dict:
+    """The largest weight-carrying submodule (what a per-module ZeRO-3 gather holds)."""
+    best, sharded = 0, False
+    tied = {t.rsplit(".", 1)[0] for t in rec.tied_params}
+    for lin in rec.tp.linears:
+        if lin.name in tied:
+            continue
+        n = lin.in_features * lin.out_features * lin.num_experts + (lin.out_features if lin.bias else 0)
+        if n > best:
+            best, sharded = n, lin.role in _SHARDED_ROLES
+    return {"largest_module_params": min(best, rec.param_count) if rec.param_count else best,
+            "largest_module_sharded": sharded}
+
+
+def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | None,
+             mb: int) -> tuple[MatmulNode, ...]:
+    sharded_modules = {lin.name for lin in rec.tp.linears if lin.role in _SHARDED_ROLES}
+    core = {n.name for n in _attention_core(nodes, seq_len)}
+    out = []
+    for n in nodes:
+        if not (n.fwd_flops or n.bwd_flops):
+            continue
+        weight = n.param_bytes > 0 or n.module in sharded_modules
+        fused = any(t in n.target for t in _FUSED_ATTENTION_TARGETS)
+        # the shape test alone also matches (b, s, h) activations when h == s: a node
+        # that multiplies a weight is never part of the attention core
+        is_core = not weight and (n.name in core or fused)
+        sharded = n.tp_region or n.module in sharded_modules or is_core
+        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight))
+    return tuple(out)

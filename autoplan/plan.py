@@ -1,0 +1,419 @@
+"""The :class:`Plan`: where every layer runs, on which devices, with which options.
+
+The search produces a ``Plan``; the cost model prices it
+(:func:`autoplan.cost.estimate_plan`); the runtime applies it.  A uniform
+:class:`~autoplan.strategy.Strategy` becomes a ``Plan`` with
+:meth:`Plan.from_strategy`, so ``estimate(graph, cluster, strategy)`` and
+``estimate_plan(graph, cluster, Plan.from_strategy(graph, cluster, strategy))``
+are the same computation.
+
+Conventions
+-----------
+* **Rank order** (the mesh): ``tp`` innermost, then ``cp``, then ``dp``, with
+  ``pp`` outermost::
+
+      rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+  and ``Plan.mesh.devices[rank]`` is the cluster device index of that rank
+  (by default ``device = rank``: devices are numbered node by node, so a
+  tensor-parallel group of at most one node's size stays inside a node).
+* **Stages** are *virtual* stages in execution order: ``pp * virtual_stages``
+  of them.  Virtual stage ``k`` runs on pipeline rank ``k % pp`` as its chunk
+  ``k // pp`` (Narayanan et al. 2021, Sec. 2.2.2: the interleaved schedule
+  gives each rank ``v`` non-consecutive chunks).
+* Each stage lists its ``devices`` in rank order (``dp``, then ``cp``, then
+  ``tp`` innermost), so replica ``r`` of a stage is the slice
+  ``devices[r * cp * tp:(r + 1) * cp * tp]``.
+* ``replica_batch[r]`` is how many sequences data-parallel replica ``r``
+  processes per step: equal for a uniform strategy, uneven where replicas run
+  on different device types.
+
+Examples
+--------
+>>> from autoplan.models import GPT, GPTConfig
+>>> from autoplan import trace
+>>> from autoplan.hardware import load_cluster
+>>> from autoplan.strategy import Strategy
+>>> g = trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4)), seq_len=16)
+>>> p = Plan.from_strategy(g, load_cluster("a100-sxm4-80gb"), Strategy(dp=2, tp=2, pp=2, global_batch=8))
+>>> [s.layers for s in p.stages]
+[('pre', 'blocks.0', 'blocks.1'), ('blocks.2', 'blocks.3', 'post')]
+>>> p.stages[1].devices
+(4, 5, 6, 7)
+>>> Plan.from_json(p.to_json()) == p
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from .cost.result import Estimate
+from .errors import PlanMismatchError, StrategyError
+from .graph import LayerKind, ModelGraph
+from .records import Record
+from .strategy import Precision, Recompute, Schedule, Strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .hardware import Cluster
+
+__all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS"]
+
+#: Mesh dimensions, outermost first.
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ClusterSummary(Record):
+    """What a plan records of the cluster it was made for."""
+
+    name: str
+    num_devices: int
+    num_nodes: int
+    device_types: tuple[str, ...]
+    sites: tuple[str, ...]
+
+    @classmethod
+    def from_cluster(cls, cluster: "Cluster") -> "ClusterSummary":
+        return cls(cluster.name, cluster.num_devices, cluster.num_nodes,
+                   tuple(t.name for t in cluster.device_types), tuple(cluster.sites))
+
+
+@dataclass(frozen=True)
+class MeshPlan(Record):
+    """Named parallel dimensions (outermost first) and the rank -> device map."""
+
+    dims: tuple[str, ...]
+    degrees: tuple[int, ...]
+    devices: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.degrees):
+            raise StrategyError(f"mesh dims {list(self.dims)} and degrees {list(self.degrees)} "
+                                "differ in length")
+        size = 1
+        for d, n in zip(self.dims, self.degrees):
+            if n < 1:
+                raise StrategyError(f"mesh degree {d}={n} must be >= 1")
+            size *= n
+        if size != len(self.devices):
+            factors = " x ".join(f"{d}={n}" for d, n in zip(self.dims, self.degrees))
+            raise StrategyError(f"mesh {factors} = {size} ranks, but {len(self.devices)} devices "
+                                "are mapped; the product of the degrees must equal the devices")
+        if len(set(self.devices)) != len(self.devices):
+            raise StrategyError("a device appears twice in the mesh's rank -> device map")
+
+    def degree(self, dim: str) -> int:
+        """The degree of ``dim`` (1 for a dimension the mesh does not have)."""
+        return self.degrees[self.dims.index(dim)] if dim in self.dims else 1
+
+
+@dataclass(frozen=True)
+class StagePlan(Record):
+    """One virtual pipeline stage: its layers, devices and degrees."""
+
+    index: int
+    rank: int
+    chunk: int
+    layers: tuple[str, ...]
+    devices: tuple[int, ...]
+    device_type: str
+    tp: int
+    dp: int
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.devices) != self.tp * self.dp * self.cp:
+            raise StrategyError(
+                f"stage {self.index}: dp={self.dp} x cp={self.cp} x tp={self.tp} = "
+                f"{self.dp * self.cp * self.tp} devices, but {len(self.devices)} are listed")
+
+    def replica_devices(self, replica: int) -> tuple[int, ...]:
+        """The ``cp * tp`` devices of data-parallel replica ``replica`` (rank order)."""
+        n = self.cp * self.tp
+        return self.devices[replica * n:(replica + 1) * n]
+
+
+@dataclass(frozen=True)
+class LayerPlacement(Record):
+    """Where one layer runs and how: stage, tensor-parallel degree and options.
+
+    ``tp`` must divide the stage's ``tp`` (a layer with a smaller degree is
+    replicated over the rest of the stage's tensor-parallel group).
+    """
+
+    name: str
+    stage: int
+    tp: int
+    sequence_parallel: bool
+    zero: int
+    recompute: Recompute
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recompute, Recompute):
+            object.__setattr__(self, "recompute", Recompute(self.recompute))
+        if self.zero not in (0, 1, 2, 3):
+            raise StrategyError(f"layer {self.name!r}: zero must be 0..3, got {self.zero!r}")
+        if self.tp < 1:
+            raise StrategyError(f"layer {self.name!r}: tp must be >= 1, got {self.tp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise StrategyError(f"layer {self.name!r}: sequence_parallel needs tp > 1")
+
+
+@dataclass(frozen=True)
+class Plan(Record):
+    """A complete parallel layout of one model on one cluster (see the module docstring)."""
+
+    model: str
+    cluster: ClusterSummary
+    global_batch: int
+    seq_len: int | None
+    precision: Precision
+    mesh: MeshPlan
+    stages: tuple[StagePlan, ...]
+    layers: tuple[LayerPlacement, ...]
+    micro_batch: int
+    num_micro_batches: int
+    replica_batch: tuple[int, ...]
+    schedule: Schedule
+    virtual_stages: int
+    estimate: Estimate | None = None
+
+    def __post_init__(self) -> None:
+        for name, enum_type in (("precision", Precision), ("schedule", Schedule)):
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                object.__setattr__(self, name, enum_type(value))
+        pp, v = self.pp, self.virtual_stages
+        if len(self.stages) != pp * v:
+            raise StrategyError(f"pp={pp} x virtual_stages={v} = {pp * v} stages expected, "
+                                f"got {len(self.stages)}")
+        dp = len(self.replica_batch)
+        if sum(self.replica_batch) != self.global_batch:
+            raise StrategyError(f"replica_batch {list(self.replica_batch)} sums to "
+                                f"{sum(self.replica_batch)}, not global_batch={self.global_batch}")
+        for r, b in enumerate(self.replica_batch):
+            if b % self.micro_batch or b < self.micro_batch:
+                raise StrategyError(f"replica {r} gets {b} sequences per step, not a positive "
+                                    f"multiple of micro_batch={self.micro_batch}")
+        if self.num_micro_batches != max(self.replica_batch) // self.micro_batch:
+            raise StrategyError(f"num_micro_batches={self.num_micro_batches} but the largest "
+                                f"replica runs {max(self.replica_batch) // self.micro_batch}")
+        rank_devices: dict[int, tuple[int, ...]] = {}
+        for k, st in enumerate(self.stages):
+            if (st.index, st.rank, st.chunk) != (k, k % pp, k // pp):
+                raise StrategyError(f"stages[{k}] has index={st.index}, rank={st.rank}, "
+                                    f"chunk={st.chunk}; expected {k}, {k % pp}, {k // pp}")
+            if st.dp != dp:
+                raise StrategyError(f"stage {k} has dp={st.dp} but replica_batch has {dp} replicas")
+            if rank_devices.setdefault(st.rank, st.devices) != st.devices:
+                raise StrategyError(f"stage {k} runs on pipeline rank {st.rank} but lists other "
+                                    "devices than that rank's other chunks")
+        used: set[int] = set()
+        for devs in rank_devices.values():
+            if used & set(devs):
+                raise StrategyError("two pipeline ranks share devices "
+                                    f"{sorted(used & set(devs))[:8]}")
+            used |= set(devs)
+        placed = {}
+        for lp in self.layers:
+            if not 0 <= lp.stage < len(self.stages):
+                raise StrategyError(f"layer {lp.name!r} is placed on stage {lp.stage}, but there "
+                                    f"are {len(self.stages)} stages")
+            if self.stages[lp.stage].tp % lp.tp:
+                raise StrategyError(f"layer {lp.name!r} has tp={lp.tp}, which does not divide its "
+                                    f"stage's tp={self.stages[lp.stage].tp}")
+            if lp.name in placed:
+                raise StrategyError(f"layer {lp.name!r} is placed twice")
+            placed[lp.name] = lp.stage
+        for st in self.stages:
+            listed = tuple(n for n in st.layers)
+            if any(placed.get(n) != st.index for n in listed):
+                raise StrategyError(f"stage {st.index} lists layers that are placed elsewhere")
+        if sum(len(st.layers) for st in self.stages) != len(self.layers):
+            raise StrategyError("the stages' layer lists and the layer placements disagree")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def pp(self) -> int:
+        return self.mesh.degree("pp")
+
+    @property
+    def dp(self) -> int:
+        return len(self.replica_batch)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.mesh.devices)
+
+    def micro_batches_of(self, replica: int) -> int:
+        """Micro-batches replica ``replica`` runs per step."""
+        return self.replica_batch[replica] // self.micro_batch
+
+    def with_estimate(self, estimate: Estimate | None) -> "Plan":
+        return replace(self, estimate=estimate)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_strategy(cls, graph: ModelGraph, cluster: "Cluster", strategy: Strategy,
+                      *, devices: tuple[int, ...] | None = None) -> "Plan":
+        """The plan of a uniform strategy, laid out as Megatron-LM does.
+
+        The blocks are split evenly over the ``pp * virtual_stages`` virtual
+        stages (when they do not divide, later stages get one more); the layers
+        before the first block (embeddings) go to the first stage, those after
+        the last block (final norm, head, loss) to the last.  Ranks follow the
+        module's convention (``tp`` innermost, ``pp`` outermost) and map to
+        ``devices`` (default: device ``i`` for rank ``i``).
+
+        Raises
+        ------
+        StrategyError
+            When the degrees do not fit the cluster or the model.
+        """
+        strategy.check_world(cluster.num_devices if devices is None else len(devices))
+        devices = tuple(range(cluster.num_devices)) if devices is None else tuple(devices)
+        pp, dp, cp, tp, v = (strategy.pp, strategy.dp, strategy.cp, strategy.tp,
+                             strategy.chunks_per_rank)
+        _check_tp(graph, tp)
+        chunks = split_layers(graph, pp * v)
+        per_rank = dp * cp * tp
+        kinds = {l.name: l.kind for l in graph.layers}
+        type_names: dict[int, str] = {}
+        stages, placements = [], []
+        for k, names in enumerate(chunks):
+            rank = k % pp
+            devs = devices[rank * per_rank:(rank + 1) * per_rank]
+            if rank not in type_names:
+                type_names[rank] = _type_name(cluster, devs)
+            stages.append(StagePlan(k, rank, k // pp, tuple(names), devs, type_names[rank],
+                                    tp, dp, cp))
+            for n in names:
+                # Megatron recomputes transformer layers only, never embeddings or the head
+                rc = strategy.recompute if kinds[n] is LayerKind.BLOCK else Recompute.NONE
+                placements.append(LayerPlacement(n, k, tp, strategy.sequence_parallel,
+                                                 strategy.zero, rc))
+        mesh = MeshPlan(MESH_DIMS, (pp, dp, cp, tp), devices)
+        per_replica = strategy.global_batch // dp
+        return cls(
+            model=graph.model, cluster=ClusterSummary.from_cluster(cluster),
+            global_batch=strategy.global_batch, seq_len=graph.seq_len,
+            precision=strategy.precision, mesh=mesh, stages=tuple(stages),
+            layers=tuple(placements),
+            micro_batch=strategy.micro_batch, num_micro_batches=strategy.num_micro_batches,
+            replica_batch=(per_replica,) * dp, schedule=strategy.schedule,
+            virtual_stages=v)
+
+    def check(self, graph: ModelGraph, cluster: "Cluster") -> None:
+        """Raise :class:`PlanMismatchError` unless this plan fits ``graph`` and ``cluster``."""
+        names = [l.name for l in graph.layers]
+        mine = [lp.name for lp in self.layers]
+        if sorted(names) != sorted(mine):
+            missing = sorted(set(names) - set(mine))[:5]
+            extra = sorted(set(mine) - set(names))[:5]
+            raise PlanMismatchError(f"the plan's layers do not match the model {graph.model!r}: "
+                                    f"missing {missing}, unknown {extra}")
+        bad = [d for d in self.mesh.devices if not 0 <= d < cluster.num_devices]
+        if bad:
+            raise PlanMismatchError(f"the plan uses devices {bad[:5]} but the cluster "
+                                    f"{cluster.name!r} has {cluster.num_devices}")
+
+    # ------------------------------------------------------------------ text
+    def summary(self) -> str:
+        """One line: degrees, batch, schedule, and the estimate when there is one."""
+        tps = sorted({s.tp for s in self.stages})
+        parts = [f"{self.model}", f"dp{self.dp}", "tp" + "/".join(map(str, tps)), f"pp{self.pp}"]
+        cp = self.mesh.degree("cp")
+        if cp > 1:
+            parts.append(f"cp{cp}")
+        parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        zeros = sorted({lp.zero for lp in self.layers})
+        if zeros != [0]:
+            parts.append("zero" + "/".join(map(str, zeros)))
+        rcs = sorted({lp.recompute.value for lp in self.layers} - {"none"})
+        if rcs:
+            parts.append("rc-" + "/".join(rcs))
+        if any(lp.sequence_parallel for lp in self.layers):
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(self.schedule.value + (f"x{self.virtual_stages}"
+                                                if self.virtual_stages > 1 else ""))
+        text = " ".join(parts) + f" on {self.num_devices}x {'+'.join(self.cluster.device_types)}"
+        if self.estimate is not None:
+            text += f": {self.estimate.summary()}"
+        return text
+
+    def describe(self) -> str:
+        """Several lines: the summary and one line per stage."""
+        lines = [self.summary()]
+        for st in self.stages:
+            first, last = (st.layers[0], st.layers[-1]) if st.layers else ("-", "-")
+            devs = st.devices
+            span = f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0])
+            lines.append(f"  stage {st.index} (rank {st.rank}, chunk {st.chunk}): "
+                         f"{len(st.layers)} layers {first} .. {last}; devices {span} "
+                         f"[{st.device_type}] dp{st.dp} cp{st.cp} tp{st.tp}")
+        if len(set(self.replica_batch)) > 1:
+            lines.append(f"  replica batch: {list(self.replica_batch)}")
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        """:meth:`describe` followed by the estimate's report, when there is one."""
+        text = self.describe()
+        if self.estimate is not None:
+            text += "\n" + self.estimate.report()
+        return text
+
+
+def _type_name(cluster: "Cluster", devices: tuple[int, ...]) -> str:
+    names = list(dict.fromkeys(cluster.device_type_of(d).name for d in devices))
+    return "+".join(names)
+
+
+def _check_tp(graph: ModelGraph, tp: int) -> None:
+    for layer in graph.layers:
+        if layer.kind is not LayerKind.BLOCK or not layer.tp.divisors:
+            continue
+        if layer.tp.max_degree() % tp:
+            raise StrategyError(
+                f"tp={tp} does not divide layer {layer.name!r} (heads/features "
+                f"{list(layer.tp.divisors)}); valid degrees are {list(layer.tp.valid_degrees())}")
+
+
+def split_layers(graph: ModelGraph, num_chunks: int) -> list[list[str]]:
+    """Layer names of each of ``num_chunks`` consecutive chunks, Megatron-style.
+
+    Blocks are split evenly (chunk ``i`` gets ``floor((i+1) n / k) - floor(i n / k)``
+    of the ``n`` blocks); leading non-block layers join the first chunk, trailing
+    ones the last, and glue between stacks the chunk of the block that follows it.
+
+    Raises
+    ------
+    StrategyError
+        When there are fewer blocks than chunks.
+    """
+    layers = graph.layers
+    blocks = [i for i, l in enumerate(layers) if l.kind is LayerKind.BLOCK]
+    n = len(blocks)
+    if n < num_chunks:
+        raise StrategyError(f"the model has {n} blocks, fewer than the {num_chunks} pipeline "
+                            "(virtual) stages; lower pp or virtual_stages")
+    bounds = [((i + 1) * n) // num_chunks for i in range(num_chunks)]
+    chunk_of_block = []
+    c = 0
+    for j in range(n):
+        while j >= bounds[c]:
+            c += 1
+        chunk_of_block.append(c)
+    out: list[list[str]] = [[] for _ in range(num_chunks)]
+    next_block = 0
+    for i, l in enumerate(layers):
+        if l.kind is LayerKind.BLOCK:
+            out[chunk_of_block[next_block]].append(l.name)
+            next_block += 1
+        elif next_block < n:
+            out[chunk_of_block[next_block]].append(l.name)   # before (or between) blocks
+        else:
+            out[num_chunks - 1].append(l.name)                # after the last block
+    return out
