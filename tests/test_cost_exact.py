@@ -1,0 +1,184 @@
+"""The cost model on hand-built graphs and clusters: answers computed by hand.
+
+Toy numbers (autoplan.cost.toy): peak 1e12 FLOP/s at a flat efficiency of 0.5
+(5e11 FLOP/s achieved), intra-node 1e11 B/s per direction, no latency, perfect
+collective efficiency.  Each block: 1e9 forward FLOPs (2 ms), 2e9 backward (4 ms).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autoplan.cost import (
+    BREAKDOWN_KEYS,
+    CostOptions,
+    Estimate,
+    bubble_fraction,
+    estimate,
+    estimate_plan,
+    in_flight,
+    load_constants,
+    pipeline_time,
+)
+from autoplan.cost.toy import toy_cluster, toy_graph
+from autoplan.errors import StrategyError
+from autoplan.plan import Plan, split_layers
+from autoplan.strategy import Recompute, Schedule, Strategy
+
+FWD_S = 1e9 / (1e12 * 0.5)     # one block's forward
+BWD_S = 2 * FWD_S
+NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False)
+
+
+def _est(graph, cluster, strategy, options=NO_OVERLAP) -> Estimate:
+    return estimate(graph, cluster, strategy, options=options, calibration=None)
+
+
+def test_compute_time_of_two_layers_on_two_devices():
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**6)
+    c = toy_cluster(devices_per_node=2)
+    e = _est(g, c, Strategy(dp=2, micro_batch=1, global_batch=4))
+    m = 2                                     # 4 sequences / (dp 2 x micro-batch 1)
+    assert e.breakdown["compute_s"] == pytest.approx(m * 2 * (FWD_S + BWD_S), rel=1e-12)
+    assert e.stages[0].forward_s == pytest.approx(2 * FWD_S, rel=1e-12)
+    assert e.stages[0].backward_s == pytest.approx(2 * BWD_S, rel=1e-12)
+    assert e.breakdown["bubble_s"] == pytest.approx(0.0, abs=1e-15)
+    assert sum(e.breakdown.values()) == pytest.approx(e.step_time_s, rel=1e-12)
+    assert list(e.breakdown) == list(BREAKDOWN_KEYS)
+
+
+def test_ring_all_reduce_of_the_gradients():
+    params = 10**6
+    g = toy_graph(layers=2, fwd_flops=10**9, params=params)
+    c = toy_cluster(devices_per_node=2)
+    e = _est(g, c, Strategy(dp=2, global_batch=2))
+    grad_bytes = 2 * params * 2                          # two layers, 2-byte gradients
+    ring = 2 * (2 - 1) / 2 * grad_bytes / 1e11           # Thakur et al. 2005, n = 2
+    assert e.breakdown["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
+    assert e.comm_total["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
+    # overlapped with the last backward (8 ms >> 40 us): nothing exposed
+    hidden = estimate(g, c, Strategy(dp=2, global_batch=2), calibration=None)
+    assert hidden.breakdown["dp_comm_s"] == 0.0
+    assert hidden.comm_total["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
+
+
+def test_optimizer_step_is_memory_bound():
+    params = 10**6
+    g = toy_graph(layers=2, params=params)
+    e = _est(g, toy_cluster(devices_per_node=1), Strategy(global_batch=1))
+    per_param = load_constants().optimizer.mixed_bytes_accessed_per_param
+    assert e.breakdown["optimizer_s"] == pytest.approx(2 * params * per_param / 1e12, rel=1e-12)
+
+
+def test_1f1b_bubble_on_two_stages():
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**6)      # no boundary bytes: no p2p
+    c = toy_cluster(devices_per_node=2)
+    m = 4
+    e = _est(g, c, Strategy(pp=2, global_batch=m, schedule="1f1b"))
+    t = FWD_S + BWD_S                                         # one block per stage
+    assert e.breakdown["compute_s"] == pytest.approx(m * t, rel=1e-12)
+    assert e.breakdown["bubble_s"] == pytest.approx((2 - 1) * t, rel=1e-12)
+    assert e.breakdown["bubble_s"] / e.breakdown["compute_s"] == pytest.approx(
+        bubble_fraction(Schedule.ONE_F_ONE_B, pp=2, m=m))
+    assert bubble_fraction(Schedule.ONE_F_ONE_B, pp=2, m=4) == 0.25
+    assert [s.micro_batches_in_flight for s in e.stages] == [2.0, 1.0]
+
+
+def test_pipeline_point_to_point():
+    stream = 10**8                                           # 100 MB per boundary
+    g = toy_graph(layers=2, params=10**6, stream_bytes=stream)
+    c = toy_cluster(devices_per_node=2)
+    e = _est(g, c, Strategy(pp=2, global_batch=2))
+    send = stream / 1e11                                     # activation, and its gradient back
+    assert e.stages[0].forward_s == pytest.approx(FWD_S + send, rel=1e-12)
+    assert e.breakdown["pp_comm_s"] == pytest.approx(2 * 2 * send, rel=1e-12)
+
+
+@pytest.mark.parametrize("zero, params_b, grads_b, optim_b", [
+    (0, 2, 2, 12), (1, 2, 2, 6), (2, 2, 1, 6), (3, 1, 1, 6)])
+def test_zero_memory_split(zero, params_b, grads_b, optim_b):
+    """Rajbhandari et al. 2020, Sec. 5: bytes per parameter on each of 2 ranks."""
+    p = 2 * 10**6
+    g = toy_graph(layers=2, params=p // 2)
+    e = _est(g, toy_cluster(devices_per_node=2), Strategy(dp=2, global_batch=2, zero=zero))
+    mem = e.stages[0].memory
+    assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == (
+        params_b * p, grads_b * p, optim_b * p)
+
+
+def test_activation_memory_in_flight_and_reserve():
+    saved = 10**8
+    g = toy_graph(layers=2, params=10**3, saved_bytes=saved)
+    e = _est(g, toy_cluster(devices_per_node=2), Strategy(pp=2, global_batch=4))
+    k = load_constants().memory
+    first = e.stages[0].memory
+    assert first.activations_bytes == pytest.approx(2 * saved)       # 1F1B: rank 0 holds pp = 2
+    allocated = first.total_bytes - first.reserve_bytes
+    assert first.reserve_bytes == pytest.approx(
+        k.runtime_reserved_bytes + k.allocator_fragmentation_fraction * allocated)
+
+
+def test_tensor_parallel_all_reduce_and_sharding():
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**6, saved_bytes=4 * 10**6,
+                  tp_allreduce_bytes=10**8)
+    e = _est(g, toy_cluster(devices_per_node=2), Strategy(tp=2, global_batch=1))
+    ar = 2 * (2 - 1) / 2 * 1e8 / 1e11                   # one ring all-reduce per block
+    assert e.breakdown["tp_comm_s"] == pytest.approx(2 * ar, rel=1e-12)
+    assert e.breakdown["compute_s"] == pytest.approx(2 * (FWD_S + BWD_S) / 2, rel=1e-12)
+    assert e.stages[0].memory.params_bytes == pytest.approx(2 * 10**6 * 2 / 2)
+    assert e.stages[0].memory.activations_bytes == pytest.approx(2 * 4e6 / 2)
+
+
+def test_full_recompute_adds_one_forward():
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**3)
+    e = _est(g, toy_cluster(devices_per_node=1), Strategy(global_batch=1, recompute="full"))
+    assert e.breakdown["recompute_s"] == pytest.approx(2 * FWD_S, rel=1e-12)
+    assert e.hardware_flops_per_step == pytest.approx(e.model_flops_per_step * 4 / 3)
+
+
+def test_schedule_formulas():
+    # Narayanan et al. 2021: (m + p - 1) t for 1F1B, bubble / v for interleaving
+    assert pipeline_time(Schedule.ONE_F_ONE_B, [1.0] * 4, 8) == 11.0
+    assert pipeline_time(Schedule.GPIPE, [1.0] * 4, 8) == 11.0
+    assert pipeline_time(Schedule.INTERLEAVED, [1.0] * 4, 8, virtual_stages=3) == 9.0
+    assert pipeline_time(Schedule.ONE_F_ONE_B, [2.0], 5) == 10.0
+    assert bubble_fraction(Schedule.INTERLEAVED, pp=4, m=8, virtual_stages=3) == 3 / 24
+    # Korthikanti et al. 2022 Sec. 4.2.3: the first rank holds pp (1 + (pp-1)/(pp v))
+    assert in_flight(Schedule.INTERLEAVED, 0, pp=4, m=16, virtual_stages=2) == \
+        pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight(Schedule.GPIPE, 2, pp=4, m=16) == 16
+    assert in_flight(Schedule.ZERO_BUBBLE, 3, pp=4, m=16) == 4
+
+
+def test_strategy_and_plan_are_one_engine():
+    g = toy_graph(layers=4, params=10**4, saved_bytes=10**6, stream_bytes=10**6,
+                  tp_allreduce_bytes=10**6)
+    c = toy_cluster(devices_per_node=4, nodes=2)
+    s = Strategy(dp=2, tp=2, pp=2, global_batch=8, zero=1, recompute="selective",
+                 sequence_parallel=True)
+    plan = Plan.from_strategy(g, c, s)
+    assert estimate(g, c, s) == estimate_plan(g, c, plan)
+    assert Plan.from_json(plan.with_estimate(estimate(g, c, s)).to_json()).estimate == \
+        estimate(g, c, s)
+
+
+def test_degenerate_and_invalid_layouts():
+    g = toy_graph(layers=2)
+    c = toy_cluster(devices_per_node=2)
+    with pytest.raises(StrategyError, match="devices"):
+        _est(g, c, Strategy(dp=4, global_batch=4))
+    with pytest.raises(StrategyError, match="blocks"):
+        _est(g, toy_cluster(devices_per_node=4), Strategy(pp=4, global_batch=4))
+    one = _est(toy_graph(layers=1), toy_cluster(devices_per_node=1), Strategy(global_batch=1))
+    assert one.step_time_s > 0 and math.isfinite(one.mfu)
+    assert split_layers(g, 2) == [["blocks.0"], ["blocks.1"]]
+
+
+def test_estimate_round_trips_and_reports():
+    e = _est(toy_graph(layers=2), toy_cluster(devices_per_node=2), Strategy(pp=2, global_batch=2))
+    assert Estimate.from_json(e.to_json()) == e
+    table = e.stage_table()
+    assert list(table["rank"]) == [0, 1] and table["fits"].all()
+    assert "breakdown" in e.report() and "GiB" in e.summary()
