@@ -1,0 +1,133 @@
+"""Per-family knowledge the generic runtime cannot read from the captured graph.
+
+Everything here is small on purpose: where the modules of the embedding, the
+block stack and the head live, how a pipeline stage runs its slice of the
+model, and how a block hands its hidden state to the attention module (which
+sequence parallelism must redistribute).  Tensor-parallel roles come from the
+capture, not from here.
+
+Two families are known: the package's :class:`~autoplan.models.GPT` and Hugging
+Face Llama-style decoders (``LlamaForCausalLM`` and relatives: ``model.embed_tokens``,
+``model.rotary_emb``, ``model.layers``, ``model.norm``, ``lm_head``).  Models of
+other families run every parallelism but pipelining.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Adapter", "adapter_for", "model_output", "is_hf"]
+
+
+def is_hf(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    return cfg is not None and hasattr(cfg, "to_dict") and hasattr(model, "can_generate")
+
+
+def model_output(out: Any) -> torch.Tensor:
+    """The tensor a loss is computed from: the output itself, ``.logits`` or the first item."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        v = getattr(out, key, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"cannot find a tensor in the model output of type {type(out).__name__}")
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Where a family keeps its parts and how a pipeline stage runs them.
+
+    ``pre`` / ``post``: module paths of the layers before and after the block
+    stack; ``shared``: parameter-free modules every stage keeps (rotary
+    tables); ``blocks``: path of the ``nn.ModuleList`` of blocks.
+    ``region_kwargs`` maps a module that opens a tensor-parallel region (the
+    parent of its column linears, relative to the block) to the keyword its
+    hidden state arrives by, when it is not the first positional argument.
+    """
+
+    family: str
+    blocks: str
+    pre: tuple[str, ...]
+    post: tuple[str, ...]
+    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    run_blocks: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
+    head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    shared: tuple[str, ...] = ()
+    region_kwargs: dict[str, str] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ the package GPT
+def _gpt_embed(root: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return root.drop(root.tok_emb(ids) + root.pos_emb(pos))
+
+
+def _gpt_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    for block in root.blocks.values():
+        x = block(x)
+    return x
+
+
+def _gpt_head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return root.head(root.ln_f(x))
+
+
+GPT_ADAPTER = Adapter(family="gpt", blocks="blocks", pre=("tok_emb", "pos_emb", "drop"),
+                      post=("ln_f", "head"), embed=_gpt_embed, run_blocks=_gpt_blocks,
+                      head=_gpt_head)
+
+
+# ------------------------------------------------------------------ HF Llama-style decoders
+def _llama_embed(root: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return root.model.embed_tokens(ids)
+
+
+def _llama_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # The same mask and rotary tables LlamaModel.forward builds, for the full
+    # sequence: under sequence parallelism ``x`` holds only this rank's slice.
+    from transformers.masking_utils import create_causal_mask
+
+    inner = root.model
+    b = x.shape[0]
+    position_ids = torch.arange(seq_len, device=x.device).unsqueeze(0)
+    shape_only = x.new_empty((b, seq_len, 0))
+    mask = create_causal_mask(config=inner.config, inputs_embeds=shape_only, attention_mask=None,
+                              past_key_values=None, position_ids=position_ids)
+    rope = inner.rotary_emb(shape_only, position_ids=position_ids)
+    for layer in inner.layers.values():
+        x = layer(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
+                  past_key_values=None, use_cache=False)
+    return x
+
+
+def _llama_head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return root.lm_head(root.model.norm(x))
+
+
+LLAMA_ADAPTER = Adapter(family="llama", blocks="model.layers", pre=("model.embed_tokens",),
+                        post=("model.norm", "lm_head"), shared=("model.rotary_emb",),
+                        embed=_llama_embed, run_blocks=_llama_blocks, head=_llama_head,
+                        region_kwargs={"self_attn": "hidden_states"})
+
+
+def adapter_for(model: nn.Module) -> Adapter | None:
+    """The adapter of ``model``'s family, or None when the runtime does not know it."""
+    from ..models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return GPT_ADAPTER
+    if is_hf(model):
+        inner = getattr(model, "model", None)
+        if (inner is not None and hasattr(model, "lm_head") and
+                all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+                and isinstance(inner.layers, nn.ModuleList)):
+            return LLAMA_ADAPTER
+    return None

@@ -1,0 +1,74 @@
+"""Data parallelism: DDP, ``replicate`` and FSDP2 ``fully_shard`` with a ZeRO stage per layer.
+
+How the ZeRO stages (Rajbhandari et al. 2020) map onto FSDP2, per layer:
+
+========  ==========================  =====================  ==============================
+ZeRO      reshard_after_forward       reshard after backward  gradient reduce-scatter
+========  ==========================  =====================  ==============================
+3         True (params P/dp)          every micro-batch       every micro-batch
+2         False                       last micro-batch only   every micro-batch
+1         False                       last micro-batch only   last micro-batch only
+========  ==========================  =====================  ==============================
+
+In all three the optimizer states and the gradients the optimizer reads are
+sharded (``P/dp``).  ZeRO-2 and ZeRO-1 keep the gathered parameters for the
+whole step (gathered once, as DeepSpeed does); ZeRO-1 additionally
+accumulates full gradients locally over the micro-batches and reduce-scatters
+them once per step, which moves the same bytes as ZeRO-1's all-reduce plus
+parameter all-gather.  FSDP2 has no exact ZeRO-1 (parameters are resharded
+between steps), so the memory of this ZeRO-1 between steps is that of ZeRO-3;
+during the step it is ZeRO-1's.
+
+Pure data parallelism uses DDP without pipelining and torch's FSDP-based
+``replicate`` with it (or with tensor parallelism).  With pipelining, layers
+never reshard after forward under a zero-bubble schedule (ZBV): DDP or
+``reshard_after_forward=True`` with a zero-bubble schedule gives silently wrong
+gradients in torch 2.13 (see ../shared/notes/torch-distributed-on-cpu.md).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["apply_fsdp", "apply_replicate", "apply_ddp", "set_micro_batch_sync"]
+
+
+def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh: DeviceMesh, *,
+               root_zero: int, no_reshard: bool = False) -> None:
+    """``fully_shard`` every layer module (with its ZeRO stage), then the root, which
+    takes the parameters no layer owns (embeddings, final norm, head)."""
+    for module, zero in layers:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3 and not no_reshard)
+        module._autoplan_zero = zero  # type: ignore[attr-defined]
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3 and not no_reshard)
+    root._autoplan_zero = root_zero  # type: ignore[attr-defined]
+
+
+def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """torch's FSDP-based ``replicate`` (gradients all-reduced; works with DTensor params
+    and with every pipeline schedule)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(root, mesh=dp_mesh)
+    return root
+
+
+def apply_ddp(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Classic DDP (no ``device_ids`` on CPU) over the data-parallel group."""
+    return DistributedDataParallel(root, process_group=dp_mesh.get_group())
+
+
+def set_micro_batch_sync(root: nn.Module, last: bool) -> None:
+    """Before a micro-batch's backward: reduce gradients and reshard parameters as each
+    layer's ZeRO stage asks (table above)."""
+    for m in root.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        zero = getattr(m, "_autoplan_zero", 3)
+        m.set_requires_gradient_sync(last or zero >= 2, recurse=False)
+        m.set_reshard_after_backward(last or zero == 3, recurse=False)

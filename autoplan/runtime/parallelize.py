@@ -1,0 +1,518 @@
+"""``parallelize``: turn a model and a layout into a running torch.distributed program.
+
+Called in every process of a job, after ``torch.distributed.init_process_group``.
+The order of application follows torchtitan: pipeline split, then tensor (and
+sequence) parallelism, then activation checkpointing, then data parallelism
+(DDP, ``replicate`` or FSDP2), then one optimizer per local stage.  Everything
+a rank can check on its own (degrees against the world, layer names against the
+model, divisibility, schedule constraints) is checked before the first
+collective, so every rank raises the same error and none is left waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..capture import token_cross_entropy
+from ..errors import ConfigError, PlanMismatchError, StrategyError
+from ..graph import LayerKind, ModelGraph
+from ..strategy import Precision, Recompute, Schedule, Strategy
+from .ac import apply_ac
+from .adapters import Adapter, adapter_for, is_hf, model_output
+from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
+from .layout import Layout, check_layout, layout_from_plan, layout_from_strategy
+from .mesh import build_mesh, mesh_coordinates
+from .pipeline import build_schedule, build_stage_module, make_stage
+from .tp import apply_tp
+
+__all__ = ["parallelize", "ParallelModel", "resolve_layout"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+# ---------------------------------------------------------------------- capture
+_GRAPHS: dict[tuple, ModelGraph] = {}
+
+
+def _graph_of(model: nn.Module, seq_len: int | None, example_inputs: Any) -> ModelGraph:
+    """The captured graph of ``model`` (layer names, TP roles), memoised per structure:
+    every rank and every call with the same architecture reuses one capture."""
+    from ..capture import trace
+
+    shapes = None
+    if example_inputs is not None:
+        flat = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        shapes = tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
+    key = (type(model).__qualname__, repr(model),
+           tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), seq_len, shapes)
+    if key not in _GRAPHS:
+        if len(_GRAPHS) > 16:
+            _GRAPHS.clear()
+        _GRAPHS[key] = trace(model, seq_len=seq_len, example_inputs=example_inputs)
+    return _GRAPHS[key]
+
+
+def _check_graph(model: nn.Module, graph: ModelGraph, seq_len: int | None) -> None:
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if graph.model != type(model).__name__ or graph.num_params != n:
+        raise PlanMismatchError(f"the graph is a capture of {graph.model} with {graph.num_params} "
+                                f"parameters, the model a {type(model).__name__} with {n}")
+    if seq_len is not None and graph.seq_len is not None and seq_len != graph.seq_len:
+        raise PlanMismatchError(f"the graph was captured at seq_len={graph.seq_len}, the program "
+                                f"is built for seq_len={seq_len}")
+
+
+def _tied_param_names(model: nn.Module) -> list[list[str]]:
+    seen: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            seen.setdefault(id(p), [])
+            if full not in seen[id(p)]:
+                seen[id(p)].append(full)
+    return [v for v in seen.values() if len(v) > 1]
+
+
+# ---------------------------------------------------------------------- targets
+def resolve_layout(model: nn.Module, target: Any, graph: ModelGraph, *, world_size: int,
+                   global_batch: int | None = None) -> Layout:
+    """The :class:`Layout` of ``target`` for this model and world, validated (no collective)."""
+    names = [l.name for l in graph.layers]
+    blocks = [l.name for l in graph.layers if l.kind is LayerKind.BLOCK]
+    if isinstance(target, Strategy):
+        if global_batch is not None and global_batch != target.global_batch:
+            raise ConfigError(f"global_batch={global_batch} but the strategy says "
+                              f"global_batch={target.global_batch}; they must agree")
+        target.check_world(world_size)
+        layout = layout_from_strategy(target, names, blocks)
+    elif isinstance(target, Layout):
+        if global_batch is not None and global_batch != target.global_batch:
+            raise ConfigError(f"global_batch={global_batch} but the layout says "
+                              f"global_batch={target.global_batch}; they must agree")
+        layout = target
+    else:
+        layout = _layout_from_other(model, target, graph, world_size, global_batch)
+    divisors = {l.name: l.tp.divisors for l in graph.layers if l.tp.divisors}
+    check_layout(layout, world_size, names, divisors)
+    return layout
+
+
+def _layout_from_other(model, target, graph, world_size, global_batch) -> Layout:
+    try:
+        from ..plan import Plan
+    except ImportError:  # the planner is not installed in this checkout
+        Plan = None
+    if Plan is not None and isinstance(target, Plan):
+        if global_batch is not None and global_batch != target.global_batch:
+            raise ConfigError(f"global_batch={global_batch} but the plan says "
+                              f"global_batch={target.global_batch}; they must agree")
+        if target.seq_len is not None and graph.seq_len is not None and target.seq_len != graph.seq_len:
+            raise PlanMismatchError(f"the plan was made for seq_len={target.seq_len}, the program "
+                                    f"is built for seq_len={graph.seq_len}")
+        return layout_from_plan(target)
+    if type(target).__name__ == "Cluster":
+        if global_batch is None:
+            raise ConfigError("parallelize(model, cluster) needs global_batch to plan for")
+        search = _planner()
+        if search is None:
+            raise ConfigError("parallelize(model, cluster) plans first with autoplan.plan, which "
+                              "is not available in this version; pass a Plan, an "
+                              "autoplan.Strategy or an autoplan.runtime.Layout")
+        return layout_from_plan(_plan_on_rank0(search, graph, target, global_batch))
+    raise ConfigError(f"target must be an autoplan.Strategy, Plan, Cluster or "
+                      f"autoplan.runtime.Layout, got {type(target).__name__}")
+
+
+def _plan_on_rank0(search, graph: ModelGraph, cluster, global_batch: int):
+    """Rank 0 searches (a time-bounded search need not agree across ranks) and every
+    rank gets its plan, or its error, by broadcast: the one collective before validation."""
+    from ..plan import Plan
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("plan", search(graph, cluster, global_batch=global_batch,
+                                     seq_len=graph.seq_len).to_json())
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        raise payload
+    return Plan.from_json(payload)
+
+
+def _planner():
+    """``autoplan.plan`` (the search), when this installation has it."""
+    import autoplan
+
+    fn = getattr(autoplan, "plan", None)
+    return fn if callable(fn) else None
+
+
+# ---------------------------------------------------------------------- the program
+@dataclass
+class ParallelModel:
+    """A model laid out over the processes of a job, with its optimizer(s).
+
+    Attributes
+    ----------
+    layout : Layout
+        The resolved layout (degrees, stages, per-layer options).
+    mesh : DeviceMesh
+        The ``pp x dp x tp`` device mesh.
+    parts : list of nn.Module
+        The wrapped local modules: the whole model without pipelining, else
+        this rank's pipeline stages (two for ZBV, ``virtual_stages`` for
+        interleaved).  Parameter names are the model's own.
+    optimizers : list of torch.optim.Optimizer
+        One per part.
+    schedule : torch pipeline schedule or None
+    graph : ModelGraph
+        The capture the layout was checked against.
+    """
+
+    layout: Layout
+    mesh: DeviceMesh
+    parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    graph: ModelGraph
+    seq_len: int | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    token_model: bool
+    hf: bool
+    schedule: Any = None
+    stages: list = field(default_factory=list)
+    steps: int = 0
+
+    # ------------------------------------------------------------ coordinates
+    @property
+    def coords(self) -> dict[str, int]:
+        return mesh_coordinates(self.layout)
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank computes losses (it holds the last pipeline stage)."""
+        return self.layout.pp == 1 or any(s.is_last for s in self.stages)
+
+    @property
+    def holds_input(self) -> bool:
+        return self.layout.pp == 1 or any(s.is_first for s in self.stages)
+
+    # ------------------------------------------------------------ training
+    def _local(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's inputs and targets from the global batch."""
+        lay = self.layout
+        if self.token_model:
+            if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
+                raise ConfigError("a token model's batch is a (global_batch, seq_len) tensor of ids, "
+                                  f"got {type(batch).__name__}"
+                                  f"{tuple(batch.shape) if isinstance(batch, torch.Tensor) else ''}")
+            inputs = targets = batch
+        else:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ConfigError("the batch of a non-token model is (inputs, targets), each with "
+                                  "global_batch rows")
+            inputs, targets = batch
+        for t in (inputs, targets):
+            if t.shape[0] != lay.global_batch:
+                raise ConfigError(f"the batch has {t.shape[0]} rows; the layout's global batch "
+                                  f"is {lay.global_batch}")
+        if self.token_model and self.seq_len is not None and inputs.shape[1] != self.seq_len:
+            raise ConfigError(f"the batch has sequences of {inputs.shape[1]} tokens; the program "
+                              f"was built for seq_len={self.seq_len}")
+        n = lay.global_batch // lay.dp
+        d = self.coords["dp"]
+        return inputs[d * n:(d + 1) * n], targets[d * n:(d + 1) * n]
+
+    def _autocast(self):
+        p = self.layout.precision
+        if p is Precision.FP32:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=torch.bfloat16 if p is Precision.BF16 else torch.float16)
+
+    def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = part(input_ids=x, use_cache=False) if self.hf else part(x)
+        return model_output(out)
+
+    def step(self, batch: Any) -> float:
+        """One training step on the global ``batch``; returns the mean loss over it on every rank."""
+        inputs, targets = self._local(batch)
+        lay = self.layout
+        if lay.pp == 1:
+            part = self.parts[0]
+            m = lay.num_micro_batches
+            total = torch.zeros((), dtype=torch.float64)
+            xs, ys = inputs.split(lay.micro_batch), targets.split(lay.micro_batch)
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                last = i == m - 1
+                set_micro_batch_sync(part, last)
+                sync = (part.no_sync() if isinstance(part, nn.parallel.DistributedDataParallel)
+                        and not last else contextlib.nullcontext())
+                with sync:
+                    with self._autocast():
+                        loss = self.loss_fn(self._forward(part, x), y)
+                    (loss / m).backward()
+                total += loss.detach().double()
+            local = total / m
+        else:
+            losses: list[torch.Tensor] = []
+            kwargs: dict[str, Any] = {}
+            if self.holds_loss:
+                kwargs = {"target": targets, "losses": losses}
+            args = (inputs,) if self.holds_input else ()
+            self.schedule.step(*args, **kwargs)
+            local = (torch.stack([l.detach().double() for l in losses]).mean()
+                     if self.holds_loss else torch.zeros((), dtype=torch.float64))
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        # mean over the data-parallel replicas, from the ranks that hold the loss
+        flag = 1.0 if self.holds_loss else 0.0
+        buf = torch.stack([local * flag, torch.tensor(flag, dtype=torch.float64)])
+        dist.all_reduce(buf)
+        return float(buf[0] / buf[1])
+
+    # ------------------------------------------------------------ state
+    def _gather_to_rank0(self, sd: dict) -> dict | None:
+        """Merge the per-stage dicts on global rank 0 (over the pipeline group of rank 0)."""
+        if self.layout.pp == 1:
+            return sd if dist.get_rank() == 0 else None
+        c, c0 = self.coords, mesh_coordinates(self.layout, 0)
+        if c["dp"] != c0["dp"] or c["tp"] != c0["tp"]:
+            return None   # not in rank 0's pipeline group
+        group = self.mesh["pp"].get_group()
+        out: list | None = [None] * self.layout.pp if dist.get_rank() == 0 else None
+        dist.gather_object(sd, out, dst=0, group=group)
+        if out is None:
+            return None
+        merged: dict = {}
+        for d in out:
+            merged.update(d)
+        return merged
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The full, unsharded model state dict on rank 0 (None elsewhere); collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        sd: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part, options=opts))
+        return self._gather_to_rank0({k: v.detach().clone() for k, v in sd.items()})
+
+    def full_optimizer_state_dict(self) -> dict[str, Any] | None:
+        """The full optimizer state, flattened (``state.<param>.<key>``), on rank 0; collective."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=False,
+                                flatten_optimizer_state_dict=True)
+        sd: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            sd.update(get_optimizer_state_dict(part, opt, options=opts))
+        # copies: the optimizer updates its state tensors (e.g. Adam's step) in place
+        return self._gather_to_rank0({k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                      for k, v in sd.items()})
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Sharded model and optimizer state for torch.distributed.checkpoint, keyed by the
+        model's parameter names (independent of the layout)."""
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            m, o = get_state_dict(part, opt, options=opts)
+            model_sd.update(m)
+            optim_sd.update(o)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        for part, opt in zip(self.parts, self.optimizers):
+            set_state_dict(part, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=opts)
+
+    def save(self, path: str) -> None:
+        from .checkpoint import save_checkpoint
+
+        save_checkpoint(self, path)
+
+    def load(self, path: str) -> None:
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(self, path)
+
+
+# ---------------------------------------------------------------------- parallelize
+def _is_token_model(model: nn.Module, graph: ModelGraph) -> bool:
+    return graph.seq_len is not None or "vocab_size" in graph.attributes
+
+
+def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = None,
+                seq_len: int | None = None, example_inputs: Any = None,
+                loss_fn: Callable | None = None,
+                optimizer: OptimizerFactory | None = None,
+                graph: ModelGraph | None = None) -> ParallelModel:
+    """Lay ``model`` out over the current torch.distributed world and return the program.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The full model, identical on every rank (same initialisation); it is
+        modified in place (without pipelining) or split (with it).
+    target : Strategy, Layout, Plan or Cluster
+        A uniform :class:`~autoplan.Strategy` to apply, a per-layer
+        :class:`Layout`, a searched ``Plan``, or a ``Cluster`` to plan for.
+    global_batch : int, optional
+        Sequences per step; must agree with the target's.
+    seq_len : int, optional
+        Tokens per sequence of a token model (default: the model's context).
+    example_inputs : optional
+        One micro-batch of inputs, for non-token models.
+    loss_fn : callable, optional
+        ``loss_fn(output, targets) -> scalar`` averaged over the batch; default
+        next-token cross-entropy (as Hugging Face computes with ``labels=input_ids``).
+    optimizer : callable, optional
+        ``optimizer(params) -> torch.optim.Optimizer``; default AdamW.
+    graph : ModelGraph, optional
+        ``autoplan.trace(model, seq_len=...)``, when the caller has it (the
+        planner does); otherwise every rank traces the model (~1-3 s).
+
+    Returns
+    -------
+    ParallelModel
+
+    Examples
+    --------
+    >>> # in every process, after init_process_group("gloo"):
+    >>> # pm = parallelize(GPT(cfg), Strategy(dp=2, tp=2, global_batch=8, precision="fp32"), seq_len=16)
+    >>> # loss = pm.step(ids)   # ids: (8, 16), the same on every rank
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("parallelize() runs inside a torch.distributed job: call "
+                          "torch.distributed.init_process_group first (e.g. under torchrun)")
+    world = dist.get_world_size()
+    if graph is None:
+        graph = _graph_of(model, seq_len, example_inputs)
+    else:
+        _check_graph(model, graph, seq_len)
+    if seq_len is None:
+        seq_len = graph.seq_len
+    layout = resolve_layout(model, target, graph, world_size=world, global_batch=global_batch)
+    adapter = adapter_for(model)
+    hf = is_hf(model)
+    token_model = _is_token_model(model, graph) and example_inputs is None
+    if layout.precision is Precision.FP16:
+        raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
+                          "use 'bf16' or 'fp32'")
+    if layout.pp > 1:
+        if adapter is None:
+            raise ConfigError(f"pipeline parallelism needs to know how to split a "
+                              f"{type(model).__name__}; the runtime knows the package GPT and "
+                              "Hugging Face Llama-style decoders (use pp=1 for other models)")
+        stack = {l.stack for l in graph.layers if l.kind is LayerKind.BLOCK}
+        if stack != {adapter.blocks}:
+            raise PlanMismatchError(f"the captured block stacks {sorted(stack)} are not the "
+                                    f"{adapter.family} adapter's {adapter.blocks!r}")
+        if _tied_param_names(model):
+            raise ConfigError(f"tied parameters {_tied_param_names(model)} cannot be split over "
+                              "pipeline stages by this runtime; untie them or use pp=1")
+        if not seq_len:
+            raise ConfigError("pipeline parallelism needs seq_len")
+    for l in layout.layers:
+        if l.recompute is Recompute.SELECTIVE and not seq_len:
+            raise ConfigError("selective recompute needs seq_len (it finds the attention core "
+                              "by its two sequence dimensions)")
+    if loss_fn is None:
+        if not token_model:
+            raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
+        loss_fn = _next_token_loss
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+
+    # ---- no collective before this point
+    mesh = build_mesh(layout)
+    coords = mesh_coordinates(layout)
+    kinds = {l.name: l.kind for l in graph.layers}
+    blocks_in_order = [l.name for l in graph.layers if l.kind is LayerKind.BLOCK]
+    first_block = blocks_in_order[0] if blocks_in_order else None
+    autocast = None if layout.precision is Precision.FP32 else torch.bfloat16
+
+    if layout.pp == 1:
+        parts = [model]
+        part_layers = [list(layout.layer_names)]
+        stage_ids: tuple[int, ...] = (0,)
+    else:
+        stage_ids = layout.local_stages(coords["pp"])
+        parts, part_layers = [], []
+        n = layout.num_stages
+        for s in stage_ids:
+            names = list(layout.stages[s])
+            parts.append(build_stage_module(
+                model, adapter, [x for x in names if kinds[x] is LayerKind.BLOCK],
+                is_first=s == 0, is_last=s == n - 1, seq_len=seq_len, autocast_dtype=autocast))
+            part_layers.append(names)
+
+    region_kwargs = adapter.region_kwargs if adapter is not None else {}
+    for i, (part, names) in enumerate(zip(parts, part_layers)):
+        # tensor / sequence parallelism
+        if layout.tp > 1:
+            apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
+                     sequence_parallel=layout.sequence_parallel, first_block=first_block,
+                     region_kwargs=region_kwargs)
+        # activation checkpointing, per block
+        for x in names:
+            rc = layout.layer(x).recompute
+            if kinds[x] is LayerKind.BLOCK and rc is not Recompute.NONE:
+                _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
+        # data parallelism
+        if layout.dp > 1:
+            zeros = [layout.layer(x).zero for x in names]
+            if max(zeros) == 0:
+                if layout.pp == 1 and layout.tp == 1:
+                    part = apply_ddp(part, mesh["dp"])
+                else:
+                    part = apply_replicate(part, mesh["dp"])
+            else:
+                block_mods = [(part.get_submodule(x), layout.layer(x).zero)
+                              for x in names if kinds[x] is LayerKind.BLOCK]
+                others = [layout.layer(x).zero for x in names if kinds[x] is not LayerKind.BLOCK]
+                no_reshard = layout.pp > 1 and layout.schedule is Schedule.ZERO_BUBBLE
+                apply_fsdp(part, block_mods, mesh["dp"], root_zero=max(others or zeros),
+                           no_reshard=no_reshard)
+        parts[i] = part
+
+    optimizers = [optimizer(p.parameters()) for p in parts]
+    pm = ParallelModel(layout=layout, mesh=mesh, parts=parts, optimizers=optimizers, graph=graph,
+                       seq_len=seq_len, loss_fn=loss_fn, token_model=token_model, hf=hf)
+    if layout.pp > 1:
+        group = mesh["pp"].get_group()
+        pm.stages = [make_stage(p, s, layout.num_stages, torch.device("cpu"), group)
+                     for p, s in zip(parts, stage_ids)]
+        pm.schedule = build_schedule(layout.schedule, pm.stages, layout.num_micro_batches, loss_fn)
+    return pm
+
+
+def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return token_cross_entropy(logits, ids, shift=True)
+
+
+def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    holder = root.get_submodule(parent) if parent else root
+    if isinstance(holder, (nn.ModuleList, nn.ModuleDict)):
+        holder[name if isinstance(holder, nn.ModuleDict) else int(name)] = module
+    else:
+        setattr(holder, name, module)

@@ -1,0 +1,175 @@
+"""Tensor and sequence parallelism with ``torch.distributed.tensor.parallel``.
+
+The ``parallelize_module`` plan of every layer is built from the roles the
+capture found (:class:`~autoplan.graph.LinearRole`), not from module names:
+
+- ``column`` -> :class:`ColwiseParallel`, ``row`` -> :class:`RowwiseParallel`
+  (Megatron-LM, Shoeybi et al. 2019, Sec. 3);
+- ``vocab_embedding`` -> a row-sharded embedding table (vocab-parallel),
+  ``vocab_head`` -> a column-sharded head whose logits are gathered;
+- sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): the residual
+  stream between blocks is sharded on the sequence dimension; every
+  parameterised module outside the tensor-parallel regions (the norms) runs
+  :class:`SequenceParallel`; the module that opens a region all-gathers its
+  input (:class:`PrepareModuleInput`), the row linear that closes it
+  reduce-scatters (``output_layouts=Shard(1)``).  The first block of the
+  model turns the replicated embedding output into sequence shards.
+
+Expert roles (MoE) are not applied here: a layer with expert linears stays
+replicated over the tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from ..graph import LayerKind, LayerRecord, LinearRole
+
+__all__ = ["tp_plan", "apply_tp"]
+
+
+def _has_module(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _own_params(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters(recurse=False))
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
+            first_block: bool = False, region_kwargs: dict[str, str] | None = None,
+            prefix: str = "") -> dict[str, object]:
+    """The ``parallelize_module`` plan of one layer, relative to ``module``.
+
+    ``module`` is the block itself for a block layer, the model (or pipeline
+    stage) root for the pre and post layers; ``prefix`` is prepended to
+    role names that are relative to the layer (blocks).
+    """
+    region_kwargs = region_kwargs or {}
+    roles = {(prefix + name if prefix else name): LinearRole(role)
+             for name, role in layer.tp.roles().items()}
+    roles = {n: r for n, r in roles.items() if _has_module(module, n)}
+    if any(r in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW) for r in roles.values()):
+        return {}
+    plan: dict[str, object] = {}
+    sp = sequence_parallel
+    if layer.kind is LayerKind.BLOCK:
+        columns = [n for n, r in roles.items() if r is LinearRole.COLUMN]
+        # the modules that open a tensor-parallel region: parents of column linears
+        entries = sorted({_parent(n) for n in columns})
+        for name, role in roles.items():
+            if role is LinearRole.COLUMN:
+                # without an enclosing module to gather once, each column linear gathers
+                gather_here = sp and _parent(name) == ""
+                plan[name] = ColwiseParallel(input_layouts=Shard(1)) if gather_here else ColwiseParallel()
+            elif role is LinearRole.ROW:
+                plan[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+        if sp:
+            inside = tuple(e + "." for e in entries if e)
+            for name, sub in module.named_modules():
+                if (name and name not in roles and _own_params(sub)
+                        and not name.startswith(inside) and name not in entries):
+                    plan[name] = SequenceParallel()
+            for e in entries:
+                if not e:
+                    continue
+                kw = region_kwargs.get(e.rpartition(".")[2]) or region_kwargs.get(e)
+                if kw:
+                    plan[e] = PrepareModuleInput(input_kwarg_layouts={kw: Shard(1)},
+                                                 desired_input_kwarg_layouts={kw: Replicate()})
+                else:
+                    plan[e] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                 desired_input_layouts=(Replicate(),))
+            if first_block:
+                # the embedding output arrives replicated; from here on the residual
+                # stream is sharded on the sequence dimension
+                plan[""] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                              desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+        return plan
+    for name, role in roles.items():
+        if role is LinearRole.VOCAB_EMBEDDING and isinstance(module.get_submodule(name), nn.Embedding):
+            # vocab-parallel embedding: each rank holds a slice of the table, the
+            # partial lookups are all-reduced
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif role is LinearRole.VOCAB_HEAD and isinstance(module.get_submodule(name), nn.Linear):
+            plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                         output_layouts=Replicate())
+    if sp and layer.kind is LayerKind.POST:
+        for path in layer.modules:
+            if path in roles or not _has_module(module, path):
+                continue
+            sub = module.get_submodule(path)
+            if _own_params(sub) and not list(sub.children()):
+                plan[path] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def apply_tp(root: nn.Module, layers: Iterable[tuple[LayerRecord, str]], tp_mesh: DeviceMesh, *,
+             sequence_parallel: bool, first_block: str | None = None,
+             region_kwargs: dict[str, str] | None = None) -> None:
+    """Shard the linears of ``layers`` (``(record, module path)`` pairs present in ``root``)
+    over ``tp_mesh``; tied parameters are re-tied after sharding."""
+    ties = _tied_groups(root)
+    for layer, path in layers:
+        if layer.kind is LayerKind.BLOCK:
+            if not _has_module(root, path):
+                continue
+            module = root.get_submodule(path)
+            plan = tp_plan(layer, module, sequence_parallel=sequence_parallel,
+                           first_block=path == first_block, region_kwargs=region_kwargs)
+        else:
+            module = root
+            plan = tp_plan(layer, root, sequence_parallel=sequence_parallel,
+                           region_kwargs=region_kwargs)
+        own = plan.pop("", None)
+        if plan:
+            parallelize_module(module, tp_mesh, plan)
+        if own is not None:
+            parallelize_module(module, tp_mesh, own)
+    _retie(root, ties)
+
+
+def _tied_groups(root: nn.Module) -> list[list[tuple[str, str]]]:
+    where: dict[int, list[tuple[str, str]]] = {}
+    for mname, m in root.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            where.setdefault(id(p), [])
+            if (mname, pname) not in where[id(p)]:
+                where[id(p)].append((mname, pname))
+    return [g for g in where.values() if len(g) > 1]
+
+
+def _retie(root: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    for group in groups:
+        mods = [(root.get_submodule(m), p) for m, p in group]
+        first = getattr(mods[0][0], mods[0][1])
+        for m, p in mods[1:]:
+            other = getattr(m, p)
+            if other is first:
+                continue
+            if (type(other) is not type(first) or other.shape != first.shape or
+                    getattr(other, "placements", None) != getattr(first, "placements", None)):
+                raise ValueError(
+                    f"tied parameters {group} were sharded differently by tensor parallelism "
+                    f"({getattr(first, 'placements', None)} vs {getattr(other, 'placements', None)})")
+            m.register_parameter(p, first)
