@@ -1,0 +1,218 @@
+"""The runtime's single-process parts: layouts, validation, stage splitting, TP plans, AC.
+
+Nothing here starts a process group: every check that ``parallelize`` makes before
+its first collective is exercised without one, so a check that needed a collective
+would fail here with torch's "default process group has not been initialized".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+import autoplan
+import runtime_cases as rc
+from autoplan.errors import CheckpointError, ConfigError, PlanMismatchError, StrategyError
+from autoplan.runtime import LayerLayout, Layout, layout_from_strategy, parallelize, resolve_layout
+from autoplan.runtime.ac import attention_core_policy
+from autoplan.runtime.adapters import adapter_for
+from autoplan.runtime.checkpoint import load_checkpoint
+from autoplan.runtime.layout import layout_from_plan
+from autoplan.runtime.mesh import mesh_coordinates
+from autoplan.runtime.pipeline import build_stage_module
+from autoplan.runtime.tp import tp_plan
+from autoplan.strategy import Strategy
+
+GPT_NAMES = rc.layer_names("gpt")
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return autoplan.trace(rc.make_gpt(0), seq_len=rc.SEQ)
+
+
+@pytest.fixture(scope="module")
+def llama_graph():
+    pytest.importorskip("transformers")
+    return autoplan.trace(rc.make_llama(0), seq_len=rc.SEQ)
+
+
+def _S(**kw) -> Strategy:
+    return Strategy(global_batch=8, precision="fp32", **kw)
+
+
+# ---------------------------------------------------------------------- layouts
+def test_strategy_layout_splits_blocks_evenly_with_pre_and_post_at_the_ends():
+    lay = layout_from_strategy(_S(pp=2, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
+    assert lay.stages == (("pre", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "post"))
+    lay = layout_from_strategy(_S(pp=3, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
+    assert [len(s) for s in lay.stages] == [3, 1, 2]      # 2, 1, 1 blocks; remainder first
+    assert lay.layer("pre").recompute.value == "none"
+
+
+def test_stage_to_rank_is_looped_for_interleaved_and_v_shaped_for_zero_bubble():
+    inter = layout_from_strategy(_S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2),
+                                 GPT_NAMES, GPT_NAMES[1:-1])
+    assert inter.stage_ranks() == (0, 1, 0, 1)
+    zbv = layout_from_strategy(_S(pp=2, micro_batch=1, schedule="zero_bubble"), GPT_NAMES,
+                               GPT_NAMES[1:-1])
+    assert zbv.stage_ranks() == (0, 1, 1, 0)
+    assert zbv.local_stages(0) == (0, 3)
+
+
+def test_mesh_coordinates_put_tp_innermost_and_follow_a_rank_permutation():
+    lay = layout_from_strategy(_S(dp=2, tp=2, pp=2, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
+    assert [tuple(mesh_coordinates(lay, r).values()) for r in range(4)] == \
+        [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]          # (tp, dp, pp) of ranks 0..3
+    perm = lay.with_options(ranks=(1, 0, 2, 3, 4, 5, 6, 7))
+    assert mesh_coordinates(perm, 1)["tp"] == 0 and mesh_coordinates(perm, 0)["tp"] == 1
+
+
+def test_layout_rejects_bad_schedules_with_the_reason():
+    names = GPT_NAMES
+    with pytest.raises(StrategyError, match="1F1B needs at least as many micro-batches"):
+        Layout(dp=1, tp=1, pp=2, micro_batch=4, global_batch=4, schedule="1f1b",
+               stages=(tuple(names[:3]), tuple(names[3:])),
+               layers=tuple(LayerLayout(n) for n in names))
+    with pytest.raises(StrategyError, match="exactly two stages per rank"):
+        Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=8, schedule="zero_bubble",
+               stages=(tuple(names[:3]), tuple(names[3:])),
+               layers=tuple(LayerLayout(n) for n in names))
+
+
+# ---------------------------------------------------------------------- validation
+def test_world_size_mismatch_names_every_factor(gpt_graph):
+    with pytest.raises(StrategyError, match=r"dp=2 x tp=2 x pp=1 x cp=1 = 4, but the world has 2"):
+        resolve_layout(rc.make_gpt(0), _S(dp=2, tp=2), gpt_graph, world_size=2)
+
+
+def test_unknown_layer_names_are_listed(gpt_graph):
+    names = GPT_NAMES[:-2] + ["blocks.9", "post"]
+    bad = Layout(dp=1, tp=1, pp=1, micro_batch=1, global_batch=8, stages=(tuple(names),),
+                 layers=tuple(LayerLayout(n) for n in names))
+    with pytest.raises(PlanMismatchError, match=r"blocks\.9"):
+        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=1)
+
+
+def test_stages_out_of_model_order_are_rejected(gpt_graph):
+    n = GPT_NAMES
+    bad = Layout(dp=1, tp=1, pp=2, micro_batch=2, global_batch=8,
+                 stages=((n[0], n[2], n[1]), tuple(n[3:])), layers=tuple(LayerLayout(x) for x in n))
+    with pytest.raises(PlanMismatchError, match="model order"):
+        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=2)
+
+
+def test_tp_must_divide_heads_and_key_value_heads(llama_graph):
+    # the tiny Llama has 4 query heads but 2 key/value heads: tp=4 cannot shard it
+    with pytest.raises(StrategyError, match="tp=4 does not divide"):
+        resolve_layout(rc.make_llama(0), _S(tp=4), llama_graph, world_size=4)
+
+
+def test_mixed_replicated_and_sharded_layers_in_one_stage_are_rejected(gpt_graph):
+    layers = tuple(LayerLayout(x, zero=3 if x.startswith("blocks") else 0) for x in GPT_NAMES)
+    bad = Layout(dp=2, tp=1, pp=1, micro_batch=1, global_batch=8, stages=(tuple(GPT_NAMES),),
+                 layers=layers)
+    with pytest.raises(PlanMismatchError, match="mixes replicated"):
+        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=2)
+
+
+def test_global_batch_must_agree_and_cp_is_refused(gpt_graph):
+    with pytest.raises(ConfigError, match="global_batch=16 but the strategy says global_batch=8"):
+        resolve_layout(rc.make_gpt(0), _S(dp=2), gpt_graph, world_size=2, global_batch=16)
+    with pytest.raises(StrategyError, match="context parallelism"):
+        resolve_layout(rc.make_gpt(0), _S(cp=2), gpt_graph, world_size=2)
+
+
+def test_parallelize_needs_a_process_group():
+    with pytest.raises(ConfigError, match="init_process_group"):
+        parallelize(rc.make_gpt(0), _S(), seq_len=rc.SEQ)
+
+
+def test_load_of_an_incomplete_checkpoint_is_refused_before_any_collective(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        load_checkpoint(None, tmp_path / "ckpt")
+
+
+# ---------------------------------------------------------------------- plans
+def test_a_searched_plan_becomes_a_layout(gpt_graph):
+    plan = autoplan.Plan.from_strategy(gpt_graph, autoplan.load_cluster("a100-sxm4-80gb"),
+                                       _S(dp=2, tp=2, pp=2, micro_batch=2), devices=tuple(range(8)))
+    lay = layout_from_plan(plan)
+    assert (lay.dp, lay.tp, lay.pp) == (2, 2, 2)
+    assert lay.stages == tuple(s.layers for s in plan.stages)
+    assert lay.mesh_ranks() == tuple(range(8))
+    resolve_layout(rc.make_gpt(0), plan, gpt_graph, world_size=8)
+
+
+# ---------------------------------------------------------------------- pipeline stages
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_stages_chained_compute_the_model_and_keep_parameter_names(name):
+    if name == "llama":
+        pytest.importorskip("transformers")
+    model = rc.MODELS[name](0)
+    adapter = adapter_for(model)
+    ids = rc.make_batch()
+    blocks = rc.layer_names(name)[1:-1]
+    splits = [blocks[:1], blocks[1:3], blocks[3:]]
+    stages = [build_stage_module(model, adapter, b, is_first=i == 0, is_last=i == 2, seq_len=rc.SEQ)
+              for i, b in enumerate(splits)]
+    x = ids
+    for st in stages:
+        x = st(x)
+    torch.testing.assert_close(x, rc._logits(model, ids), atol=0, rtol=0)
+    names = [n for st in stages for n in st.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())
+    # parameters are shared with the model, not copied
+    assert stages[1].get_parameter(f"{blocks[1]}.mlp.{'fc' if name == 'gpt' else 'up_proj'}.weight") \
+        is model.get_parameter(f"{blocks[1]}.mlp.{'fc' if name == 'gpt' else 'up_proj'}.weight")
+
+
+# ---------------------------------------------------------------------- TP plans
+def test_tp_plan_comes_from_the_captured_roles(gpt_graph):
+    model = rc.make_gpt(0)
+    block = gpt_graph.layer("blocks.0")
+    plan = tp_plan(block, model.blocks[0], sequence_parallel=False)
+    assert {k: type(v) for k, v in plan.items()} == {
+        "attn.qkv": ColwiseParallel, "attn.proj": RowwiseParallel,
+        "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
+    sp = tp_plan(block, model.blocks[0], sequence_parallel=True, first_block=True)
+    assert {k: type(v) for k, v in sp.items() if k not in plan} == {
+        "ln_1": SequenceParallel, "ln_2": SequenceParallel, "attn": PrepareModuleInput,
+        "mlp": PrepareModuleInput, "": PrepareModuleInput}
+    post = tp_plan(gpt_graph.layer("post"), model, sequence_parallel=True)
+    assert {k: type(v) for k, v in post.items()} == {"head": ColwiseParallel,
+                                                      "ln_f": SequenceParallel}
+
+
+def test_tp_plan_of_llama_gathers_attention_input_by_keyword(llama_graph):
+    model = rc.make_llama(0)
+    plan = tp_plan(llama_graph.layer("model.layers.0"), model.model.layers[0],
+                   sequence_parallel=True, region_kwargs=adapter_for(model).region_kwargs)
+    assert sorted(k for k, v in plan.items() if isinstance(v, ColwiseParallel)) == [
+        "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    assert plan["self_attn"].input_kwarg_layouts.keys() == {"hidden_states"}
+    assert tp_plan(llama_graph.layer("pre"), model, sequence_parallel=False).keys() == \
+        {"model.embed_tokens"}
+
+
+# ---------------------------------------------------------------------- selective AC
+def test_selective_policy_recomputes_only_the_attention_core():
+    from torch.utils.checkpoint import CheckpointPolicy as P
+
+    aten = torch.ops.aten
+    policy = attention_core_policy(seq_len=16)
+    x, w = torch.zeros(2, 16, 32), torch.zeros(96, 32)
+    q, kt = torch.zeros(8, 16, 8), torch.zeros(8, 8, 16)
+    scores = torch.zeros(8, 16, 16)
+    assert policy(None, aten.addmm.default, torch.zeros(96), x.view(32, 32), w.t()) is P.MUST_SAVE
+    assert policy(None, aten.bmm.default, q, kt) is P.PREFER_RECOMPUTE          # QK^T
+    assert policy(None, aten._softmax.default, scores, -1, False) is P.PREFER_RECOMPUTE
+    assert policy(None, aten.bmm.default, scores, q) is P.PREFER_RECOMPUTE      # attn x V
+    assert policy(None, aten.gelu.default, x) is P.MUST_SAVE

@@ -1,0 +1,135 @@
+"""Parity of parallelized training with a single-process reference (gloo, CPU, fp32).
+
+Every layout trains the tiny GPT or Llama (GQA) for 3 steps on the same global
+batch as the reference; the loss after every step and every parameter after
+steps 1 and 3 must match within ``ATOL = 1e-5`` (see runtime_cases.py).  Each
+test is one spawn that runs many layouts one after another (a spawn costs
+seconds, a layout a fraction of one); the worker raises naming the first layout
+that is off, and the table of errors is printed (``pytest -s``).
+
+Coverage (G = GPT, L = Llama): DP with DDP (G, L); ZeRO-1/2/3 on FSDP2 with
+gradient accumulation (G); TP without and with sequence parallelism (L; G when
+its fused qkv splits by head); recompute full and selective (G, L); DP x TP (L);
+PP with GPipe, 1F1B, interleaved 1F1B and ZBV (G, L); PP x DP and PP x FSDP
+under 1F1B and under ZBV, the combinations where DDP or resharding after
+forward would give wrong gradients (G, L); TP x PP (L); uneven pipeline splits
+(G, L); plans searched by autoplan.plan for a 4-process CPU cluster (G, L).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import runtime_cases as rc
+from dist_harness import run
+from autoplan.strategy import Strategy
+
+pytestmark = pytest.mark.distributed
+
+
+def S(**kw) -> Strategy:
+    return Strategy(global_batch=rc.GLOBAL_BATCH, precision="fp32", **kw)
+
+
+def _report(title: str, results: dict) -> None:
+    print(f"\n{title}")
+    for label, r in results.items():
+        print(f"  {label:28s} loss {r['loss_err']:.1e}  params {r['param_err']:.1e}  "
+              f"{r['seconds']:.2f}s")
+
+
+@pytest.fixture(scope="module")
+def llama_graph() -> str:
+    pytest.importorskip("transformers")
+    return rc.graph_json("llama")
+
+
+@pytest.fixture(scope="module")
+def gpt_graph() -> str:
+    return rc.graph_json("gpt")
+
+
+def test_gpt_parity_2_ranks():
+    # the workers trace the model themselves here (graph=None), as a user's ranks do
+    targets = [
+        ("dp2 (DDP)", S(dp=2)),
+        ("zero1 dp2 x2 micro", S(dp=2, zero=1, micro_batch=2)),
+        ("zero2 dp2 x2 micro", S(dp=2, zero=2, micro_batch=2)),
+        ("zero3 dp2 x2 micro", S(dp=2, zero=3, micro_batch=2)),
+        ("recompute full dp2", S(dp=2, recompute="full")),
+        ("recompute selective zero3", S(dp=2, zero=3, recompute="selective")),
+        ("pp2 gpipe", S(pp=2, micro_batch=2, schedule="gpipe")),
+        ("pp2 1f1b", S(pp=2, micro_batch=2, schedule="1f1b")),
+        ("pp2 interleaved", S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2)),
+        ("pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble")),
+        ("pp2 1f1b recompute sel", S(pp=2, micro_batch=2, recompute="selective")),
+    ]
+    _report("GPT, 2 ranks", run(rc.parity, 2, "gpt", targets)[0])
+
+
+def test_gpt_parity_4_ranks(gpt_graph):
+    targets = [
+        ("dp4 (DDP) x2 micro", S(dp=4, micro_batch=1)),
+        ("zero3 dp4", S(dp=4, zero=3, micro_batch=2)),
+        ("pp2 x dp2 1f1b", S(pp=2, dp=2, micro_batch=2)),
+        ("pp2 x dp2 zbv", S(pp=2, dp=2, micro_batch=1, schedule="zero_bubble")),
+        ("pp2 x zero3 1f1b", S(pp=2, dp=2, zero=3, micro_batch=2)),
+        ("pp2 x zero3 zbv", S(pp=2, dp=2, zero=3, micro_batch=1, schedule="zero_bubble")),
+        ("pp2 x zero1 interleaved", S(pp=2, dp=2, zero=1, micro_batch=1, schedule="interleaved",
+                                      virtual_stages=2)),
+        ("pp4 gpipe", S(pp=4, micro_batch=2, schedule="gpipe")),
+        ("uneven 1|3 x zero2", rc.uneven_layout("gpt", dp=2, zero=2, micro_batch=1)),
+    ]
+    _report("GPT, 4 ranks", run(functools.partial(rc.parity, graph=gpt_graph), 4, "gpt", targets)[0])
+
+
+@pytest.mark.xfail(not rc.gpt_qkv_splits_by_head(), strict=True, reason=(
+    "autoplan/models/gpt.py views its fused qkv as (3, heads, head_dim): a contiguous column "
+    "shard holds q of all heads and part of k, not the q/k/v of whole heads; the model must "
+    "lay the rows out per head (view (heads, 3, head_dim)) for tensor parallelism"))
+def test_gpt_tensor_parallel_parity(gpt_graph):
+    targets = [
+        ("tp2", S(tp=2)),
+        ("tp2 sp", S(tp=2, sequence_parallel=True)),
+        ("tp2 sp recompute sel", S(tp=2, sequence_parallel=True, recompute="selective")),
+    ]
+    _report("GPT TP, 2 ranks", run(functools.partial(rc.parity, graph=gpt_graph), 2, "gpt", targets)[0])
+
+
+def test_llama_parity_2_ranks(llama_graph):
+    targets = [
+        ("dp2 (DDP)", S(dp=2)),
+        ("tp2", S(tp=2)),
+        ("tp2 sp", S(tp=2, sequence_parallel=True)),
+        ("tp2 sp recompute full", S(tp=2, sequence_parallel=True, recompute="full")),
+        ("zero2 recompute selective", S(dp=2, zero=2, micro_batch=2, recompute="selective")),
+        ("pp2 1f1b", S(pp=2, micro_batch=2)),
+        ("pp2 interleaved", S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2)),
+        ("pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble")),
+    ]
+    _report("Llama, 2 ranks", run(functools.partial(rc.parity, graph=llama_graph), 2, "llama", targets)[0])
+
+
+def test_llama_parity_4_ranks(llama_graph):
+    targets = [
+        ("dp2 x tp2", S(dp=2, tp=2)),
+        ("zero3 dp2 x tp2 sp", S(dp=2, tp=2, zero=3, sequence_parallel=True)),
+        ("pp2 x tp2 1f1b", S(pp=2, tp=2, micro_batch=2)),
+        ("pp2 x tp2 sp zbv", S(pp=2, tp=2, micro_batch=1, sequence_parallel=True,
+                               schedule="zero_bubble")),
+        ("pp2 x dp2 gpipe", S(pp=2, dp=2, micro_batch=2, schedule="gpipe")),
+        ("pp2 x zero3 zbv", S(pp=2, dp=2, zero=3, micro_batch=1, schedule="zero_bubble")),
+        ("uneven 1|3 x tp2", rc.uneven_layout("llama", tp=2)),
+    ]
+    _report("Llama, 4 ranks", run(functools.partial(rc.parity, graph=llama_graph), 4, "llama", targets)[0])
+
+
+def test_searched_plans_parity(gpt_graph, llama_graph):
+    """The three best plans autoplan.plan finds for each model on a 4-process CPU cluster."""
+    graphs = {"gpt": gpt_graph, "llama": llama_graph}
+    plans = {name: rc.searched_plans(g) for name, g in graphs.items()}
+    assert all(len(p) >= 1 for p in plans.values())
+    results = run(rc.searched_plans_parity, 4, graphs, plans)[0]
+    _report("plans from autoplan.plan, 4 ranks", results)
