@@ -294,12 +294,13 @@ def zero_bubble_safety(pm) -> list[str]:
 # ---------------------------------------------------------------------- searched plans
 def cpu_cluster(world: int = 4):
     """A one-node cluster of ``world`` CPU processes, from synthetic profiler measurements
-    (matmul at 1e10 FLOP/s, gloo collectives on the ring model at ~1 GB/s and 100 us per
+    (fp32 matmul at 1e10 FLOP/s, bf16 at half that, gloo collectives on the ring model at ~1 GB/s and 100 us per
     step): the shape of what ``autoplan profile --device cpu --nproc 4`` writes."""
     from autoplan.hardware import NodeGroup, compose_cluster
     from autoplan.hardware.profiler import _build_profile
 
-    matmul = {"fp32": [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]}
+    fp32 = [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]
+    matmul = {"fp32": fp32, "bf16": [[n, t * 2] for n, t in fp32]}   # bf16 at half the speed
     ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
               "info": {"name": "Test CPU", "memory_bytes": 8 * 2**30}} for r in range(world)]
     bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
@@ -338,3 +339,90 @@ def searched_plans_parity(rank: int, world: int, graphs: dict[str, str],
             targets.append((f"{name}: {p.summary().split(' on ')[0]}", p))
         out.update(parity(rank, world, name, targets, graph=graphs[name]))
     return out
+
+
+def checkpoint_suite(rank: int, world: int, jobs: list[tuple], graphs: dict[str, str]) -> list:
+    """Run checkpoint jobs in order: ``("save", model, path, target)`` or
+    ``("load", model, path, [(label, target), ...])``."""
+    out = []
+    for kind, model_name, path, what in jobs:
+        if kind == "save":
+            out.append(checkpoint_save(rank, world, model_name, path, what, graphs.get(model_name)))
+        else:
+            out.append(checkpoint_load(rank, world, model_name, path, what, graphs.get(model_name)))
+    return out
+
+
+# ---------------------------------------------------------------------- faults
+def crashed_peer(rank: int, world: int, how: str) -> dict:
+    """Rank 1 crashes (``how="crash"``: exits) or hangs (``"hang"``) after one step; the
+    other ranks' next step must raise, not hang.  Returns how long that took."""
+    from autoplan.runtime import parallelize
+    from autoplan.strategy import Strategy
+
+    pm = parallelize(make_gpt(0), Strategy(dp=world, global_batch=GLOBAL_BATCH, precision="fp32"),
+                     seq_len=SEQ)
+    ids = make_batch()
+    pm.step(ids)
+    dist.barrier()
+    if rank == 1:
+        if how == "crash":
+            os._exit(17)
+        time.sleep(600)
+    t0 = time.monotonic()
+    try:
+        pm.step(ids)
+    except Exception as e:  # noqa: BLE001 - what we are testing for
+        return {"raised": type(e).__name__, "seconds": time.monotonic() - t0, "message": str(e)}
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
+def bad_plans_issue_no_collective(rank: int, world: int) -> dict:
+    """Each rank, alone, asks for a layout that cannot work: it must raise before any
+    collective (the other rank is not participating, so a collective would hang or
+    mismatch).  Then the group is still healthy: a real layout trains."""
+    from autoplan.errors import PlanMismatchError, StrategyError
+    from autoplan.runtime import LayerLayout, Layout, parallelize
+    from autoplan.strategy import Strategy
+
+    errors = {}
+    for turn in range(world):
+        if rank == turn:
+            names = layer_names("gpt")[:-1] + ["blocks.7"]
+            bad = {
+                "unknown layer": Layout(dp=world, tp=1, pp=1, micro_batch=1, global_batch=8,
+                                        stages=(tuple(names),),
+                                        layers=tuple(LayerLayout(n) for n in names)),
+                "degrees vs world": Strategy(dp=2, tp=2, global_batch=8),
+                "tp vs heads": Strategy(dp=1, tp=world, global_batch=8, precision="fp32"),
+            }
+            for what, target in bad.items():
+                model = make_gpt(0, layers=4) if what != "tp vs heads" else _odd_heads_gpt()
+                t0 = time.monotonic()
+                try:
+                    parallelize(model, target, seq_len=SEQ)
+                except (PlanMismatchError, StrategyError) as e:
+                    errors[what] = (type(e).__name__, str(e), time.monotonic() - t0)
+                else:
+                    raise AssertionError(f"{what}: parallelize accepted {target}")
+        dist.barrier()
+    pm = parallelize(make_gpt(0), Strategy(dp=world, global_batch=8, precision="fp32"), seq_len=SEQ)
+    loss = pm.step(make_batch())
+    return {"errors": errors, "loss_after": loss}
+
+
+def _odd_heads_gpt():
+    """A GPT with 3 heads: no even tensor-parallel degree divides it."""
+    from autoplan.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=48, heads=3, layers=2))
+
+
+def cluster_target(rank: int, world: int) -> dict:
+    """``parallelize(model, cluster)`` plans on rank 0 and applies the plan on every rank."""
+    from autoplan.runtime import parallelize
+
+    pm = parallelize(make_gpt(0), cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ)
+    loss = pm.step(make_batch())
+    return {"layout": pm.layout.to_json(), "loss": loss}
