@@ -1,0 +1,48 @@
+"""The example notebooks run from top to bottom, and are committed without outputs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+pytest.importorskip("transformers")
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = ["gpt3_175b_scaling", "heterogeneous", "recompute_zero_tradeoff"]
+BUDGET_S = 120          # per notebook, on two cores
+
+
+def test_the_expected_notebooks_exist():
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_without_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name}.ipynb cell {i} has outputs: clear them before committing"
+            assert cell.execution_count is None, f"{name}.ipynb cell {i} has an execution count"
+    assert "widgets" not in nb.metadata
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs(name):
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=BUDGET_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    t0 = time.perf_counter()
+    client.execute()          # raises CellExecutionError, naming the cell, on any error
+    elapsed = time.perf_counter() - t0
+    assert elapsed < BUDGET_S, f"{name}.ipynb took {elapsed:.0f} s; keep it under {BUDGET_S} s"
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.get("output_type") in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    assert images, f"{name}.ipynb drew no figure"
