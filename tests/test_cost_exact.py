@@ -182,3 +182,32 @@ def test_estimate_round_trips_and_reports():
     table = e.stage_table()
     assert list(table["rank"]) == [0, 1] and table["fits"].all()
     assert "breakdown" in e.report() and "GiB" in e.summary()
+
+
+def _two_speed_cluster():
+    """One fast node (2e12 FLOP/s) and one slow node (1e12), one device each."""
+    from autoplan.cost.toy import toy_profile
+    from autoplan.hardware import NodeGroup, compose_cluster
+    fast = toy_profile(name="fast", devices_per_node=1, peak_flops_per_s=2e12,
+                       inter_bw_bytes_per_s=1e10)
+    slow = toy_profile(name="slow", devices_per_node=1, peak_flops_per_s=1e12,
+                       inter_bw_bytes_per_s=1e10)
+    return compose_cluster([NodeGroup(fast, 1), NodeGroup(slow, 1)], name="two-speed")
+
+
+def test_heterogeneous_replicas_the_slowest_sets_the_step():
+    import dataclasses
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**3)
+    c = _two_speed_cluster()
+    s = Strategy(dp=2, global_batch=4)
+    e = _est(g, c, s)
+    slow_mb = 2 * (FWD_S + BWD_S)                     # both layers on the slow device
+    assert e.breakdown["compute_s"] == pytest.approx(2 * slow_mb, rel=1e-12)
+    assert e.stages[0].device_type == "SLOW"
+    # give the fast replica three of the four sequences: 3 x slow_mb / 2 on it, 1 x on the other
+    plan = Plan.from_strategy(g, c, s)
+    uneven = dataclasses.replace(plan, replica_batch=(3, 1), num_micro_batches=3)
+    u = estimate_plan(g, c, uneven, options=NO_OVERLAP, calibration=None)
+    assert u.breakdown["compute_s"] == pytest.approx(3 * slow_mb / 2, rel=1e-12)
+    assert u.step_time_s < e.step_time_s
+    assert any("replica" in n for n in u.notes)

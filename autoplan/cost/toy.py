@@ -73,7 +73,7 @@ def toy_graph(*, layers: int = 2, fwd_flops: int = 10**9, params: int = 1000,
         attributes={}, layers=recs, templates={"blocks.0": (node,)})
 
 
-def toy_profile(*, devices_per_node: int = 2, peak_flops_per_s: float = 1e12,
+def toy_profile(*, name: str = "toy", devices_per_node: int = 2, peak_flops_per_s: float = 1e12,
                 efficiency: float = 0.5, memory_bytes: int = 2**34,
                 memory_bw_bytes_per_s: float = 1e12, intra_bw_bytes_per_s: float = 1e11,
                 inter_bw_bytes_per_s: float | None = None, latency_s: float = 0.0):
@@ -82,7 +82,7 @@ def toy_profile(*, devices_per_node: int = 2, peak_flops_per_s: float = 1e12,
                             NetworkSpec, NetworkTopology, NodeSpec, Profile)
     perfect = CollectiveEfficiency.uniform(1.0, "toy: perfect")
     device = DeviceType(
-        name="TOY", peak_flops_per_s={"bf16": peak_flops_per_s, "fp32": peak_flops_per_s},
+        name=name.upper(), peak_flops_per_s={"bf16": peak_flops_per_s, "fp32": peak_flops_per_s},
         memory_bytes=memory_bytes, memory_bw_bytes_per_s=memory_bw_bytes_per_s,
         matmul_efficiency={"default": EfficiencyTable(((1.0, efficiency),), "toy: flat")},
         source="toy")
@@ -95,7 +95,7 @@ def toy_profile(*, devices_per_node: int = 2, peak_flops_per_s: float = 1e12,
                               bw_per_nic_bytes_per_s=inter_bw_bytes_per_s, latency_s=latency_s,
                               topology=NetworkTopology.FAT_TREE, oversubscription=1.0,
                               collective_efficiency=perfect, source="toy", latency_source="toy")
-    return Profile(name="toy", description="hand-built toy node", device=device, node=node,
+    return Profile(name=name, description="hand-built toy node", device=device, node=node,
                    network=network)
 
 
