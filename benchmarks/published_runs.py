@@ -512,12 +512,15 @@ def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
     import yaml
     path = path or cost_profiles_dir() / f"{DEFAULT_CALIBRATION}.yaml"
     header = (
-        "# Fitted device figures (autoplan.cost.calibration): one matmul-efficiency curve and\n"
-        "# one collective efficiency per link kind per GPU type, fitted to the published runs\n"
-        "# in ../shared/validation/published_public.csv by `python benchmarks/published_runs.py\n"
-        "# --fit` (written by that command; do not edit by hand).  Curves: [FLOPs of one matmul\n"
-        "# on one device, achieved fraction of the dtype's dense peak].  They belong in the\n"
-        "# device profiles (profiles/<gpu>.yaml) and are applied from here until moved.\n")
+        "# Fitted device figures (autoplan.cost.calibration), per GPU type: one matmul-efficiency\n"
+        "# curve, one fused-attention (FlashAttention) efficiency curve where the runs used it,\n"
+        "# and one collective efficiency per link kind (intra-node, inter-node).  Fitted to the\n"
+        "# published runs in ../shared/validation/published_public.csv by\n"
+        "# `python benchmarks/published_runs.py --fit` (written by that command; do not edit by\n"
+        "# hand).  Curves: [FLOPs of one matmul (attention: of one QK^T product) on one device,\n"
+        "# achieved fraction of the dtype's dense peak].  They belong in the device profiles\n"
+        "# (profiles/<gpu>.yaml) and are applied from here (autoplan.cost's default calibration)\n"
+        "# until moved there.\n")
     data = cal.to_dict()
     path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
     return path

@@ -305,6 +305,8 @@ class CostEngine:
         for l in self.summary.layers:
             self._rep.setdefault(l.template, l)
         self._device_cache: dict[tuple[int, ...], object] = {}
+        self._homogeneous = len(self.cluster.device_types) == 1
+        self._terms: dict[tuple, tuple[float, ...]] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
 
     # ------------------------------------------------------------------ entry points
@@ -437,10 +439,13 @@ class CostEngine:
 
         # replicas with the same device types and micro-batch count cost the same
         signatures: dict[tuple, int] = {}
-        for r in range(lay.dp):
-            sig = (tuple(self._device(self._replica_devices(lay, p, r)).name for p in range(pp)),
-                   lay.replica_micro_batches[r])
-            signatures.setdefault(sig, r)
+        if self._homogeneous and len(set(lay.replica_micro_batches)) == 1:
+            signatures[()] = 0
+        else:
+            for r in range(lay.dp):
+                sig = (tuple(self._device(self._replica_devices(lay, p, r)).name
+                             for p in range(pp)), lay.replica_micro_batches[r])
+                signatures.setdefault(sig, r)
 
         best = None
         for sig, r in signatures.items():
@@ -539,6 +544,82 @@ class CostEngine:
             stages=stages, peak_memory_bytes=peak, fits=bool(fits),
             memory_fraction=opts.memory_fraction, notes=tuple(notes))
 
+    def _layer_terms(self, l: LayerCost, seg: Segment, b: int, cp: int, device, dtype: str,
+                     act_scale: float, tp_group: tuple[int, ...], dp_group: tuple[int, ...],
+                     dp_conc: int | None, cp_pair: tuple[int, ...], zero_degree: int,
+                     pb: int, gb: int) -> tuple[float, ...]:
+        """Everything one layer adds to its rank, per micro-batch (see the module docstring).
+
+        Returns ``(fwd, bwd, recompute, wgrad, tp_total, tp_exposed, cp_total, cp_exposed,
+        zero_total, zero_exposed, F, B, local_params, gather_unit, act_bytes, whole_bytes)``
+        where ``F``/``B`` are the forward/backward time with exposed communication and
+        ``act_bytes``/``whole_bytes`` the saved activations with/without recompute.
+        """
+        s = self.summary
+        opts = self.options
+        t = seg.tp
+        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype)
+        rc = 0.0
+        if seg.recompute is Recompute.FULL and l.is_block:
+            rc = f
+        elif seg.recompute is Recompute.SELECTIVE and l.is_block and not opts.fused_attention:
+            rc = core
+        # tensor-parallel collectives of one layer
+        tf = tb = 0.0
+        if t > 1:
+            colls = l.sp_collectives if seg.sequence_parallel else l.tp_collectives
+            for op, phase, nbytes in colls:
+                dt = self._collective(op, tp_group, nbytes * b * act_scale / cp)
+                if phase == "forward":
+                    tf += dt
+                else:
+                    tb += dt
+        if seg.recompute is Recompute.FULL and l.is_block:
+            tb += tf   # the recomputed forward runs its collectives again
+        if opts.tp_comm_overlap:
+            ef, eb = max(0.0, tf - f), max(0.0, tb - bw - rc)
+        else:
+            ef, eb = tf, tb
+        # context parallelism: ring exchange of key/value blocks
+        cf = cb = cp_exp = 0.0
+        if cp > 1 and core > 0 and l.is_block:
+            kv = s.kv_bytes_per_token * act_scale * (s.seq_len / cp) * b  # type: ignore[operator]
+            step = self._collective("p2p", cp_pair, kv / t)
+            cf, cb = (cp - 1) * step, 2 * (cp - 1) * step
+            if seg.recompute is Recompute.FULL:
+                cb += cf
+            cp_exp = max(0.0, cf - core) + max(0.0, cb - 2 * core)
+        # ZeRO: parameters of this layer on this device
+        local = l.sharded_params / t + (l.params - l.sharded_params)
+        if opts.zero3_gather_unit == "module":
+            unit = l.largest_module_params / (t if l.largest_module_sharded else 1)
+        else:
+            unit = local
+        lf = f + ef + (max(0.0, cf - core) if cf else 0.0)
+        lb = bw + rc + eb + (max(0.0, cb - 2 * core) if cb else 0.0)
+        fwd_exp = bwd_exp = z_tot = 0.0
+        if seg.zero >= 2 and zero_degree > 1 and local > 0:
+            rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc)
+            ag = self._collective("all_gather", dp_group, local * pb, dp_conc) \
+                if seg.zero == 3 else 0.0
+            # backward: one gather, or two when the recomputed forward gathers again
+            ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
+                               seg.recompute is Recompute.FULL and l.is_block) else 1)
+            if opts.overlap_param_gather:
+                fwd_exp = max(0.0, ag - lf)
+                bwd_exp = max(0.0, ag_b + rs - lb)
+            else:
+                fwd_exp, bwd_exp = ag, ag_b + rs
+            z_tot = ag + ag_b + rs
+        # activations
+        act = self._activation(l, t, seg.sequence_parallel, seg.recompute, cp) * b * act_scale
+        whole = act
+        if seg.recompute is Recompute.FULL and l.is_block:
+            # the layer being recomputed holds all it saves, its checkpoint included
+            whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp) * b * act_scale
+        return (f, bw, rc, wg, tf + tb, ef + eb, cf + cb, cp_exp, z_tot, fwd_exp + bwd_exp,
+                lf + fwd_exp, lb + bwd_exp, local, unit, act, whole)
+
     @staticmethod
     def _replica_devices(lay: Layout, p: int, r: int) -> tuple[int, ...]:
         n = lay.cp * lay.rank_tp[p]
@@ -557,6 +638,7 @@ class CostEngine:
         dp_group = all_devs[0::tp_stage]                   # same tp index: dp x cp members
         zero_degree = len(dp_group)
         dp_conc = self._dp_concurrency(dp_group)
+        dp_key = (dp_group[0], len(dp_group), hash(dp_group))
         cp_pair = (rep[0], rep[tp_stage]) if cp > 1 else ()
         ev = _RankEval(device_type=device.name, layers=0)
         ev.capacity = float(device.memory_bytes)
@@ -577,80 +659,35 @@ class CostEngine:
                 for template, count in self._counts(seg.lo, seg.hi):
                     l = self._rep[template]
                     ev.layers += count
-                    f, bw, core, wg = self._time(template, b, t, cp, device, dtype)
+                    key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
+                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_pair)
+                    terms = self._terms.get(key)
+                    if terms is None:
+                        terms = self._layer_terms(l, seg, b, cp, device, dtype, act_scale,
+                                                  tp_group, dp_group, dp_conc, cp_pair,
+                                                  zero_degree, pb, gb)
+                        self._terms[key] = terms
+                    (f, bw, rc, wg, tp_tot, tp_exp, cp_tot, cp_exp, z_tot, z_exp, lf, lb,
+                     local, unit, act, whole) = terms
                     ev.fwd_compute += count * f
                     ev.bwd_compute += count * bw
-                    ev.wgrad += count * wg
-                    rc = 0.0
-                    if seg.recompute is Recompute.FULL and l.is_block:
-                        rc = f
-                    elif seg.recompute is Recompute.SELECTIVE and l.is_block and \
-                            not opts.fused_attention:
-                        rc = core
                     ev.recompute += count * rc
-                    # tensor-parallel collectives of one layer
-                    tf = tb = 0.0
-                    if t > 1:
-                        colls = l.sp_collectives if seg.sequence_parallel else l.tp_collectives
-                        for op, phase, nbytes in colls:
-                            dt = self._collective(op, tp_group, nbytes * b * act_scale / cp)
-                            if phase == "forward":
-                                tf += dt
-                            else:
-                                tb += dt
-                    if seg.recompute is Recompute.FULL and l.is_block:
-                        tb += tf   # the recomputed forward runs its collectives again
-                    if opts.tp_comm_overlap:
-                        ef, eb = max(0.0, tf - f), max(0.0, tb - bw - rc)
-                    else:
-                        ef, eb = tf, tb
-                    ev.tp_total += count * (tf + tb)
-                    ev.tp_exposed += count * (ef + eb)
-                    # context parallelism: ring exchange of key/value blocks
-                    cf = cb = 0.0
-                    if cp > 1 and core > 0 and l.is_block:
-                        kv = s.kv_bytes_per_token * act_scale * (s.seq_len / cp) * b  # type: ignore[operator]
-                        step = self._collective("p2p", cp_pair, kv / t)
-                        cf, cb = (cp - 1) * step, 2 * (cp - 1) * step
-                        if seg.recompute is Recompute.FULL:
-                            cb += cf
-                        ev.cp_total += count * (cf + cb)
-                        ev.cp_exposed += count * (max(0.0, cf - core) + max(0.0, cb - 2 * core))
-                    # ZeRO: parameters of this layer on this device
-                    local = (l.sharded_params / t + (l.params - l.sharded_params))
+                    ev.wgrad += count * wg
+                    ev.tp_total += count * tp_tot
+                    ev.tp_exposed += count * tp_exp
+                    ev.cp_total += count * cp_tot
+                    ev.cp_exposed += count * cp_exp
+                    ev.zero_total += count * z_tot
+                    ev.zero_exposed += count * z_exp
+                    ev.fwd += count * lf
+                    ev.bwd += count * lb
                     params_by_zero[seg.zero] += count * local
-                    if opts.zero3_gather_unit == "module":
-                        unit = l.largest_module_params / (t if l.largest_module_sharded else 1)
-                    else:
-                        unit = local
                     max_layer_params = max(max_layer_params, unit)
-                    lf = f + ef + (max(0.0, cf - core) if cf else 0.0)
-                    lb = bw + rc + eb + (max(0.0, cb - 2 * core) if cb else 0.0)
-                    fwd_exp = bwd_exp = 0.0
-                    if seg.zero >= 2 and zero_degree > 1 and local > 0:
-                        rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc)
-                        ag = self._collective("all_gather", dp_group, local * pb, dp_conc) \
-                            if seg.zero == 3 else 0.0
-                        # backward: one gather, or two when the recomputed forward gathers again
-                        ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
-                                           seg.recompute is Recompute.FULL and l.is_block) else 1)
-                        if opts.overlap_param_gather:
-                            fwd_exp = max(0.0, ag - lf)
-                            bwd_exp = max(0.0, ag_b + rs - lb)
-                        else:
-                            fwd_exp, bwd_exp = ag, ag_b + rs
-                        ev.zero_total += count * (ag + ag_b + rs)
-                        ev.zero_exposed += count * (fwd_exp + bwd_exp)
-                    ev.fwd += count * (lf + fwd_exp)
-                    ev.bwd += count * (lb + bwd_exp)
-                    # activations
-                    act = self._activation(l, t, seg.sequence_parallel, seg.recompute, cp)
-                    act_per_mb += count * act * b * act_scale
-                    shared = max(shared, l.shared_input_bytes * b * act_scale / cp)
-                    if seg.recompute is Recompute.FULL and l.is_block:
-                        # the layer being recomputed holds all it saves, its checkpoint included
-                        whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp)
-                        work = max(work, (whole - act) * b * act_scale)
+                    act_per_mb += count * act
+                    if whole > act:
+                        work = max(work, whole - act)
+                    if l.shared_input_bytes:
+                        shared = max(shared, l.shared_input_bytes * b * act_scale / cp)
                     if l.tied_params and s.tied_owner.get(l.index) is not None:
                         owner = s.tied_owner[l.index]
                         if not any(sg.lo <= owner < sg.hi for ch in chunks for sg in ch):
