@@ -19,6 +19,20 @@ from .search import plan, plan_diff, replan
 
 __all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster", "compose_cluster",
            "available_profiles", "Cluster", "Strategy", "estimate", "estimate_plan", "Estimate",
-           "plan", "Plan", "replan", "plan_diff", "__version__"]
+           "plan", "Plan", "replan", "plan_diff", "parallelize", "ParallelModel", "whatif",
+           "__version__"]
+
+# Heavier entry points load on first use: the runtime pulls in torch.distributed's
+# tensor/FSDP/pipelining stacks, the reports pandas plotting and matplotlib.
+_LAZY = {"parallelize": ".runtime", "ParallelModel": ".runtime", "whatif": ".report"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
 
 __version__ = "0.1.0"

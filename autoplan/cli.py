@@ -255,6 +255,42 @@ def _build_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _read_plan(path: str):
+    from .plan import Plan
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise _UsageError(f"cannot read plan file {path!r}: {exc.strerror}") from None
+    return Plan.from_json(text)
+
+
+def _cmd_emit(args: argparse.Namespace) -> int:
+    import os
+    from .emit import emit_script, launch_commands
+    from .records import atomic_write_text
+    from .zoo import build_model, parse_model_args
+    plan = _read_plan(args.plan)
+    overrides = parse_model_args(args.model_arg)
+    build_model(args.model, overrides)          # fail now, not on the cluster, for a bad spec
+    name = os.path.basename(args.out)
+    atomic_write_text(args.out, emit_script(plan, args.model, overrides, name))
+    os.chmod(args.out, 0o755)
+    cmds = launch_commands(plan, name)
+    _emit(args, {"script": args.out, "commands": cmds},
+          f"wrote {args.out} for {plan.summary()}\nlaunch it with (one line per node):\n"
+          + "\n".join(f"  {c}" for c in cmds))
+    return 0
+
+
+def _build_emit(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="a plan JSON file (autoplan plan ... --out plan.json)")
+    p.add_argument("--model", required=True, help="the model spec the plan was made for")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", default="train.py", help="the script to write (default train.py)")
+    p.add_argument("--json", action="store_true")
+
+
 def _cmd_profile(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from .hardware import profiler
     return int(profiler.main(list(rest)))
@@ -280,6 +316,7 @@ _register("demo", "plan GPT-3 175B on 1024 A100 GPUs (offline) and explain the c
 _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd_trace)
 _register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
 _register("plan", "search the fastest layout that fits", _build_plan, _cmd_plan)
+_register("emit", "write a torchrun training script for a plan", _build_emit, _cmd_emit)
 
 
 def build_parser() -> argparse.ArgumentParser:

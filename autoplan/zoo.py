@@ -94,7 +94,8 @@ def _closest(name: str, names: list[str]) -> str:
     return f"; did you mean {', '.join(near)}?" if near else ""
 
 
-def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtype: torch.dtype) -> nn.Module:
+def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtype: torch.dtype,
+              device: str = "meta") -> nn.Module:
     try:
         import transformers as tf
     except ImportError:
@@ -117,7 +118,7 @@ def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtyp
         head = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
     auto = {"causal": tf.AutoModelForCausalLM, "masked": tf.AutoModelForMaskedLM,
             "seq2seq": tf.AutoModelForSeq2SeqLM}[head]
-    with torch.device("meta"):
+    with torch.device(device):
         try:
             model = auto.from_config(config)
         except ValueError:
@@ -125,14 +126,14 @@ def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtyp
     return model.to(dtype)
 
 
-def _gpt_model(overrides: dict[str, Any], dtype: torch.dtype) -> nn.Module:
+def _gpt_model(overrides: dict[str, Any], dtype: torch.dtype, device: str = "meta") -> nn.Module:
     from .models import GPT, GPTConfig
     try:
         cfg = GPTConfig(**overrides)
     except TypeError as exc:
         fields = list(GPTConfig.__dataclass_fields__)
         raise ConfigError(f"bad --model-arg for gpt: {exc}; fields are {fields}") from None
-    with torch.device("meta"):
+    with torch.device(device):
         return GPT(cfg).to(dtype)
 
 
@@ -155,8 +156,12 @@ def _file_model(spec: str, overrides: dict[str, Any]) -> nn.Module:
 
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, int | None]:
+                dtype: torch.dtype = torch.bfloat16, device: str = "meta") -> tuple[nn.Module, int | None]:
     """Build the model a spec names; returns ``(model, default_seq_len)``.
+
+    ``device="meta"`` (the default) allocates nothing: enough to trace and plan a model
+    of any size.  A real device (``"cpu"``, ``"cuda"``) initialises real weights, from
+    the current torch seed, for training.
 
     Examples
     --------
@@ -171,14 +176,16 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None,
             raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO))}; "
                               f"available: {', '.join(sorted(ZOO))}")
         entry = ZOO[name]
-        return _hf_model(entry.model_type, {**entry.config, **overrides}, entry.head, dtype), entry.seq_len
+        return _hf_model(entry.model_type, {**entry.config, **overrides}, entry.head, dtype,
+                         device), entry.seq_len
     if spec.startswith("hf:"):
-        return _hf_model(spec[3:], overrides, None, dtype), None
+        return _hf_model(spec[3:], overrides, None, dtype, device), None
     if spec == "gpt" or spec.startswith("gpt:"):
-        model = _gpt_model(overrides, dtype)
+        model = _gpt_model(overrides, dtype, device)
         return model, model.config.seq_len
     if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
-        return _file_model(spec, overrides), None
+        model = _file_model(spec, overrides)
+        return (model if device == "meta" else model.to(device=device, dtype=dtype)), None
     raise ConfigError(f"cannot understand model spec {spec!r}: use zoo:<name> "
                       f"({', '.join(sorted(ZOO))}), hf:<model_type>, gpt, or path/to/file.py:factory"
                       f"{_closest('zoo:' + spec, ['zoo:' + z for z in ZOO])}")
