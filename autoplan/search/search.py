@@ -60,7 +60,8 @@ class SearchSpace:
     schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
                                        Schedule.ZERO_BUBBLE, Schedule.GPIPE)
     virtual_stages: tuple[int, ...] = (2, 4)
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    micro_batches: tuple[int, ...] | None = None   # None: every divisor of the replica batch
+    max_micro_batch: int = 64
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     sequence_parallel: tuple[bool, ...] = (True, False)
@@ -334,7 +335,15 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -
                 dp = rest // pp
                 if dp > global_batch:
                     continue
-                for mb in space.micro_batches:
+                per_replica = global_batch // dp
+                if space.micro_batches is not None:
+                    mbs = [mb for mb in space.micro_batches if mb <= per_replica]
+                else:   # every divisor (what an expert would try), plus powers of two for
+                    # batches that split unevenly over the replicas
+                    mbs = sorted({d for d in _divisors(per_replica) if d <= space.max_micro_batch}
+                                 | {2 ** i for i in range(7) if 2 ** i <= min(per_replica,
+                                                                             space.max_micro_batch)})
+                for mb in mbs:
                     if dp * mb > global_batch:
                         continue
                     m = global_batch // (dp * mb)
