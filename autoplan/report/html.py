@@ -15,6 +15,8 @@ import html
 import os
 from typing import Any
 
+import numpy as np
+
 from .. import __version__
 from ..cost.result import BREAKDOWN_KEYS
 from ..errors import ConfigError
@@ -43,7 +45,7 @@ def _esc(value: Any) -> str:
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, (bool,)) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, float):
         if value == 0.0:
