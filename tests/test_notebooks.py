@@ -15,7 +15,9 @@ pytest.importorskip("transformers")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = ["gpt3_175b_scaling", "heterogeneous", "recompute_zero_tradeoff"]
-BUDGET_S = 120          # per notebook, on two cores
+# Each notebook runs in 15-35 s on two idle cores; the bound only catches a notebook
+# that has grown pathological, with room for a loaded CI machine.
+BUDGET_S = 300
 
 
 def test_the_expected_notebooks_exist():
