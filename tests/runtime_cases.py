@@ -46,19 +46,25 @@ def make_gpt(seed: int = 0, layers: int = 4, attention: str = "eager", tie: bool
                          attention=attention, tie_embeddings=tie))
 
 
-def make_llama(seed: int = 0, layers: int = 4):
+def make_llama(seed: int = 0, layers: int = 4, tie: bool = False):
     """A tiny Llama with grouped-query attention (4 query heads, 2 key/value heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=64, tie_word_embeddings=False)
+                      max_position_embeddings=64, tie_word_embeddings=tie)
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)
 
 
-MODELS: dict[str, Callable] = {"gpt": make_gpt, "llama": make_llama}
+MODELS: dict[str, Callable] = {
+    "gpt": make_gpt,
+    "llama": make_llama,
+    # input embedding and output head share one weight
+    "gpt-tied": lambda seed=0: make_gpt(seed, tie=True),
+    "llama-tied": lambda seed=0: make_llama(seed, tie=True),
+}
 
 
 def make_batch(seed: int = 1234, global_batch: int | None = None, seq: int = SEQ) -> torch.Tensor:
@@ -105,24 +111,31 @@ def _graph(graph: str | None):
     return ModelGraph.from_json(graph) if graph else None
 
 
-def parity(rank: int, world: int, model_name: str, targets: list[tuple[str, Any]],
+def parity(rank: int, world: int, model_name: str, targets: list[tuple],
            steps: int = 3, check_steps: tuple[int, ...] = (1, 3),
-           graph: str | None = None) -> dict[str, dict[str, float]]:
+           graph: str | dict[str, str] | None = None) -> dict[str, dict[str, float]]:
     """Run every ``(label, target)`` for ``steps`` steps against the reference.
 
-    Returns, per label, the max abs loss and parameter error and the seconds
-    taken.  Raises AssertionError naming the layout and the worst tensor when
-    anything is off by more than ATOL.
+    A target may name another model as a third item, ``(label, target, model)``;
+    ``graph`` is one capture (JSON) or a dict of them by model name (a model
+    without one is traced by the workers).  Returns, per label, the max abs
+    loss and parameter error and the seconds taken.  Raises AssertionError
+    naming the layout and the worst tensor when anything is off by more than ATOL.
     """
     from autoplan.runtime import parallelize
 
-    ref = reference(model_name, steps)
+    refs: dict[str, dict] = {}
     ids = make_batch()
-    g = _graph(graph)
+    graphs = graph if isinstance(graph, dict) else {model_name: graph}
     out: dict[str, dict[str, float]] = {}
-    for label, target in targets:
+    for label, target, *which in targets:
+        name = which[0] if which else model_name
+        if name not in refs:
+            refs[name] = reference(name, steps)
+        ref = refs[name]
+        g = _graph(graphs.get(name))
         t0 = time.perf_counter()
-        model = MODELS[model_name](0)
+        model = MODELS[name](0)
         pm = parallelize(model, target, seq_len=SEQ, optimizer=make_optimizer, graph=g)
         if pm.layout.pp > 1 and pm.layout.schedule.value == "zero_bubble":
             unsafe = zero_bubble_safety(pm)
@@ -157,7 +170,7 @@ def parity(rank: int, world: int, model_name: str, targets: list[tuple[str, Any]
 
 
 def layer_names(model_name: str, layers: int = 4) -> list[str]:
-    stack = {"gpt": "blocks", "llama": "model.layers"}[model_name]
+    stack = {"gpt": "blocks", "llama": "model.layers"}[model_name.split("-")[0]]
     return ["pre"] + [f"{stack}.{i}" for i in range(layers)] + ["post"]
 
 

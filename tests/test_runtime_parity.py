@@ -13,7 +13,9 @@ its fused qkv splits by head); recompute full and selective (G, L); DP x TP (L);
 PP with GPipe, 1F1B, interleaved 1F1B and ZBV (G, L); PP x DP and PP x FSDP
 under 1F1B and under ZBV, the combinations where DDP or resharding after
 forward would give wrong gradients (G, L); TP x PP (L); uneven pipeline splits
-(G, L); plans searched by autoplan.plan for a 4-process CPU cluster (G, L).
+(G, L); tied input/output embeddings split over pipeline stages, also on one rank
+under ZBV and with TP (G, L); plans searched by autoplan.plan for a 4-process CPU
+cluster (G, L).
 """
 
 from __future__ import annotations
@@ -41,14 +43,14 @@ def _report(title: str, results: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_graph() -> str:
+def llama_graph() -> dict[str, str]:
     pytest.importorskip("transformers")
-    return rc.graph_json("llama")
+    return {name: rc.graph_json(name) for name in ("llama", "llama-tied")}
 
 
 @pytest.fixture(scope="module")
-def gpt_graph() -> str:
-    return rc.graph_json("gpt")
+def gpt_graph() -> dict[str, str]:
+    return {name: rc.graph_json(name) for name in ("gpt", "gpt-tied")}
 
 
 def test_gpt_parity_2_ranks():
@@ -65,6 +67,10 @@ def test_gpt_parity_2_ranks():
         ("pp2 interleaved", S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2)),
         ("pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble")),
         ("pp2 1f1b recompute sel", S(pp=2, micro_batch=2, recompute="selective")),
+        # embedding and head share a weight: split over stages, or on one rank under ZBV
+        ("tied: dp2 (DDP)", S(dp=2), "gpt-tied"),
+        ("tied: pp2 1f1b", S(pp=2, micro_batch=2), "gpt-tied"),
+        ("tied: pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble"), "gpt-tied"),
     ]
     _report("GPT, 2 ranks", run(rc.parity, 2, "gpt", targets)[0])
 
@@ -81,6 +87,8 @@ def test_gpt_parity_4_ranks(gpt_graph):
                                       virtual_stages=2)),
         ("pp4 gpipe", S(pp=4, micro_batch=2, schedule="gpipe")),
         ("uneven 1|3 x zero2", rc.uneven_layout("gpt", dp=2, zero=2, micro_batch=1)),
+        ("tied: pp2 x zero3 1f1b", S(pp=2, dp=2, zero=3, micro_batch=2), "gpt-tied"),
+        ("tied: pp2 x dp2 zbv", S(pp=2, dp=2, micro_batch=1, schedule="zero_bubble"), "gpt-tied"),
     ]
     _report("GPT, 4 ranks", run(functools.partial(rc.parity, graph=gpt_graph), 4, "gpt", targets)[0])
 
@@ -122,13 +130,16 @@ def test_llama_parity_4_ranks(llama_graph):
         ("pp2 x dp2 gpipe", S(pp=2, dp=2, micro_batch=2, schedule="gpipe")),
         ("pp2 x zero3 zbv", S(pp=2, dp=2, zero=3, micro_batch=1, schedule="zero_bubble")),
         ("uneven 1|3 x tp2", rc.uneven_layout("llama", tp=2)),
+        ("tied: dp2 x tp2 sp", S(dp=2, tp=2, sequence_parallel=True), "llama-tied"),
+        ("tied: pp2 x tp2 sp zbv", S(pp=2, tp=2, micro_batch=1, sequence_parallel=True,
+                                     schedule="zero_bubble"), "llama-tied"),
     ]
     _report("Llama, 4 ranks", run(functools.partial(rc.parity, graph=llama_graph), 4, "llama", targets)[0])
 
 
 def test_searched_plans_parity(gpt_graph, llama_graph):
     """The three best plans autoplan.plan finds for each model on a 4-process CPU cluster."""
-    graphs = {"gpt": gpt_graph, "llama": llama_graph}
+    graphs = {"gpt": gpt_graph["gpt"], "llama": llama_graph["llama"]}
     plans = {name: rc.searched_plans(g) for name, g in graphs.items()}
     assert all(len(p) >= 1 for p in plans.values())
     results = run(rc.searched_plans_parity, 4, graphs, plans)[0]

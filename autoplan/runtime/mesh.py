@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .layout import Layout
 
-__all__ = ["build_mesh", "mesh_coordinates"]
+__all__ = ["build_mesh", "mesh_coordinates", "rank_at"]
 
 
 def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
@@ -37,3 +37,12 @@ def mesh_coordinates(layout: Layout, rank: int | None = None) -> dict[str, int]:
         coords[d] = rank % sizes[d]
         rank //= sizes[d]
     return coords
+
+
+def rank_at(layout: Layout, **coords: int) -> int:
+    """The process rank at mesh coordinates ``coords`` (``pp=``, ``dp=``, ``tp=``)."""
+    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    pos = 0
+    for d in layout.mesh_dims:
+        pos = pos * sizes[d] + coords[d]
+    return layout.mesh_ranks()[pos]

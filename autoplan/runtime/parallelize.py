@@ -37,8 +37,8 @@ from .ac import apply_ac
 from .adapters import Adapter, adapter_for, is_hf, model_output
 from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import Layout, check_layout, layout_from_plan, layout_from_strategy
-from .mesh import build_mesh, mesh_coordinates
-from .pipeline import build_schedule, build_stage_module, make_stage
+from .mesh import build_mesh, mesh_coordinates, rank_at
+from .pipeline import TiedGrads, build_schedule, build_stage_module, cross_stage_ties, make_stage
 from .tp import apply_tp
 
 __all__ = ["parallelize", "ParallelModel", "resolve_layout"]
@@ -200,6 +200,8 @@ class ParallelModel:
     schedule: Any = None
     stages: list = field(default_factory=list)
     steps: int = 0
+    tied: Any = None                     # TiedGrads of cross-stage tied parameters
+    aliases: dict[str, str] = field(default_factory=dict)   # stage copy -> canonical name
 
     # ------------------------------------------------------------ coordinates
     @property
@@ -278,6 +280,8 @@ class ParallelModel:
                 kwargs = {"target": targets, "losses": losses}
             args = (inputs,) if self.holds_input else ()
             self.schedule.step(*args, **kwargs)
+            if self.tied is not None:
+                self.tied()
             local = (torch.stack([l.detach().double() for l in losses]).mean()
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
         for opt in self.optimizers:
@@ -322,10 +326,40 @@ class ParallelModel:
                                 flatten_optimizer_state_dict=True)
         sd: dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers):
-            sd.update(get_optimizer_state_dict(part, opt, options=opts))
+            sd.update(self._canonical(get_optimizer_state_dict(part, opt, options=opts)))
         # copies: the optimizer updates its state tensors (e.g. Adam's step) in place
         return self._gather_to_rank0({k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                       for k, v in sd.items()})
+
+    def _canonical(self, optim_sd: dict[str, Any]) -> dict[str, Any]:
+        """Optimizer keys of a tied parameter's stage copy under the parameter's canonical
+        name, as a layout without the copy names it (the copies hold equal state)."""
+        if not self.aliases:
+            return optim_sd
+        out = {}
+        for key, value in optim_sd.items():
+            kind, _, rest = key.partition(".")
+            for alias, canonical in self.aliases.items():
+                if rest.startswith(alias + "."):
+                    key = f"{kind}.{canonical}{rest[len(alias):]}"
+                    break
+            out[key] = value
+        return out
+
+    def _aliased(self, optim_sd: dict[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`_canonical`: canonical keys also under each copy's name,
+        as copies (``Optimizer.load_state_dict`` keeps the tensors it is given, and two
+        optimizers stepping one state tensor would update it twice)."""
+        if not self.aliases:
+            return optim_sd
+        out = dict(optim_sd)
+        for key, value in optim_sd.items():
+            kind, _, rest = key.partition(".")
+            for alias, canonical in self.aliases.items():
+                if rest.startswith(canonical + "."):
+                    out[f"{kind}.{alias}{rest[len(canonical):]}"] = (
+                        value.detach().clone() if isinstance(value, torch.Tensor) else value)
+        return out
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Sharded model and optimizer state for torch.distributed.checkpoint, keyed by the
@@ -336,14 +370,14 @@ class ParallelModel:
         for part, opt in zip(self.parts, self.optimizers):
             m, o = get_state_dict(part, opt, options=opts)
             model_sd.update(m)
-            optim_sd.update(o)
+            optim_sd.update(self._canonical(o))
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
         for part, opt in zip(self.parts, self.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=opts)
+                           optim_state_dict=self._aliased(state["optim"]), options=opts)
 
     def save(self, path: str) -> None:
         from .checkpoint import save_checkpoint
@@ -427,9 +461,6 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         if stack != {adapter.blocks}:
             raise PlanMismatchError(f"the captured block stacks {sorted(stack)} are not the "
                                     f"{adapter.family} adapter's {adapter.blocks!r}")
-        if _tied_param_names(model):
-            raise ConfigError(f"tied parameters {_tied_param_names(model)} cannot be split over "
-                              "pipeline stages by this runtime; untie them or use pp=1")
         if not seq_len:
             raise ConfigError("pipeline parallelism needs seq_len")
     for l in layout.layers:
@@ -458,11 +489,15 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         stage_ids = layout.local_stages(coords["pp"])
         parts, part_layers = [], []
         n = layout.num_stages
+        # tied parameters the split separates (embedding and head): a copy per stage
+        ties = cross_stage_ties(model, adapter, layout.stages, kinds)
+        copied = [name for tie in ties for name in tie.names]
         for s in stage_ids:
             names = list(layout.stages[s])
             parts.append(build_stage_module(
                 model, adapter, [x for x in names if kinds[x] is LayerKind.BLOCK],
-                is_first=s == 0, is_last=s == n - 1, seq_len=seq_len, autocast_dtype=autocast))
+                is_first=s == 0, is_last=s == n - 1, seq_len=seq_len, autocast_dtype=autocast,
+                copy_params=copied))
             part_layers.append(names)
 
     region_kwargs = adapter.region_kwargs if adapter is not None else {}
@@ -502,6 +537,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         pm.stages = [make_stage(p, s, layout.num_stages, torch.device("cpu"), group)
                      for p, s in zip(parts, stage_ids)]
         pm.schedule = build_schedule(layout.schedule, pm.stages, layout.num_micro_batches, loss_fn)
+        if ties:
+            pm.tied = TiedGrads(
+                ties, dict(zip(stage_ids, parts)), layout.stage_ranks(),
+                rank_of=lambda r: rank_at(layout, pp=r, dp=coords["dp"], tp=coords["tp"]),
+                all_pairs=lambda pps: [tuple(sorted(rank_at(layout, pp=r, dp=d, tp=t) for r in pps))
+                                       for d in range(layout.dp) for t in range(layout.tp)])
+            pm.aliases = {n: tie.canonical for tie in ties for n in tie.names[1:]}
     return pm
 
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -33,10 +34,13 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from torch.distributed.tensor import DTensor
+
 from ..strategy import Schedule
 from .adapters import Adapter
 
-__all__ = ["StageModule", "build_stage_module", "build_schedule"]
+__all__ = ["StageModule", "build_stage_module", "build_schedule", "CrossStageTie",
+           "cross_stage_ties", "TiedGrads"]
 
 
 class StageModule(nn.Module):
@@ -76,11 +80,16 @@ def _set(root: nn.Module, path: str, value: nn.Module | None) -> None:
 
 def build_stage_module(model: nn.Module, adapter: Adapter, block_names: Sequence[str], *,
                        is_first: bool, is_last: bool, seq_len: int,
-                       autocast_dtype: torch.dtype | None = None) -> StageModule:
+                       autocast_dtype: torch.dtype | None = None,
+                       copy_params: Sequence[str] = ()) -> StageModule:
     """A :class:`StageModule` holding ``block_names`` (full layer names such as
     ``"model.layers.3"``), plus the embedding if first and the head if last.
-    Parameters and buffers are shared with ``model``, not copied."""
-    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    Parameters and buffers are shared with ``model``, not copied, except
+    ``copy_params`` (tied parameters that other stages hold too: each stage
+    gets its own copy, kept equal by :class:`TiedGrads`)."""
+    private = {id(model.get_parameter(n)) for n in copy_params}
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())
+            if id(t) not in private}
     root = copy.deepcopy(model, memo)
     stack = root.get_submodule(adapter.blocks)
     keep = nn.ModuleDict()
@@ -102,6 +111,113 @@ def build_stage_module(model: nn.Module, adapter: Adapter, block_names: Sequence
     for name, b in root.named_buffers(recurse=False):
         stage.register_buffer(name, b)
     return stage
+
+
+# ---------------------------------------------------------------------- tied weights
+@dataclass(frozen=True)
+class CrossStageTie:
+    """Parameter names that are one tied parameter in the model but fall into different
+    pipeline stages (an input embedding tied to the output head).  ``canonical`` is the
+    name state dicts use (the model's first name for it); ``stages[i]`` holds ``names[i]``."""
+
+    names: tuple[str, ...]
+    stages: tuple[int, ...]
+
+    @property
+    def canonical(self) -> str:
+        return self.names[0]
+
+
+def cross_stage_ties(model: nn.Module, adapter: Adapter, stages: Sequence[Sequence[str]],
+                     kinds: dict) -> list[CrossStageTie]:
+    """The tied parameters of ``model`` that the pipeline split separates."""
+    from ..graph import LayerKind
+
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if full not in owners.setdefault(id(p), []):
+                owners[id(p)].append(full)
+    first_name = {id(p): n for n, p in model.named_parameters()}
+    stage_of_layer = {name: s for s, layer_names in enumerate(stages) for name in layer_names}
+    pre = [n for n in stage_of_layer if kinds[n] is LayerKind.PRE]
+    post = [n for n in stage_of_layer if kinds[n] is LayerKind.POST]
+
+    def stage_of(fqn: str) -> int:
+        if fqn.startswith(adapter.blocks + "."):
+            idx = fqn[len(adapter.blocks) + 1:].split(".")[0]
+            return stage_of_layer[f"{adapter.blocks}.{idx}"]
+        if any(fqn.startswith(m + ".") for m in adapter.pre):
+            return stage_of_layer[pre[0]] if pre else 0
+        if any(fqn.startswith(m + ".") for m in adapter.post):
+            return stage_of_layer[post[0]] if post else len(stages) - 1
+        raise ValueError(f"cannot place parameter {fqn!r} in a pipeline stage")
+
+    ties = []
+    for pid, names in owners.items():
+        if len(names) < 2:
+            continue
+        names = sorted(names, key=lambda n: n != first_name[pid])   # canonical first
+        where = tuple(stage_of(n) for n in names)
+        if len(set(where)) > 1:
+            ties.append(CrossStageTie(tuple(names), where))
+    return ties
+
+
+class TiedGrads:
+    """Keeps the stage copies of cross-stage tied parameters equal (Megatron-LM's
+    embedding group, Shoeybi et al. 2019): after backward, each copy's gradient is
+    replaced by the sum over the copies, so every copy takes the same optimizer step.
+    Copies on one rank (the V-shaped zero-bubble schedule puts the first and the last
+    stage together) are summed locally; copies on two ranks by an all-reduce over a
+    two-rank group of the same data- and tensor-parallel coordinates."""
+
+    def __init__(self, ties: Sequence[CrossStageTie], local: dict[int, nn.Module],
+                 stage_rank: Sequence[int], rank_of: Callable[[int], int],
+                 all_pairs: Callable[[tuple[int, ...]], list[tuple[int, ...]]]) -> None:
+        """``local``: stage index -> wrapped stage module on this rank; ``stage_rank``: pipeline
+        rank of each stage; ``rank_of(pp_rank)``: this rank's peer on that pipeline rank;
+        ``all_pairs(pp_ranks)``: every global rank group to create for those pipeline ranks,
+        in the same order on every rank (``new_group`` is collective)."""
+        import torch.distributed as dist
+
+        self.items: list[tuple[list[tuple[nn.Module, str]], Any]] = []
+        for tie in ties:
+            pp_ranks = tuple(sorted({stage_rank[s] for s in tie.stages}))
+            group = None
+            if len(pp_ranks) > 1:
+                mine = tuple(sorted(rank_of(r) for r in pp_ranks))
+                for members in all_pairs(pp_ranks):
+                    g = dist.new_group(list(members))
+                    if members == mine:
+                        group = g
+            holders = [(local[s], n) for s, n in zip(tie.stages, tie.names) if s in local]
+            if holders:
+                self.items.append((holders, group))
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        for holders, group in self.items:
+            params = [m.get_parameter(n) for m, n in holders]
+            locals_ = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                    # e.g. a vocab-parallel embedding's gradient comes out replicated
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                g = p.grad
+                locals_.append(g.to_local() if isinstance(g, DTensor) else g)
+            total = locals_[0].clone()
+            for g in locals_[1:]:
+                total += g
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for g in locals_:
+                g.copy_(total)
 
 
 def build_schedule(schedule: Schedule, stages: list[PipelineStage], num_micro_batches: int,
