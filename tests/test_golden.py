@@ -57,7 +57,7 @@ CASES = [
     Case("gpt3-1.3b-v100-x32", "zoo:gpt3-1.3b", 2048, "v100-sxm2-32gb", 4, 256,
          "the same model on four V100 nodes"),
     Case("llama3-70b-h100-x16", "zoo:llama3-70b", 4096, "h100-sxm5-80gb", 2, 64,
-         "H100 nodes; a 70B model on 16 GPUs needs model parallelism"),
+         "H100 nodes; a 70B model on 16 GPUs needs model (and pipeline) parallelism"),
     Case("llama3-70b-mixed-a100-v100", "zoo:llama3-70b", 4096, "mixed-a100-v100", None, 256,
          "heterogeneous cluster: blocks split by device type"),
     Case("llama3-70b-two-sites", "zoo:llama3-70b", 4096, "two-sites", None, 256,
@@ -69,7 +69,7 @@ CASES = [
     Case("gpt3-175b-a100-x128", "zoo:gpt3-175b", 2048, "a100-sxm4-80gb", 16, 512,
          "GPT-3 175B on 128 GPUs"),
     Case("gpt3-175b-a100-x1024", "zoo:gpt3-175b", 2048, "a100-sxm4-80gb", 128, 1536,
-         "GPT-3 175B on 1024 GPUs at the published batch (pipeline parallel)"),
+         "GPT-3 175B on 1024 GPUs at the published batch"),
     Case("gpt3-175b-a100-x16-infeasible", "zoo:gpt3-175b", 2048, "a100-sxm4-80gb", 2, 64,
          "infeasible: the planner's reason is recorded"),
 ]
