@@ -291,6 +291,92 @@ def _build_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _parse_price(items: list[str] | None):
+    if not items:
+        return None
+    if len(items) == 1 and "=" not in items[0]:
+        return float(items[0])
+    prices = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise _UsageError(f"--price takes one number or TYPE=PRICE pairs, got {item!r}")
+        prices[key] = float(value)
+    return prices
+
+
+def _cmd_whatif(args: argparse.Namespace) -> int:
+    from .records import atomic_write_text
+    from .report import whatif
+    from .zoo import build_model, parse_model_args
+    model, default_seq = build_model(args.model, parse_model_args(args.model_arg))
+    seqs = args.seq_len or ([default_seq] if default_seq else None)
+    if not seqs:
+        raise _UsageError(f"{args.model} needs --seq-len")
+    nodes = args.nodes or [None]
+    clusters = [(args.cluster, n) if n is not None else args.cluster for n in nodes]
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    df = whatif(model, clusters=clusters, global_batch=args.global_batch, seq_len=seqs,
+                price_per_gpu_hour=_parse_price(args.price), memory_fraction=args.memory_fraction,
+                top_k=args.top_k, progress=progress)
+    if args.csv:
+        atomic_write_text(args.csv, df.to_csv(index=False))
+    if args.json:
+        sys.stdout.write(df.to_json(orient="records") + "\n")
+    else:
+        sys.stdout.write(df.to_string(index=False) + "\n")
+    return 0
+
+
+def _build_whatif(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="zoo:<name>, hf:<model_type>, gpt, or path/to/file.py:factory")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--cluster", required=True, help="a shipped profile name or a YAML path")
+    p.add_argument("--nodes", type=int, nargs="+", help="node counts to compare")
+    p.add_argument("--global-batch", type=int, nargs="+", required=True)
+    p.add_argument("--seq-len", type=int, nargs="+")
+    p.add_argument("--price", nargs="+", help="price per GPU-hour: one number or TYPE=PRICE pairs")
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--memory-fraction", type=float, default=0.9)
+    p.add_argument("--csv", help="also write the table as CSV")
+    p.add_argument("--json", action="store_true")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_plan_report
+    from .search import plan as make_plan
+    cluster = _load_cluster(args)
+    if args.plan:
+        best = _read_plan(args.plan)
+        graph = None
+    else:
+        if not args.model:
+            raise _UsageError("report needs a MODEL (to plan) or --plan PLAN.json")
+        if args.global_batch is None:
+            raise _UsageError("report MODEL needs --global-batch")
+        graph = _trace_cached(args, args.json)
+        with _Step("searching layouts", args.json):
+            best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k)
+    if args.out:
+        write_plan_report(best, args.out, cluster=cluster, graph=graph, figures=not args.no_figures)
+    _emit(args, {"plan": best.to_dict(), "html": args.out},
+          best.report() + (f"\n\nHTML report written to {args.out}" if args.out else ""))
+    return 0
+
+
+def _build_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="model spec to plan (or give --plan)")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--plan", help="report on this plan JSON instead of planning")
+    _add_cluster_args(p)
+    p.add_argument("--global-batch", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=3)
+    p.add_argument("--out", help="write a self-contained HTML report here")
+    p.add_argument("--no-figures", action="store_true", help="HTML without figures")
+    p.add_argument("--json", action="store_true")
+
+
 def _cmd_profile(args: argparse.Namespace, rest: Sequence[str]) -> int:
     from .hardware import profiler
     return int(profiler.main(list(rest)))
@@ -317,6 +403,9 @@ _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd
 _register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
 _register("plan", "search the fastest layout that fits", _build_plan, _cmd_plan)
 _register("emit", "write a torchrun training script for a plan", _build_emit, _cmd_emit)
+_register("report", "a plan's report as text and self-contained HTML", _build_report, _cmd_report)
+_register("whatif", "compare clusters, batches and sequence lengths in one table",
+          _build_whatif, _cmd_whatif)
 
 
 def build_parser() -> argparse.ArgumentParser:

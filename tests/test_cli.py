@@ -58,6 +58,26 @@ def test_demo_runs_offline():
     assert data["published"]["estimate"]["step_time_s"] >= plan.estimate.step_time_s
 
 
+def test_whatif_json_and_csv(tmp_path: Path):
+    csv = tmp_path / "w.csv"
+    out = run("whatif", *GPT[:-2], "--seq-len", "64", "--cluster", "a100-sxm4-80gb", "--nodes", "1",
+              "2", "--global-batch", "16", "--price", "2.5", "--csv", str(csv), "--json")
+    rows = json.loads(out.stdout)
+    assert [r["gpus"] for r in rows] == [8, 16]
+    for r in rows:
+        assert r["cost_per_hour"] == pytest.approx(2.5 * r["gpus"])
+    assert csv.read_text().splitlines()[0].startswith("model,")
+
+
+def test_report_html(tmp_path: Path):
+    html = tmp_path / "plan.html"
+    out = run("report", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "16", "--out",
+              str(html), "--json")
+    assert Plan.from_dict(json.loads(out.stdout)["plan"]).estimate.fits
+    text = html.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
+
+
 def test_profile_help():
     out = run("profile", "--help")
     assert "--quick" in out.stdout
