@@ -439,3 +439,43 @@ def cluster_target(rank: int, world: int) -> dict:
     pm = parallelize(make_gpt(0), cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ)
     loss = pm.step(make_batch())
     return {"layout": pm.layout.to_json(), "loss": loss}
+
+
+# ---------------------------------------------------------------------- a model without tokens
+def mlp_parity(rank: int, world: int, targets: list[tuple[str, Any]], steps: int = 3) -> dict:
+    """SmallMLP regression (inputs, targets) with an MSE loss_fn, against the reference."""
+    from torch.nn import functional as F
+
+    from autoplan.models import SmallMLP
+    from autoplan.runtime import parallelize
+
+    def make():
+        torch.manual_seed(0)
+        return SmallMLP(inputs=16, hidden=32, outputs=4, depth=3)
+
+    g = torch.Generator().manual_seed(5)
+    batch = (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g))
+    ref_model = make()
+    opt = make_optimizer(ref_model.parameters())
+    ref_losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(ref_model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_losses.append(loss.item())
+    out = {}
+    for label, target in targets:
+        t0 = time.perf_counter()
+        pm = parallelize(make(), target, example_inputs=batch[0][:1], loss_fn=F.mse_loss,
+                         optimizer=make_optimizer)
+        loss_err = max(abs(pm.step(batch) - r) for r in ref_losses)   # steps in order
+        sd = pm.full_state_dict()
+        param_err = 0.0
+        if rank == 0:
+            param_err = max(_max_err(sd[k], v) for k, v in ref_model.state_dict().items())
+        if loss_err > ATOL or param_err > ATOL:
+            raise AssertionError(f"{label}: loss off by {loss_err:.3g}, params by {param_err:.3g}")
+        out[label] = {"loss_err": loss_err, "param_err": param_err,
+                      "seconds": time.perf_counter() - t0}
+    return out

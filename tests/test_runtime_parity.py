@@ -144,3 +144,13 @@ def test_searched_plans_parity(gpt_graph, llama_graph):
     assert all(len(p) >= 1 for p in plans.values())
     results = run(rc.searched_plans_parity, 4, graphs, plans)[0]
     _report("plans from autoplan.plan, 4 ranks", results)
+
+
+def test_model_without_tokens_parity():
+    """An nn.Sequential MLP with a user loss_fn and (inputs, targets) batches."""
+    targets = [
+        ("dp2 (DDP)", S(dp=2)),
+        ("zero3 dp2 x2 micro", S(dp=2, zero=3, micro_batch=2)),
+        ("zero1 recompute full", S(dp=2, zero=1, micro_batch=2, recompute="full")),
+    ]
+    _report("SmallMLP, 2 ranks", run(rc.mlp_parity, 2, targets)[0])

@@ -43,6 +43,8 @@ def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh
     """``fully_shard`` every layer module (with its ZeRO stage), then the root, which
     takes the parameters no layer owns (embeddings, final norm, head)."""
     for module, zero in layers:
+        if not any(True for _ in module.parameters()):
+            continue   # nothing to shard (an activation layer of an nn.Sequential)
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3 and not no_reshard)
         module._autoplan_zero = zero  # type: ignore[attr-defined]
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3 and not no_reshard)

@@ -12,8 +12,6 @@ collective, so every rank raises the same error and none is left waiting.
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -30,11 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture import token_cross_entropy
-from ..errors import ConfigError, PlanMismatchError, StrategyError
+from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
+from ..hardware import Cluster
+from ..plan import Plan
 from ..strategy import Precision, Recompute, Schedule, Strategy
 from .ac import apply_ac
-from .adapters import Adapter, adapter_for, is_hf, model_output
+from .adapters import adapter_for, is_hf, model_output
 from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import Layout, check_layout, layout_from_plan, layout_from_strategy
 from .mesh import build_mesh, mesh_coordinates, rank_at
@@ -78,17 +78,6 @@ def _check_graph(model: nn.Module, graph: ModelGraph, seq_len: int | None) -> No
                                 f"is built for seq_len={seq_len}")
 
 
-def _tied_param_names(model: nn.Module) -> list[list[str]]:
-    seen: dict[int, list[str]] = {}
-    for mname, m in model.named_modules(remove_duplicate=False):
-        for pname, p in m.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            seen.setdefault(id(p), [])
-            if full not in seen[id(p)]:
-                seen[id(p)].append(full)
-    return [v for v in seen.values() if len(v) > 1]
-
-
 # ---------------------------------------------------------------------- targets
 def resolve_layout(model: nn.Module, target: Any, graph: ModelGraph, *, world_size: int,
                    global_batch: int | None = None) -> Layout:
@@ -114,11 +103,7 @@ def resolve_layout(model: nn.Module, target: Any, graph: ModelGraph, *, world_si
 
 
 def _layout_from_other(model, target, graph, world_size, global_batch) -> Layout:
-    try:
-        from ..plan import Plan
-    except ImportError:  # the planner is not installed in this checkout
-        Plan = None
-    if Plan is not None and isinstance(target, Plan):
+    if isinstance(target, Plan):
         if global_batch is not None and global_batch != target.global_batch:
             raise ConfigError(f"global_batch={global_batch} but the plan says "
                               f"global_batch={target.global_batch}; they must agree")
@@ -126,23 +111,18 @@ def _layout_from_other(model, target, graph, world_size, global_batch) -> Layout
             raise PlanMismatchError(f"the plan was made for seq_len={target.seq_len}, the program "
                                     f"is built for seq_len={graph.seq_len}")
         return layout_from_plan(target)
-    if type(target).__name__ == "Cluster":
+    if isinstance(target, Cluster):
         if global_batch is None:
             raise ConfigError("parallelize(model, cluster) needs global_batch to plan for")
-        search = _planner()
-        if search is None:
-            raise ConfigError("parallelize(model, cluster) plans first with autoplan.plan, which "
-                              "is not available in this version; pass a Plan, an "
-                              "autoplan.Strategy or an autoplan.runtime.Layout")
-        return layout_from_plan(_plan_on_rank0(search, graph, target, global_batch))
+        return layout_from_plan(_plan_on_rank0(graph, target, global_batch))
     raise ConfigError(f"target must be an autoplan.Strategy, Plan, Cluster or "
                       f"autoplan.runtime.Layout, got {type(target).__name__}")
 
 
-def _plan_on_rank0(search, graph: ModelGraph, cluster, global_batch: int):
+def _plan_on_rank0(graph: ModelGraph, cluster: Cluster, global_batch: int) -> Plan:
     """Rank 0 searches (a time-bounded search need not agree across ranks) and every
     rank gets its plan, or its error, by broadcast: the one collective before validation."""
-    from ..plan import Plan
+    from ..search import plan as search
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -156,14 +136,6 @@ def _plan_on_rank0(search, graph: ModelGraph, cluster, global_batch: int):
     if kind == "error":
         raise payload
     return Plan.from_json(payload)
-
-
-def _planner():
-    """``autoplan.plan`` (the search), when this installation has it."""
-    import autoplan
-
-    fn = getattr(autoplan, "plan", None)
-    return fn if callable(fn) else None
 
 
 # ---------------------------------------------------------------------- the program
@@ -244,10 +216,11 @@ class ParallelModel:
         return inputs[d * n:(d + 1) * n], targets[d * n:(d + 1) * n]
 
     def _autocast(self):
-        p = self.layout.precision
-        if p is Precision.FP32:
+        """bf16 autocast for ``precision="bf16"`` (fp32 master weights and optimizer)."""
+        if self.layout.precision is Precision.FP32:
             return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=torch.bfloat16 if p is Precision.BF16 else torch.float16)
+        device_type = next(self.parts[0].parameters()).device.type
+        return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = part(input_ids=x, use_cache=False) if self.hf else part(x)
@@ -405,22 +378,27 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     Parameters
     ----------
     model : nn.Module
-        The full model, identical on every rank (same initialisation); it is
-        modified in place (without pipelining) or split (with it).
+        The full model, materialised and identical on every rank (same
+        initialisation).  Without pipelining it is modified in place; with it,
+        each rank builds its stages from it (sharing its tensors); do not use
+        it afterwards.
     target : Strategy, Layout, Plan or Cluster
         A uniform :class:`~autoplan.Strategy` to apply, a per-layer
-        :class:`Layout`, a searched ``Plan``, or a ``Cluster`` to plan for.
+        :class:`Layout`, a searched :class:`~autoplan.Plan`, or a
+        :class:`~autoplan.Cluster` to plan for (rank 0 runs the search and
+        broadcasts the plan).
     global_batch : int, optional
-        Sequences per step; must agree with the target's.
+        Sequences per step; must agree with the target's (required for a Cluster).
     seq_len : int, optional
         Tokens per sequence of a token model (default: the model's context).
     example_inputs : optional
         One micro-batch of inputs, for non-token models.
     loss_fn : callable, optional
-        ``loss_fn(output, targets) -> scalar`` averaged over the batch; default
+        ``loss_fn(output, targets) -> scalar``, a mean over the batch; default
         next-token cross-entropy (as Hugging Face computes with ``labels=input_ids``).
     optimizer : callable, optional
-        ``optimizer(params) -> torch.optim.Optimizer``; default AdamW.
+        ``optimizer(params) -> torch.optim.Optimizer``, called once per local
+        stage; default ``torch.optim.AdamW``.
     graph : ModelGraph, optional
         ``autoplan.trace(model, seq_len=...)``, when the caller has it (the
         planner does); otherwise every rank traces the model (~1-3 s).
@@ -428,6 +406,19 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     Returns
     -------
     ParallelModel
+
+    Raises
+    ------
+    StrategyError, PlanMismatchError, ConfigError
+        Before any collective, on every rank alike, when the target does not
+        fit the world size, the model, the batch or the schedule.
+
+    Notes
+    -----
+    Failures of other ranks: a crashed rank closes its connections and the
+    others' next collective raises at once; a hung rank makes them raise
+    after the process group's timeout, which is the one given to
+    ``init_process_group(timeout=...)`` (the mesh's groups inherit it).
 
     Examples
     --------
@@ -438,21 +429,49 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("parallelize() runs inside a torch.distributed job: call "
                           "torch.distributed.init_process_group first (e.g. under torchrun)")
-    world = dist.get_world_size()
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError("the model has parameters on the meta device; materialise and "
+                          "initialise it (identically on every rank) before parallelize()")
     if graph is None:
         graph = _graph_of(model, seq_len, example_inputs)
     else:
         _check_graph(model, graph, seq_len)
-    if seq_len is None:
-        seq_len = graph.seq_len
-    layout = resolve_layout(model, target, graph, world_size=world, global_batch=global_batch)
-    adapter = adapter_for(model)
-    hf = is_hf(model)
+    seq_len = seq_len or graph.seq_len
+    layout = resolve_layout(model, target, graph, world_size=dist.get_world_size(),
+                            global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
+    _check_program(model, graph, layout, seq_len, token_model, loss_fn)
+    loss_fn = loss_fn or _next_token_loss
+    optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+    # ---- no collective before this point (but for a Cluster's plan broadcast)
+    device = next(model.parameters()).device
+    mesh = build_mesh(layout, device.type)
+    if layout.pp == 1:
+        stage_ids: tuple[int, ...] = (0,)
+        parts, ties = [model], []
+    else:
+        stage_ids = layout.local_stages(mesh_coordinates(layout)["pp"])
+        parts, ties = _build_stages(model, graph, layout, stage_ids, seq_len)
+    for i, s in enumerate(stage_ids):
+        parts[i] = _apply_parallelisms(parts[i], layout.stages[s], model, graph, layout, mesh,
+                                       seq_len)
+    pm = ParallelModel(layout=layout, mesh=mesh, parts=parts,
+                       optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
+                       seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
+                       hf=is_hf(model))
+    if layout.pp > 1:
+        _attach_pipeline(pm, stage_ids, ties, device)
+    return pm
+
+
+def _check_program(model: nn.Module, graph: ModelGraph, layout: Layout, seq_len: int | None,
+                   token_model: bool, loss_fn: Callable | None) -> None:
+    """What the layout needs from this model beyond its layer names (no collective)."""
     if layout.precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
     if layout.pp > 1:
+        adapter = adapter_for(model)
         if adapter is None:
             raise ConfigError(f"pipeline parallelism needs to know how to split a "
                               f"{type(model).__name__}; the runtime knows the package GPT and "
@@ -463,88 +482,81 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
                                     f"{adapter.family} adapter's {adapter.blocks!r}")
         if not seq_len:
             raise ConfigError("pipeline parallelism needs seq_len")
-    for l in layout.layers:
-        if l.recompute is Recompute.SELECTIVE and not seq_len:
-            raise ConfigError("selective recompute needs seq_len (it finds the attention core "
-                              "by its two sequence dimensions)")
-    if loss_fn is None:
-        if not token_model:
-            raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
-        loss_fn = _next_token_loss
-    optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+    if not seq_len and any(l.recompute is Recompute.SELECTIVE for l in layout.layers):
+        raise ConfigError("selective recompute needs seq_len (it finds the attention core "
+                          "by its two sequence dimensions)")
+    if loss_fn is None and not token_model:
+        raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
 
-    # ---- no collective before this point
-    mesh = build_mesh(layout)
-    coords = mesh_coordinates(layout)
+
+def _build_stages(model: nn.Module, graph: ModelGraph, layout: Layout,
+                  stage_ids: Sequence[int], seq_len: int) -> tuple[list[nn.Module], list]:
+    """This rank's pipeline stage modules, and the tied parameters the split separates
+    (an embedding tied to the head: each stage gets its own copy)."""
+    adapter = adapter_for(model)
     kinds = {l.name: l.kind for l in graph.layers}
-    blocks_in_order = [l.name for l in graph.layers if l.kind is LayerKind.BLOCK]
-    first_block = blocks_in_order[0] if blocks_in_order else None
+    ties = cross_stage_ties(model, adapter, layout.stages, kinds)
+    copied = [name for tie in ties for name in tie.names]
     autocast = None if layout.precision is Precision.FP32 else torch.bfloat16
+    n = layout.num_stages
+    parts = [build_stage_module(model, adapter,
+                                [x for x in layout.stages[s] if kinds[x] is LayerKind.BLOCK],
+                                is_first=s == 0, is_last=s == n - 1, seq_len=seq_len,
+                                autocast_dtype=autocast, copy_params=copied)
+             for s in stage_ids]
+    return parts, ties
 
-    if layout.pp == 1:
-        parts = [model]
-        part_layers = [list(layout.layer_names)]
-        stage_ids: tuple[int, ...] = (0,)
-    else:
-        stage_ids = layout.local_stages(coords["pp"])
-        parts, part_layers = [], []
-        n = layout.num_stages
-        # tied parameters the split separates (embedding and head): a copy per stage
-        ties = cross_stage_ties(model, adapter, layout.stages, kinds)
-        copied = [name for tie in ties for name in tie.names]
-        for s in stage_ids:
-            names = list(layout.stages[s])
-            parts.append(build_stage_module(
-                model, adapter, [x for x in names if kinds[x] is LayerKind.BLOCK],
-                is_first=s == 0, is_last=s == n - 1, seq_len=seq_len, autocast_dtype=autocast,
-                copy_params=copied))
-            part_layers.append(names)
 
-    region_kwargs = adapter.region_kwargs if adapter is not None else {}
-    for i, (part, names) in enumerate(zip(parts, part_layers)):
-        # tensor / sequence parallelism
-        if layout.tp > 1:
-            apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
-                     sequence_parallel=layout.sequence_parallel, first_block=first_block,
-                     region_kwargs=region_kwargs)
-        # activation checkpointing, per block
-        for x in names:
-            rc = layout.layer(x).recompute
-            if kinds[x] is LayerKind.BLOCK and rc is not Recompute.NONE:
-                _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
-        # data parallelism
-        if layout.dp > 1:
-            zeros = [layout.layer(x).zero for x in names]
-            if max(zeros) == 0:
-                if layout.pp == 1 and layout.tp == 1:
-                    part = apply_ddp(part, mesh["dp"])
-                else:
-                    part = apply_replicate(part, mesh["dp"])
-            else:
-                block_mods = [(part.get_submodule(x), layout.layer(x).zero)
-                              for x in names if kinds[x] is LayerKind.BLOCK]
-                others = [layout.layer(x).zero for x in names if kinds[x] is not LayerKind.BLOCK]
-                no_reshard = layout.pp > 1 and layout.schedule is Schedule.ZERO_BUBBLE
-                apply_fsdp(part, block_mods, mesh["dp"], root_zero=max(others or zeros),
-                           no_reshard=no_reshard)
-        parts[i] = part
+def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
+                        graph: ModelGraph, layout: Layout, mesh: DeviceMesh,
+                        seq_len: int | None) -> nn.Module:
+    """Tensor/sequence parallelism, then activation checkpointing, then data parallelism
+    on one part (the model or a stage) holding the layers ``names``."""
+    kinds = {l.name: l.kind for l in graph.layers}
+    blocks = [x for x in names if kinds[x] is LayerKind.BLOCK]
+    if layout.tp > 1:
+        adapter = adapter_for(model)
+        first_block = next((l.name for l in graph.layers if l.kind is LayerKind.BLOCK), None)
+        apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
+                 sequence_parallel=layout.sequence_parallel, first_block=first_block,
+                 region_kwargs=adapter.region_kwargs if adapter is not None else {})
+    for x in blocks:
+        rc = layout.layer(x).recompute
+        if rc is not Recompute.NONE:
+            _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
+    if layout.dp == 1:
+        return part
+    zeros = [layout.layer(x).zero for x in names]
+    if max(zeros) == 0:
+        if layout.pp == 1 and layout.tp == 1:
+            return apply_ddp(part, mesh["dp"])
+        # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
+        return apply_replicate(part, mesh["dp"])
+    others = [layout.layer(x).zero for x in names if kinds[x] is not LayerKind.BLOCK]
+    apply_fsdp(part, [(part.get_submodule(x), layout.layer(x).zero) for x in blocks], mesh["dp"],
+               root_zero=max(others or zeros),
+               # resharding after forward gives wrong gradients under zero-bubble schedules
+               no_reshard=layout.pp > 1 and layout.schedule is Schedule.ZERO_BUBBLE)
+    return part
 
-    optimizers = [optimizer(p.parameters()) for p in parts]
-    pm = ParallelModel(layout=layout, mesh=mesh, parts=parts, optimizers=optimizers, graph=graph,
-                       seq_len=seq_len, loss_fn=loss_fn, token_model=token_model, hf=hf)
-    if layout.pp > 1:
-        group = mesh["pp"].get_group()
-        pm.stages = [make_stage(p, s, layout.num_stages, torch.device("cpu"), group)
-                     for p, s in zip(parts, stage_ids)]
-        pm.schedule = build_schedule(layout.schedule, pm.stages, layout.num_micro_batches, loss_fn)
-        if ties:
-            pm.tied = TiedGrads(
-                ties, dict(zip(stage_ids, parts)), layout.stage_ranks(),
-                rank_of=lambda r: rank_at(layout, pp=r, dp=coords["dp"], tp=coords["tp"]),
-                all_pairs=lambda pps: [tuple(sorted(rank_at(layout, pp=r, dp=d, tp=t) for r in pps))
-                                       for d in range(layout.dp) for t in range(layout.tp)])
-            pm.aliases = {n: tie.canonical for tie in ties for n in tie.names[1:]}
-    return pm
+
+def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
+                     device: torch.device) -> None:
+    """torch pipeline stages and schedule over this rank's parts, and the gradient sum of
+    tied parameters split over stages."""
+    layout, mesh = pm.layout, pm.mesh
+    group = mesh["pp"].get_group()
+    pm.stages = [make_stage(p, s, layout.num_stages, device, group)
+                 for p, s in zip(pm.parts, stage_ids)]
+    pm.schedule = build_schedule(layout.schedule, pm.stages, layout.num_micro_batches, pm.loss_fn)
+    if ties:
+        coords = mesh_coordinates(layout)
+        pm.tied = TiedGrads(
+            ties, dict(zip(stage_ids, pm.parts)), layout.stage_ranks(),
+            rank_of=lambda r: rank_at(layout, pp=r, dp=coords["dp"], tp=coords["tp"]),
+            all_pairs=lambda pps: [tuple(sorted(rank_at(layout, pp=r, dp=d, tp=t) for r in pps))
+                                   for d in range(layout.dp) for t in range(layout.tp)])
+        pm.aliases = {n: tie.canonical for tie in ties for n in tie.names[1:]}
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
