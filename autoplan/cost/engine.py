@@ -17,6 +17,10 @@ and backward times of all its chunks:
   profile (:meth:`DeviceType.efficiency`).  The backward of a matmul runs two
   matmuls of the forward's size (input and weight gradients), so it is priced at
   the forward's efficiency.
+* **memory-bound operators** (norms, activations, softmax, residual adds,
+  copies; the roofline of Williams et al. 2009): the bytes each captured node
+  without FLOPs reads and writes, over the device's memory bandwidth, twice that
+  in the backward; sharded like the activations they touch.
 * **recompute** (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): full
   recompute re-runs each block's forward (and its tensor-parallel collectives)
   before its backward; selective recompute re-runs only the attention core.
@@ -82,8 +86,14 @@ from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
 from .summary import GraphSummary, LayerCost, summarize
 
-__all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "layout_from_strategy",
+__all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "ELEMENTWISE_BACKWARD_FACTOR",
+           "layout_from_strategy",
            "layout_from_plan", "Layout", "Segment"]
+
+#: Backward bytes of a memory-bound operator per forward byte: it reads the output
+#: gradient and what it saved and writes the input gradient (about twice the forward's
+#: one read and one write; Korthikanti et al. 2022 count the same saved tensors).
+ELEMENTWISE_BACKWARD_FACTOR = 2.0
 
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
@@ -370,14 +380,16 @@ class CostEngine:
             self._template_counts[key] = c
         return c
 
-    def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str
-              ) -> tuple[float, float, float, float]:
+    def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
+              sp: bool = False) -> tuple[float, float, float, float]:
         """``(forward, backward, core forward, weight-gradient)`` seconds of one layer.
 
-        Each node: ``flops / (peak * efficiency(flops))`` on one device.
+        Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
+        each memory-bound node: the bytes it reads and writes over the device's memory
+        bandwidth, :data:`ELEMENTWISE_BACKWARD_FACTOR` times that in the backward.
         """
         fused = self.options.fused_attention
-        key = (template, b, tp, cp, device.name, dtype, fused)
+        key = (template, b, tp, cp, device.name, dtype, fused, sp)
         hit = self._template_time.get(key)
         if hit is not None:
             return hit
@@ -407,6 +419,15 @@ class CostEngine:
                 wgrad += tb / 2
             fwd += tf
             bwd += tb
+        # memory-bound operators (norms, activations, softmax, adds): bytes / bandwidth
+        rep, shd, quad = self.summary.elementwise[template]
+        if fused:
+            quad = 0.0      # inside the attention kernel
+        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp
+        ew = moved / device.memory_bw_bytes_per_s
+        fwd += ew
+        bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
+        core += quad * b / (tp * cp) / device.memory_bw_bytes_per_s   # softmax, mask, dropout
         hit = (fwd, bwd, core, wgrad)
         self._template_time[key] = hit
         return hit
@@ -558,7 +579,7 @@ class CostEngine:
         s = self.summary
         opts = self.options
         t = seg.tp
-        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype)
+        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype, seg.sequence_parallel)
         rc = 0.0
         if seg.recompute is Recompute.FULL and l.is_block:
             rc = f

@@ -29,6 +29,12 @@ _SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.EXPERT
 # Fused attention operators: the whole attention core in one node.
 _FUSED_ATTENTION_TARGETS = ("scaled_dot_product", "flash_attention", "efficient_attention",
                             "cudnn_attention")
+# Operators that only re-label memory (no kernel, no traffic).
+_FREE_OPS = ("view", "_unsafe_view", "alias", "transpose", "permute", "expand", "aten.t.",
+             "getitem", "unbind", "split", "chunk", "select", "slice", "squeeze", "unsqueeze",
+             "detach", "unflatten", "lift_fresh", "as_strided", "_reshape_alias")
+# Operators that are free on a contiguous input and a copy on a transposed one.
+_MAYBE_COPY_OPS = ("reshape", "flatten")
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1}
 
@@ -102,6 +108,11 @@ class GraphSummary:
         :class:`LayerCost` per layer, in execution order.
     ``templates``
         ``{template: tuple of MatmulNode}``.
+    ``elementwise``
+        ``{template: (replicated, tp_sharded, quadratic)}`` bytes per sequence that the
+        template's memory-bound operators (no FLOPs counted: norms, activations,
+        softmax, residual adds, copies) read and write in the forward pass;
+        ``quadratic`` is the attention core's ``s x s`` part.
     ``activation_bytes``
         Bytes per element of the captured activations (``graph.param_dtype``).
     ``causal``
@@ -120,6 +131,7 @@ class GraphSummary:
         self.causal = graph.objective.startswith("next-token")
         mb = graph.micro_batch
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
+        self.elementwise: dict[str, tuple[float, float, float]] = {}
         layers = []
         owners = _param_owners(graph)
         streams = _stream_bytes(graph)
@@ -127,6 +139,8 @@ class GraphSummary:
             if rec.template not in self.templates:
                 self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
                                                         graph.seq_len, mb)
+                self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
+                                                              graph.seq_len, mb)
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
@@ -283,3 +297,46 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
         sharded = n.tp_region or n.module in sharded_modules or is_core
         out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight))
     return tuple(out)
+
+
+def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
+                 mb: int) -> tuple[float, float, float]:
+    """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``.
+
+    Each node that carries no FLOPs and is not a pure re-labelling of memory
+    (views, transposes, getitem...) reads its inputs and writes its output:
+    ``out_bytes`` plus the ``out_bytes`` of its inputs inside the template (an
+    input from outside the template is counted at the node's own output size).
+    """
+    size = {n.name: n.out_bytes for n in nodes}
+    target = {n.name: n.target for n in nodes}
+    rep = shd = quad = 0.0
+    for n in nodes:
+        if n.fwd_flops or n.bwd_flops or not n.out_bytes:
+            continue
+        t = n.target
+        if any(op in t for op in _FREE_OPS) and not any(op in t for op in _MAYBE_COPY_OPS):
+            continue
+        if any(op in t for op in _MAYBE_COPY_OPS):
+            src = target.get(n.inputs[0], "") if n.inputs else ""
+            if "transpose" not in src and "permute" not in src:
+                continue
+        moved = n.out_bytes + sum(size.get(i, n.out_bytes) for i in n.inputs)
+        if _is_scores(n.shape, seq_len, mb):
+            quad += moved
+        elif n.tp_region:
+            shd += moved
+        else:
+            rep += moved
+    return rep / mb, shd / mb, quad / mb
+
+
+def _is_scores(shape: tuple[int, ...], seq_len: int | None, mb: int) -> bool:
+    """An ``s x s`` attention-score tensor: ``(b, heads, s, s)`` or ``(b * heads, s, s)``.
+
+    A ``(b, s, h)`` activation with ``h == s`` has the micro-batch as its first
+    dimension and is not one.
+    """
+    if not seq_len or len(shape) < 3 or shape[-1] != seq_len or shape[-2] != seq_len:
+        return False
+    return len(shape) >= 4 or shape[0] != mb
