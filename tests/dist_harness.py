@@ -143,7 +143,7 @@ class RankOutcome:
 
 
 def run_outcomes(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
-                 pg_timeout: float = 60.0, grace: float = 10.0) -> list[RankOutcome]:
+                 pg_timeout: float = 120.0, grace: float = 10.0) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; never raises for
     a rank's failure: returns every rank's :class:`RankOutcome`.
 
@@ -208,7 +208,7 @@ def run_outcomes(fn: Callable, world_size: int, *args: Any, timeout: float = 240
 
 
 def run(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
-        pg_timeout: float = 60.0, grace: float = 10.0) -> list[Any]:
+        pg_timeout: float = 120.0, grace: float = 10.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; per-rank results.
 
     Raises :class:`DistributedFailure` when a rank raises, exits abnormally or

@@ -151,6 +151,17 @@ def test_a_searched_plan_becomes_a_layout(gpt_graph):
     resolve_layout(rc.make_gpt(0), plan, gpt_graph, world_size=8)
 
 
+def test_a_zero_bubble_plan_runs_its_stages_in_a_v(gpt_graph):
+    # the plan lists virtual stages in model order; torch's ZBV places stage k on
+    # pipeline rank k for k < pp and on 2 pp - 1 - k after that
+    plan = autoplan.Plan.from_strategy(gpt_graph, autoplan.load_cluster("a100-sxm4-80gb"),
+                                       _S(pp=2, micro_batch=1, schedule="zero_bubble"),
+                                       devices=(0, 1))
+    lay = resolve_layout(rc.make_gpt(0), plan, gpt_graph, world_size=2)
+    assert lay.stages == tuple(s.layers for s in plan.stages)
+    assert lay.stage_ranks() == (0, 1, 1, 0)
+
+
 # ---------------------------------------------------------------------- pipeline stages
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_stages_chained_compute_the_model_and_keep_parameter_names(name):

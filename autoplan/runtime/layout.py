@@ -128,12 +128,15 @@ class Layout(Record):
             if self.schedule is Schedule.ONE_F_ONE_B and m < self.pp:
                 raise StrategyError(f"1F1B needs at least as many micro-batches as stages: "
                                     f"{m} micro-batches < pp={self.pp}")
-            if self.schedule is Schedule.INTERLEAVED and m % self.pp:
-                raise StrategyError(f"interleaved 1F1B needs the micro-batches ({m}) to be a "
-                                    f"multiple of pp={self.pp}")
-            if self.schedule is Schedule.ZERO_BUBBLE and m < len(self.stages):
-                raise StrategyError(f"ZBV needs at least as many micro-batches as stages: "
-                                    f"{m} micro-batches < {len(self.stages)} stages")
+            rounds = max(1, m // self.pp)
+            if self.schedule is Schedule.INTERLEAVED and m % rounds:
+                # torch's interleaved 1F1B runs the micro-batches in rounds of equal size
+                raise StrategyError(f"interleaved 1F1B runs {m} micro-batches in "
+                                    f"max(1, {m} // pp={self.pp}) = {rounds} rounds, which must "
+                                    "divide them; choose a multiple of pp or fewer than 2 x pp")
+            if self.schedule is Schedule.ZERO_BUBBLE and m < 2 * self.pp - 1:
+                raise StrategyError(f"ZBV needs at least 2 x pp - 1 = {2 * self.pp - 1} "
+                                    f"micro-batches, got {m}")
 
     # ------------------------------------------------------------------ views
     @property
