@@ -122,8 +122,12 @@ def test_mixed_cluster_gives_faster_devices_more_layers(llama70b):
 
 
 def test_two_sites_only_the_pipeline_crosses_the_slow_link(llama70b):
+    """Two A100 pods joined by 100 Gb/s: pipelines cut at the link, data parallelism stays
+    inside a site.  (With a much larger batch -- 16k tokens per micro-batch and layer --
+    the cost model predicts ZeRO-3 gathers across the link hidden behind compute, and pure
+    data parallelism can win: see notebooks/heterogeneous.ipynb.)"""
     cluster = autoplan.load_cluster("two-sites")
-    plan = autoplan.plan(llama70b, cluster, global_batch=256, top_k=3)
+    plan = autoplan.plan(llama70b, cluster, global_batch=128, top_k=3)
     for p in (plan, *plan.runners_up):
         for st in p.stages:      # data- and tensor-parallel groups live inside one site
             assert len({cluster.devices[d].site for d in st.devices}) == 1
