@@ -870,16 +870,44 @@ def _is_router(node: fx.Node) -> bool:
 
 
 def _heads_of(node: fx.Node, out_features: int) -> int | None:
-    """Number of heads when the matmul output is reshaped to (..., heads, head_dim)."""
+    """Number of heads when the matmul output is reshaped into (..., heads, head_dim).
+
+    The reshape splits the feature dimension into factors; the last is the head
+    dimension.  A factor that a user immediately unbinds, splits or selects along is a
+    fused q/k/v (or gate/up) axis, not heads, whichever order the model lays them out in:
+    ``(heads, 3, d)`` (Megatron) and ``(3, heads, d)`` both give ``heads``.
+    """
     for u in _users_through(node, {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                                    operator.getitem, aten.split.Tensor, aten.split_with_sizes.default,
                                    aten.chunk.default, aten.unbind.int, aten.slice.Tensor}, limit=4):
         val = u.meta.get("val")
-        if u.target in (aten.view.default, aten.reshape.default) and isinstance(val, torch.Tensor) \
-                and val.dim() >= 4:
-            d, h = val.shape[-1], val.shape[-2]
-            if d > 1 and h >= 1 and out_features % (d * h) == 0:
-                return int(h)
+        src = u.args[0].meta.get("val") if isinstance(u.args[0], fx.Node) else None
+        if u.target not in (aten.view.default, aten.reshape.default) or not isinstance(val, torch.Tensor) \
+                or not isinstance(src, torch.Tensor) or src.dim() < 1:
+            continue
+        # the factors the feature dimension was split into: the shortest trailing run of
+        # the new shape whose product is the viewed tensor's last dimension
+        features, k = int(src.shape[-1]), 1
+        while k <= val.dim() and math.prod(int(d) for d in val.shape[-k:]) < features:
+            k += 1
+        if k < 2 or k > val.dim() or math.prod(int(d) for d in val.shape[-k:]) != features:
+            continue
+        lead = val.dim() - k
+        factors = [int(d) for d in val.shape[lead:]]
+        head_dim = factors[-1]
+        if head_dim <= 1 or out_features % features:
+            continue
+        fused = set()
+        for w in u.users:
+            if w.target in (aten.unbind.int, aten.split.Tensor, aten.split_with_sizes.default,
+                            aten.chunk.default, aten.select.int):
+                dim = w.args[1] if len(w.args) > 1 else w.kwargs.get("dim", 0)
+                dim = dim if isinstance(dim, int) and dim >= 0 else (dim or 0) + val.dim()
+                if lead <= dim < val.dim() - 1:
+                    fused.add(dim - lead)
+        heads = math.prod(f for i, f in enumerate(factors[:-1]) if i not in fused)
+        if heads >= 1:
+            return heads
     return None
 
 
@@ -1082,8 +1110,21 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
     return tp, region
 
 
-def _cut_bytes(layers: list[_RepLayer], values: dict[str, Any], param_nodes: set[str]) -> list[int]:
-    """Bytes of activations produced at or before layer i and used after it."""
+def _param_derived(gm: fx.GraphModule, param_nodes: set[str]) -> set[str]:
+    """Nodes whose value depends on a parameter.  The others (attention masks, rotary
+    tables, position ids) derive from the inputs alone, which every pipeline stage has:
+    a stage rebuilds them rather than receiving them."""
+    derived: set[str] = set()
+    for node in gm.graph.nodes:
+        if any(a.name in param_nodes or a.name in derived for a in node.all_input_nodes):
+            derived.add(node.name)
+    return derived
+
+
+def _cut_bytes(layers: list[_RepLayer], values: dict[str, Any], param_nodes: set[str],
+               derived: set[str]) -> list[int]:
+    """Bytes of activations produced at or before layer i and used after it (values that
+    depend on parameters only: what a pipeline boundary after layer i must send)."""
     index = {}
     for i, l in enumerate(layers):
         for n in l.nodes:
@@ -1093,7 +1134,8 @@ def _cut_bytes(layers: list[_RepLayer], values: dict[str, Any], param_nodes: set
     for i, l in enumerate(layers):
         for n in l.nodes:
             for a in n.all_input_nodes:
-                if a.name in index and a.name not in param_nodes and a.op != "get_attr":
+                if a.name in index and a.name in derived and a.name not in param_nodes \
+                        and a.op != "get_attr":
                     last_use[a.name] = max(last_use.get(a.name, -1), i)
                     producer_node[a.name] = a
     cuts = [0] * len(layers)
@@ -1105,12 +1147,15 @@ def _cut_bytes(layers: list[_RepLayer], values: dict[str, Any], param_nodes: set
     return cuts
 
 
-def _input_bytes(layer: _RepLayer, values: dict[str, Any], param_nodes: set[str]) -> int:
+def _input_bytes(layer: _RepLayer, values: dict[str, Any], param_nodes: set[str],
+                 derived: set[str]) -> int:
+    """Bytes of the parameter-dependent activations a layer receives from earlier layers."""
     own = {n.name for n in layer.nodes}
     seen, total = set(), 0
     for n in layer.nodes:
         for a in n.all_input_nodes:
-            if a.name not in own and a.name not in seen and a.name not in param_nodes and a.op != "get_attr":
+            if a.name not in own and a.name not in seen and a.name in derived \
+                    and a.name not in param_nodes and a.op != "get_attr":
                 seen.add(a.name)
                 total += _val_bytes(a, values)
     return total
@@ -1258,7 +1303,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             regions |= region
         if regions:
             measured, values, param_of_node = _Measure(gm, args, kwargs, quad_seq, regions).run()
-        cuts = _cut_bytes(rep_layers, values, param_nodes)
+        derived = _param_derived(gm, param_nodes)
+        cuts = _cut_bytes(rep_layers, values, param_nodes, derived)
 
     shapes = _param_shapes(gm)
     param_sizes = {}
@@ -1308,7 +1354,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             saved_tp_sharded_bytes=sum(n.saved_tp_sharded_bytes for n in nodes),
             saved_quadratic_bytes=sum(n.saved_quadratic_bytes for n in nodes),
             selective_recompute_flops=sel_flops,
-            input_bytes=_input_bytes(l, values, param_nodes),
+            input_bytes=_input_bytes(l, values, param_nodes, derived),
             output_bytes=cuts[li], cut_bytes=cuts[li], tp=tp, tied_params=tuple(tied))))
 
     layers = _expand(rep_records, stacks, keep)

@@ -63,9 +63,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        # (b, s, 3, heads, d) with -1 heads so that a column-sharded qkv gives local heads
-        qkv = self.qkv(x).view(b, s, 3, -1, self.head_dim)
-        q, k, v = qkv.unbind(dim=2)
+        # rows laid out per head, (heads, 3, d), as Megatron-LM does: a contiguous column
+        # shard of qkv then holds the q, k and v of whole heads, and -1 gives the local heads
+        qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))          # (b, heads, s, d)
         if self.fused:
             y = F.scaled_dot_product_attention(
