@@ -556,6 +556,9 @@ class _Measure:
         self.kwargs = kwargs
         self.seq_len = seq_len
         self.region = region
+        # per-token gathers of expert weight banks (HF's batched_mm experts path):
+        # grouped-GEMM kernels never materialise them
+        self.gathered: set[str] = set()
 
     def run(self) -> tuple[dict[str, _Measured], dict[str, Any], dict[str, str]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -567,7 +570,7 @@ class _Measure:
         saved_seen: set[StorageWeakRef] = set()
         param_storages: set[StorageWeakRef] = set()
         param_of_node: dict[str, str] = {}
-        gathered: set[str] = set()
+        gathered = self.gathered
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         flat_inputs = list(self.args) + list(self.kwargs.values())
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -1162,8 +1165,10 @@ def _input_bytes(layer: _RepLayer, values: dict[str, Any], param_nodes: set[str]
 
 
 def _node_record(node: fx.Node, m: _Measured, values: dict[str, Any], prefix: str,
-                 region: set[str], param_bytes: int) -> NodeRecord:
+                 region: set[str], param_bytes: int, gathered: frozenset[str] = frozenset()) -> NodeRecord:
     outs = _tensors(values.get(node.name))
+    # a per-token copy of expert weights is not memory traffic of the real kernel
+    out_bytes = 0 if node.name in gathered else sum(_nbytes(t) for t in outs)
     first = outs[0] if outs else None
     mod = node.meta.get("autoplan_module", "")
     if prefix and (mod == prefix or mod.startswith(prefix + ".")):
@@ -1176,7 +1181,7 @@ def _node_record(node: fx.Node, m: _Measured, values: dict[str, Any], prefix: st
         inputs=tuple(a.name for a in node.all_input_nodes if a.op != "get_attr"),
         shape=tuple(int(d) for d in first.shape) if first is not None else (),
         dtype=str(first.dtype).replace("torch.", "") if first is not None else "none",
-        out_bytes=sum(_nbytes(t) for t in outs), fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops,
+        out_bytes=out_bytes, fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops,
         param_bytes=param_bytes, saved_bytes=m.saved, saved_tp_sharded_bytes=m.saved_sharded,
         saved_quadratic_bytes=m.saved_quadratic, tp_region=node.name in region)
 
@@ -1283,7 +1288,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         rep_layers = _assign_layers(gm, stacks, keep)
         probe = _quadratic_probe(wrapper, args, method, probe_len) if probe_len else None
         # measure once with no TP region known, derive TP regions, then attribute sharding
-        measured, values, param_of_node = _Measure(gm, args, kwargs, quad_seq, set()).run()
+        first = _Measure(gm, args, kwargs, quad_seq, set())
+        measured, values, param_of_node = first.run()
         for node in gm.graph.nodes:
             if node.name in values and node.op != "output":
                 v = values[node.name]
@@ -1301,6 +1307,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
                                        l.name if l.kind is LayerKind.BLOCK else "")
             tps.append(tp)
             regions |= region
+        gathered = frozenset(first.gathered)
         if regions:
             measured, values, param_of_node = _Measure(gm, args, kwargs, quad_seq, regions).run()
         derived = _param_derived(gm, param_nodes)
@@ -1339,7 +1346,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
                         pcount += param_sizes[a.name][0]
                         params += param_sizes[a.name][1]
                         pb += param_sizes[a.name][1]
-            nodes.append(_node_record(n, m, values, prefix, regions, pb))
+            nodes.append(_node_record(n, m, values, prefix, regions, pb, gathered))
         tid = l.name if l.kind is LayerKind.BLOCK else l.name
         templates[tid] = tuple(nodes)
         core = ([n for n in nodes if n.name in probe[1]] if probe is not None
