@@ -186,6 +186,12 @@ def test_stages_chained_compute_the_model_and_keep_parameter_names(name):
 
 
 # ---------------------------------------------------------------------- TP plans
+def test_gpt_fused_qkv_column_shards_hold_whole_heads():
+    # the TP plan shards the fused qkv projection contiguously; that is only right when
+    # its rows are laid out per head (Megatron's order), simulated here on one process
+    assert rc.gpt_qkv_splits_by_head(tp=2) and rc.gpt_qkv_splits_by_head(tp=4)
+
+
 def test_tp_plan_comes_from_the_captured_roles(gpt_graph):
     model = rc.make_gpt(0)
     block = gpt_graph.layer("blocks.0")

@@ -8,11 +8,11 @@ seconds, a layout a fraction of one); the worker raises naming the first layout
 that is off, and the table of errors is printed (``pytest -s``).
 
 Coverage (G = GPT, L = Llama): DP with DDP (G, L); ZeRO-1/2/3 on FSDP2 with
-gradient accumulation (G); TP without and with sequence parallelism (L; G when
-its fused qkv splits by head); recompute full and selective (G, L); DP x TP (L);
+gradient accumulation (G); TP without and with sequence parallelism (G, L);
+recompute full and selective (G, L); DP x TP (G, L);
 PP with GPipe, 1F1B, interleaved 1F1B and ZBV (G, L); PP x DP and PP x FSDP
 under 1F1B and under ZBV, the combinations where DDP or resharding after
-forward would give wrong gradients (G, L); TP x PP (L); uneven pipeline splits
+forward would give wrong gradients (G, L); TP x PP (G, L); uneven pipeline splits
 (G, L); tied input/output embeddings split over pipeline stages, also on one rank
 under ZBV and with TP (G, L); plans searched by autoplan.plan for a 4-process CPU
 cluster (G, L).
@@ -67,6 +67,9 @@ def test_gpt_parity_2_ranks():
         ("pp2 interleaved", S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2)),
         ("pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble")),
         ("pp2 1f1b recompute sel", S(pp=2, micro_batch=2, recompute="selective")),
+        ("tp2", S(tp=2)),
+        ("tp2 sp", S(tp=2, sequence_parallel=True)),
+        ("tp2 sp recompute sel", S(tp=2, sequence_parallel=True, recompute="selective")),
         # embedding and head share a weight: split over stages, or on one rank under ZBV
         ("tied: dp2 (DDP)", S(dp=2), "gpt-tied"),
         ("tied: pp2 1f1b", S(pp=2, micro_batch=2), "gpt-tied"),
@@ -87,23 +90,13 @@ def test_gpt_parity_4_ranks(gpt_graph):
                                       virtual_stages=2)),
         ("pp4 gpipe", S(pp=4, micro_batch=2, schedule="gpipe")),
         ("uneven 1|3 x zero2", rc.uneven_layout("gpt", dp=2, zero=2, micro_batch=1)),
+        ("zero3 dp2 x tp2 sp", S(dp=2, tp=2, zero=3, sequence_parallel=True)),
+        ("pp2 x tp2 1f1b", S(pp=2, tp=2, micro_batch=2)),
         ("tied: pp2 x zero3 1f1b", S(pp=2, dp=2, zero=3, micro_batch=2), "gpt-tied"),
+        ("tied: pp2 x tp2 zbv", S(pp=2, tp=2, micro_batch=1, schedule="zero_bubble"), "gpt-tied"),
         ("tied: pp2 x dp2 zbv", S(pp=2, dp=2, micro_batch=1, schedule="zero_bubble"), "gpt-tied"),
     ]
     _report("GPT, 4 ranks", run(functools.partial(rc.parity, graph=gpt_graph), 4, "gpt", targets)[0])
-
-
-@pytest.mark.xfail(not rc.gpt_qkv_splits_by_head(), strict=True, reason=(
-    "autoplan/models/gpt.py views its fused qkv as (3, heads, head_dim): a contiguous column "
-    "shard holds q of all heads and part of k, not the q/k/v of whole heads; the model must "
-    "lay the rows out per head (view (heads, 3, head_dim)) for tensor parallelism"))
-def test_gpt_tensor_parallel_parity(gpt_graph):
-    targets = [
-        ("tp2", S(tp=2)),
-        ("tp2 sp", S(tp=2, sequence_parallel=True)),
-        ("tp2 sp recompute sel", S(tp=2, sequence_parallel=True, recompute="selective")),
-    ]
-    _report("GPT TP, 2 ranks", run(functools.partial(rc.parity, graph=gpt_graph), 2, "gpt", targets)[0])
 
 
 def test_llama_parity_2_ranks(llama_graph):
