@@ -185,10 +185,16 @@ def latest_good(root: str | os.PathLike[str]) -> tuple[str, int] | None:
     return None
 
 
-def _prune(root: str, keep: int) -> list[str]:
-    """Delete checkpoints older than the ``keep`` newest good ones (none if fewer are good)."""
-    good = 0
+def _prune(root: str, keep: int, step: int) -> list[str]:
+    """Delete checkpoints older than the ``keep`` newest good ones (none if fewer are good),
+    and the temporary directories of saves up to ``step`` that were interrupted."""
     removed = []
+    for name in os.listdir(root):
+        m = re.match(re.escape(_PARTIAL_PREFIX) + r"(\d+)", name)
+        if m and int(m.group(1)) <= step:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(os.path.join(root, name))
+    good = 0
     for step, path in _step_dirs(root):
         if good >= keep:
             shutil.rmtree(path, ignore_errors=True)
@@ -240,7 +246,7 @@ def save_verified(program: Any, root: str | os.PathLike[str], step: int, *,
             atomic_write_text(os.path.join(final, MANIFEST_FILE),
                               json.dumps(manifest, indent=1, sort_keys=True))
             verify(final)
-            _prune(root, keep)
+            _prune(root, keep, step)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error[0] = f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(error, src=0)
@@ -373,11 +379,20 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], *, global_batch: i
     program = parallelize(model, strategy, global_batch=global_batch, seq_len=seq_len)
 
     # every rank must agree on the checkpoint: rank 0 picks, the others follow
-    box: list[Any] = [latest_good(checkpoint_dir) if rank == 0 else None]
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", latest_good(checkpoint_dir))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = ("error", f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(box, src=0)
+    kind, found = box[0]
+    if kind == "error":
+        raise CheckpointError(f"looking for a checkpoint in {checkpoint_dir} failed on rank 0: "
+                              f"{found}")
     resumed_from = 0
-    if box[0] is not None:
-        path, resumed_from = box[0]
+    if found is not None:
+        path, resumed_from = found
         program.load(path)
         if rank == 0:
             log.info("resumed from %s (step %d) on %d processes", path, resumed_from, world)

@@ -6,6 +6,14 @@ elastic agents: 4 ranks train with checkpoints, one rank is SIGKILLed in mid-run
 the harness sees the others fail at their next collective (gloo notices the
 closed connection at once) and ends them, then the 3 survivors' world starts
 again from the last good checkpoint, which DCP reshards from 4 to 3 ranks.
+Why not torchrun: the same scenario under ``torchrun --nnodes=2:4
+--nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d`` with 4 agents on
+localhost (kill one agent and its worker at step 10, checkpoints every 4 steps)
+works, re-rendezvouses with 3 and matches the reference from step 9 on, but
+takes ~106 s on a 2-core machine (~40 s of it the first rendezvous), too slow
+for the test suite; this test takes ~20 s.  Note that torchrun starts each
+worker in its own session: killing an agent's process group leaves its worker
+running.
 """
 
 from __future__ import annotations
