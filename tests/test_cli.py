@@ -78,9 +78,15 @@ def test_report_html(tmp_path: Path):
     assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
 
 
-def test_profile_help():
-    out = run("profile", "--help")
-    assert "--quick" in out.stdout
+def test_profile_quick_writes_a_loadable_profile(tmp_path: Path):
+    dest = tmp_path / "local-cli.yaml"
+    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--out", str(dest), "--json")
+    report = json.loads(out.stdout)
+    assert report["path"] == str(dest)
+    import autoplan
+    cluster = autoplan.load_cluster(str(dest))
+    assert cluster.num_devices >= 1 and cluster.device_types[0].memory_bytes > 0
+    assert "--quick" in run("profile", "--help").stdout
 
 
 @pytest.mark.parametrize("args,expect", [
