@@ -320,17 +320,21 @@ class Plan(Record):
                                     f"{cluster.name!r} has {cluster.num_devices}")
 
     # ------------------------------------------------------------------ text
-    def summary(self) -> str:
-        """One line: degrees, batch, schedule, and the estimate when there is one."""
+    def label(self, *, compact: bool = False) -> str:
+        """The layout in a few words: degrees, micro-batching, ZeRO stages, recompute,
+        sequence parallelism, schedule.  Every stage's ``tp`` and every option some layer
+        uses is listed, so a mixed plan never reads as a uniform one.  ``compact`` drops
+        the micro-batch count and abbreviates ZeRO as ``z`` (tables and figures)."""
         tps = sorted({s.tp for s in self.stages})
-        parts = [f"{self.model}", f"dp{self.dp}", "tp" + "/".join(map(str, tps)), f"pp{self.pp}"]
+        parts = [f"dp{self.dp}", "tp" + "/".join(map(str, tps)), f"pp{self.pp}"]
         cp = self.mesh.degree("cp")
         if cp > 1:
             parts.append(f"cp{cp}")
-        parts.append(f"mb{self.micro_batch}x{self.num_micro_batches}")
+        parts.append(f"mb{self.micro_batch}" if compact
+                     else f"mb{self.micro_batch}x{self.num_micro_batches}")
         zeros = sorted({lp.zero for lp in self.layers})
         if zeros != [0]:
-            parts.append("zero" + "/".join(map(str, zeros)))
+            parts.append(("z" if compact else "zero") + "/".join(map(str, zeros)))
         rcs = sorted({lp.recompute.value for lp in self.layers} - {"none"})
         if rcs:
             parts.append("rc-" + "/".join(rcs))
@@ -339,7 +343,12 @@ class Plan(Record):
         if self.pp > 1:
             parts.append(self.schedule.value + (f"x{self.virtual_stages}"
                                                 if self.virtual_stages > 1 else ""))
-        text = " ".join(parts) + f" on {self.num_devices}x {'+'.join(self.cluster.device_types)}"
+        return " ".join(parts)
+
+    def summary(self) -> str:
+        """One line: degrees, batch, schedule, and the estimate when there is one."""
+        text = f"{self.model} {self.label()} on {self.num_devices}x " \
+            f"{'+'.join(self.cluster.device_types)}"
         if self.estimate is not None:
             text += f": {self.estimate.summary()}"
         return text

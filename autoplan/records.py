@@ -31,7 +31,8 @@ from typing import Any, TypeVar
 
 from .errors import RecordError
 
-__all__ = ["to_dict", "from_dict", "to_json", "from_json", "atomic_write_text", "Record"]
+__all__ = ["to_dict", "from_dict", "to_json", "from_json", "atomic_write_text",
+           "atomic_write_bytes", "Record"]
 
 T = TypeVar("T")
 
@@ -183,8 +184,8 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
     raise RecordError(f"unsupported field type {_type_name(tp)}", path)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and an atomic rename."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -193,8 +194,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     os.umask(umask)
     try:
         os.chmod(tmp, 0o666 & ~umask)       # as a plain open() would create it
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -204,3 +205,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file and an atomic rename."""
+    atomic_write_bytes(path, text.encode("utf-8"))

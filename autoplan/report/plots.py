@@ -29,6 +29,7 @@ from matplotlib.patches import Patch
 
 from ..cost.result import BREAKDOWN_KEYS, Estimate
 from ..errors import ConfigError
+from ..records import atomic_write_bytes
 from ._text import plan_label
 from .timeline import BlockKind, Timeline, schedule_timeline
 
@@ -72,26 +73,7 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 100) ->
     metadata: dict[str, Any] = {"png": {"Software": None}, "svg": {"Date": None},
                                 "pdf": {"CreationDate": None, "ModDate": None}}.get(fmt, {})
     fig.savefig(buf, format=fmt, dpi=dpi, metadata=metadata)
-    _atomic_write_bytes(path, buf.getvalue())
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    import tempfile
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def _new_figure(width: float, height: float) -> Figure:
