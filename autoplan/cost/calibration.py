@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 
-import yaml
 
-from ..errors import ConfigError, RecordError
+from ..errors import ConfigError
 from ..hardware import Cluster, CollectiveEfficiency, EfficiencyTable
 from ..records import Record
-from .constants import cost_profiles_dir
+from .constants import cost_profiles_dir, read_yaml_record
 
 __all__ = ["DeviceCalibration", "Calibration", "load_calibration", "apply_calibration",
            "resolve_calibration", "DEFAULT_CALIBRATION"]
@@ -64,16 +62,8 @@ class Calibration(Record):
     devices: dict[str, DeviceCalibration]
 
 
-@lru_cache(maxsize=8)
 def _load(path: str, mtime_ns: int) -> Calibration:
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read the calibration ({exc})") from None
-    try:
-        return Calibration.from_dict(data)
-    except RecordError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    return read_yaml_record(Calibration, path, mtime_ns, "the calibration")
 
 
 def load_calibration(name_or_path: str | os.PathLike[str] = DEFAULT_CALIBRATION) -> Calibration:

@@ -175,16 +175,25 @@ def cost_profiles_dir() -> Path:
     return Path(__file__).resolve().parent.parent.parent / "profiles" / "cost"
 
 
-@lru_cache(maxsize=16)
-def _load(path: str, mtime_ns: int) -> CostConstants:
+@lru_cache(maxsize=32)
+def read_yaml_record(cls: type, path: str, mtime_ns: int, what: str):
+    """The record ``cls`` stored as YAML at ``path`` (cached per file version).
+
+    Raises :class:`ConfigError` naming the file and ``what`` it should hold, or the
+    offending field.
+    """
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read cost-model constants ({exc})") from None
+        raise ConfigError(f"{path}: cannot read {what} ({exc})") from None
     try:
-        return CostConstants.from_dict(data)
+        return cls.from_dict(data)
     except RecordError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _load(path: str, mtime_ns: int) -> CostConstants:
+    return read_yaml_record(CostConstants, path, mtime_ns, "cost-model constants")
 
 
 def load_constants(path: str | os.PathLike[str] | None = None) -> CostConstants:
