@@ -176,3 +176,28 @@ def test_bad_arguments():
         autoplan.plan(g, cluster, global_batch=3)   # 1 head, 1 block: only dp=8 is possible
     with pytest.raises(ConfigError, match="top_k"):
         autoplan.plan(g, cluster, global_batch=8, top_k=0)
+
+
+# ----------------------------------------------------------- what the runtime runs
+def test_runnable_space_gives_plans_the_runtime_accepts():
+    from autoplan.errors import PlanMismatchError
+    from autoplan.runtime.layout import layout_from_plan
+    from autoplan.search import SearchSpace
+
+    graph = autoplan.trace(GPT(GPTConfig(vocab_size=128, seq_len=32, hidden=64, heads=4, layers=8)),
+                           seq_len=32)
+    mixed = autoplan.load_cluster("mixed-a100-v100")
+    # 60 sequences over 32 replicas: the default space splits them unevenly, which the
+    # runtime refuses; the runnable space only keeps equal replica batches
+    free = autoplan.plan(graph, mixed, global_batch=60)
+    assert len(set(free.replica_batch)) > 1
+    with pytest.raises(PlanMismatchError, match="uneven batches"):
+        layout_from_plan(free)
+    ran = autoplan.plan(graph, mixed, global_batch=60, space=SearchSpace.runnable())
+    assert len(set(ran.replica_batch)) == 1 and ran.mesh.degree("cp") == 1
+    layout_from_plan(ran)
+    # a batch no replica count divides evenly: a clear error, not an uneven plan
+    one_node = autoplan.load_cluster("a100-sxm4-80gb")
+    with pytest.raises(ConfigError, match="equal replica batches"):
+        autoplan.plan(graph, one_node.subset(range(7)), global_batch=9,
+                      space=SearchSpace.runnable(tensor_parallel=(1,), pipeline_parallel=(1, 1)))

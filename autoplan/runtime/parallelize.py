@@ -122,13 +122,15 @@ def _layout_from_other(model, target, graph, world_size, global_batch) -> Layout
 def _plan_on_rank0(graph: ModelGraph, cluster: Cluster, global_batch: int) -> Plan:
     """Rank 0 searches (a time-bounded search need not agree across ranks) and every
     rank gets its plan, or its error, by broadcast: the one collective before validation."""
+    from ..search import SearchSpace
     from ..search import plan as search
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("plan", search(graph, cluster, global_batch=global_batch,
-                                     seq_len=graph.seq_len).to_json())
+                                     seq_len=graph.seq_len,
+                                     space=SearchSpace.runnable()).to_json())
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             box[0] = ("error", e)
     dist.broadcast_object_list(box, src=0)
@@ -385,7 +387,8 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     target : Strategy, Layout, Plan or Cluster
         A uniform :class:`~autoplan.Strategy` to apply, a per-layer
         :class:`Layout`, a searched :class:`~autoplan.Plan`, or a
-        :class:`~autoplan.Cluster` to plan for (rank 0 runs the search and
+        :class:`~autoplan.Cluster` to plan for (rank 0 searches the layouts the runtime runs,
+        ``SearchSpace.runnable()``, and
         broadcasts the plan).
     global_batch : int, optional
         Sequences per step; must agree with the target's (required for a Cluster).

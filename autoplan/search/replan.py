@@ -24,22 +24,27 @@ from .search import SearchSpace, _attach, search
 __all__ = ["replan", "plan_diff"]
 
 
-def _neighbourhood(plan: Plan) -> SearchSpace:
+def _neighbourhood(plan: Plan, space: SearchSpace) -> SearchSpace:
     tp = max(s.tp for s in plan.stages)
     mb = plan.micro_batch
-    schedules = tuple(dict.fromkeys((plan.schedule, Schedule.ONE_F_ONE_B)))
-    return SearchSpace(
+    schedules = tuple(s for s in dict.fromkeys((plan.schedule, Schedule.ONE_F_ONE_B))
+                      if s in space.schedules) or space.schedules
+    return replace(
+        space,
         schedules=schedules,
         virtual_stages=(plan.virtual_stages,) if plan.schedule is Schedule.INTERLEAVED else (2,),
         micro_batches=tuple(sorted({max(1, mb // 2), mb, mb * 2})),
-        tensor_parallel=tuple(sorted({max(1, tp // 2), tp, tp * 2})),
-        pipeline_parallel=(max(1, plan.pp // 2), plan.pp * 2),
+        tensor_parallel=tuple(t for t in sorted({max(1, tp // 2), tp, tp * 2})
+                              if space.tensor_parallel is None or t in space.tensor_parallel)
+        or space.tensor_parallel,
+        pipeline_parallel=(max(1, plan.pp // 2), plan.pp * 2) if space.pipeline_parallel is None
+        else space.pipeline_parallel,
         refine=2)
 
 
 def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
            memory_fraction: float | None = None, time_limit_s: float = 30.0,
-           top_k: int = 1) -> Plan:
+           top_k: int = 1, space: SearchSpace | None = None) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
 
     Parameters
@@ -53,6 +58,10 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         The model, when ``plan`` does not carry it.
     memory_fraction : float, optional
         Default: the fraction the previous plan was made with.
+    space : SearchSpace, optional
+        What the new plan may use (default: everything; the elastic entry point
+        passes ``SearchSpace.runnable()``).  The warm start searches the previous
+        plan's neighbourhood within it.
 
     Raises
     ------
@@ -78,15 +87,16 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         raise ConfigError(f"the graph is of {graph.model!r} but the plan of {plan.model!r}")
     if memory_fraction is None:
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
+    space = space or SearchSpace()
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision)
     try:
-        warm = search(graph, new_cluster, space=_neighbourhood(plan), **common)
+        warm = search(graph, new_cluster, space=_neighbourhood(plan, space), **common)
     except (InfeasiblePlan, ConfigError):
         warm = None
     bound = warm.best.estimate.step_time_s if warm is not None else float("inf")
     try:
-        full = search(graph, new_cluster, bound_s=bound * (1 + 1e-9), **common)
+        full = search(graph, new_cluster, space=space, bound_s=bound * (1 + 1e-9), **common)
     except InfeasiblePlan:
         if warm is None:
             raise

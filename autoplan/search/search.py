@@ -55,7 +55,8 @@ _MiB = float(2**20)
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose from (defaults: everything the runtime supports)."""
+    """What the search may choose from (defaults: everything the cost model prices; see
+    :meth:`runnable` for what the runtime runs)."""
 
     schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
                                        Schedule.ZERO_BUBBLE, Schedule.GPIPE)
@@ -70,6 +71,14 @@ class SearchSpace:
     refine: int = 4                # candidates refined with CP-SAT
     tensor_parallel: tuple[int, ...] | None = None    # None: every degree that fits a node
     pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
+    even_batches: bool = False     # True: every replica gets the same batch (no speed split)
+
+    @classmethod
+    def runnable(cls, **overrides: Any) -> "SearchSpace":
+        """The layouts :func:`autoplan.parallelize` can run: no context parallelism and the
+        same batch on every replica (plans of the default space may split the batch
+        unevenly over replicas of different speeds, or use ``cp > 1`` at long sequences)."""
+        return cls(**{"context_parallel": (1,), "even_batches": True, **overrides})
 
 
 @dataclass(frozen=True)
@@ -221,8 +230,14 @@ class _Builder:
             self._speed[devices] = hit
         return hit
 
-    def replica_batches(self, c: _Combo, global_batch: int) -> tuple[int, ...] | None:
-        """Micro-batches per replica: equal on identical replicas, in proportion to speed otherwise."""
+    def replica_batches(self, c: _Combo, global_batch: int,
+                        even: bool = False) -> tuple[int, ...] | None:
+        """Micro-batches per replica: equal on identical replicas, in proportion to speed
+        otherwise (``even``: always equal, None when the batch does not divide)."""
+        if even:
+            if global_batch % (c.dp * c.micro_batch):
+                return None
+            return (global_batch // (c.dp * c.micro_batch),) * c.dp
         per_rank = c.dp * c.cp * c.tp
         speeds = []
         for r in range(c.dp):
@@ -502,12 +517,14 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     lowest: list[_Candidate] = []
     evaluated = pruned = 0
     limit_hit = False
+    unsplit: set[int] = set()      # dp degrees whose replicas cannot get equal batches
     for c in combos:
         if time.perf_counter() - t0 > time_limit_s:
             limit_hit = True
             break
-        mbs = builder.replica_batches(c, global_batch)
+        mbs = builder.replica_batches(c, global_batch, even=space.even_batches)
         if mbs is None:
+            unsplit.add(c.dp)
             continue
         if c.schedule is Schedule.ONE_F_ONE_B and c.pp > 1 and min(mbs) < c.pp:
             continue
@@ -553,6 +570,12 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             if better is not None:
                 ranked.append(better)
         if not ranked:
+            if least_memory is None and unsplit:
+                raise ConfigError(
+                    f"global_batch={global_batch} does not split into equal replica batches for "
+                    f"any data-parallel degree the {cluster.num_devices} devices allow "
+                    f"({sorted(unsplit)[:12]}): choose a global batch that is a multiple of one "
+                    "of them")
             raise _infeasible(engine, least_memory, graph, cluster)
 
     ranked.sort()
