@@ -188,22 +188,122 @@ def uneven_layout(model_name: str, *, dp: int = 1, tp: int = 1, zero: int = 0,
 
 
 # ---------------------------------------------------------------------- checkpoints
-def _assert_same(label: str, got: dict, want: dict) -> None:
-    if set(got) != set(want):
+#: Adam's per-parameter state; every trainable parameter must have all of it.
+ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bytes (``assert_close``
+    with ``atol=rtol=0`` still equates ``0.0`` and ``-0.0``)."""
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8),
+                       b.detach().reshape(-1).view(torch.uint8))
+
+
+def _assert_same(label: str, got: dict, want: dict, *, subset: bool = False) -> None:
+    """``got`` holds exactly the keys of ``want`` (``subset``: some of them, at least one),
+    every tensor a plain (unsharded) one, equal with ``atol=rtol=0`` and bit for bit."""
+    if subset:
+        if not got or set(got) - set(want):
+            raise AssertionError(f"{label}: holds {len(got)} keys, unexpected "
+                                 f"{sorted(set(got) - set(want))[:5]}")
+    elif set(got) != set(want):
         raise AssertionError(f"{label}: keys differ: missing {sorted(set(want) - set(got))[:5]}, "
                              f"extra {sorted(set(got) - set(want))[:5]}")
-    for k, v in want.items():
-        g = got[k]
+    for k in got:
+        g, v = got[k], want[k]
         if isinstance(v, torch.Tensor):
+            if type(g) is not torch.Tensor:
+                raise AssertionError(f"{label} {k}: a {type(g).__name__}, not a full tensor")
             torch.testing.assert_close(g, v, atol=0, rtol=0, msg=lambda m: f"{label} {k}: {m}")
+            if not _same_bits(g, v):
+                raise AssertionError(f"{label} {k}: equal values, different bits")
         elif g != v:
             raise AssertionError(f"{label} {k}: {g!r} != {v!r}")
+
+
+def _assert_complete(label: str, model_name: str, model_sd: dict, optim_sd: dict,
+                     steps: int) -> None:
+    """The full state of a ``model_name`` trained ``steps`` steps: every entry of the
+    model's own state dict as a plain tensor of its full shape, and Adam's state of every
+    parameter, with ``step == steps`` (so that comparing it cannot pass vacuously)."""
+    model = MODELS[model_name](0)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if set(model_sd) != set(shapes):
+        raise AssertionError(f"{label} model: keys differ from the model's: missing "
+                             f"{sorted(set(shapes) - set(model_sd))[:5]}, extra "
+                             f"{sorted(set(model_sd) - set(shapes))[:5]}")
+    for k, v in model_sd.items():
+        if type(v) is not torch.Tensor or v.shape != shapes[k]:
+            raise AssertionError(f"{label} model {k}: {type(v).__name__} "
+                                 f"{tuple(getattr(v, 'shape', ()))}, "
+                                 f"not a full tensor of shape {tuple(shapes[k])}")
+    params = dict(model.named_parameters())      # tied weights once
+    want = {f"state.{p}.{s}" for p in params for s in ADAM_STATE}
+    have = {k for k in optim_sd if k.startswith("state.")}
+    if have != want:
+        raise AssertionError(f"{label} optimizer: state keys differ from Adam's on every "
+                             f"parameter: missing {sorted(want - have)[:5]}, extra "
+                             f"{sorted(have - want)[:5]}")
+    for p, param in params.items():
+        for s in ADAM_STATE:
+            v = optim_sd[f"state.{p}.{s}"]
+            shape = torch.Size([]) if s == "step" else param.shape
+            if type(v) is not torch.Tensor or v.shape != shape:
+                raise AssertionError(f"{label} optimizer {p}.{s}: {type(v).__name__} "
+                                     f"{tuple(getattr(v, 'shape', ()))}, not a full tensor "
+                                     f"of shape {tuple(shape)}")
+        if float(optim_sd[f"state.{p}.step"]) != steps:
+            raise AssertionError(f"{label} optimizer {p}.step: "
+                                 f"{float(optim_sd[f'state.{p}.step'])} != {steps}")
+
+
+def _held_full_state(pm) -> tuple[dict, dict]:
+    """The full (unsharded) model and flattened optimizer state of the parts this rank
+    holds, on every rank (:meth:`ParallelModel.full_state_dict` keeps only rank 0's
+    pipeline group, so a data-parallel replica that loaded wrongly would go unseen)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    model_opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    optim_opts = StateDictOptions(full_state_dict=True, cpu_offload=False,
+                                  flatten_optimizer_state_dict=True)
+    model_sd: dict[str, Any] = {}
+    optim_sd: dict[str, Any] = {}
+    for part, opt in zip(pm.parts, pm.optimizers):
+        model_sd.update(get_model_state_dict(part, options=model_opts))
+        # a tied weight's stage copy under the canonical name, as the full state has it
+        optim_sd.update(pm._canonical(get_optimizer_state_dict(part, opt, options=optim_opts)))
+    return model_sd, optim_sd
+
+
+def _wrapping(pm) -> str:
+    """How this rank's parts are data-parallel: DDP, FSDP (fully_shard), replicate or none."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    kinds = set()
+    for part in pm.parts:
+        if isinstance(part, DistributedDataParallel):
+            kinds.add("DDP")
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                kinds.add("replicate" if type(m).__name__.startswith("Replicate") else "FSDP")
+    return "+".join(sorted(kinds)) or "none"
+
+
+def _facts(pm) -> dict:
+    """What a layout is, for a test to check that a label names the pair it runs."""
+    lay = pm.layout
+    return {"world": dist.get_world_size(), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "zero": sorted({l.zero for l in lay.layers}), "wrap": _wrapping(pm),
+            "layout": lay.describe()}
 
 
 def checkpoint_save(rank: int, world: int, model_name: str, path: str, target: Any,
                     graph: str | None = None) -> dict:
     """Train 2 steps under ``target``, save to ``path``, record the full state then and the
-    loss and parameters of a 3rd step (in ``path + '.expected.pt'``, by rank 0)."""
+    loss and parameters of a 3rd step (in ``path + '.expected.pt'``, by rank 0).  Returns
+    the layout's :func:`_facts`."""
     from autoplan.runtime import parallelize
 
     ids = make_batch()
@@ -216,18 +316,23 @@ def checkpoint_save(rank: int, world: int, model_name: str, path: str, target: A
     loss3 = pm.step(ids)
     params3 = pm.full_state_dict()
     if rank == 0:
+        _assert_complete(f"saved {model_name} ({pm.layout.describe()})", model_name,
+                         model_sd, optim_sd, steps=2)
         leftovers = [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n or ".old-" in n]
         if leftovers:
             raise AssertionError(f"temporary checkpoint directories left behind: {leftovers}")
         torch.save({"model": model_sd, "optim": optim_sd, "loss3": loss3, "params3": params3},
                    path + ".expected.pt")
-    return {"layout": pm.layout.describe()}
+    dist.barrier()   # a load right after this save reads the file on every rank
+    return _facts(pm)
 
 
 def checkpoint_load(rank: int, world: int, model_name: str, path: str,
                     targets: list[tuple[str, Any]], graph: str | None = None) -> dict:
-    """Load ``path`` under each target into a differently initialised model: the state must
-    be identical to what was saved, and a 3rd step must match the saving run's."""
+    """Load ``path`` under each target into a differently initialised model (seed 7, fresh
+    optimizer): the full state (rank 0) and the part every rank holds must be bit-identical
+    to what was saved, and a 3rd step must match the saving run's (``ATOL``).  Returns per
+    label the errors of that step, the step count and the layout's :func:`_facts`."""
     from autoplan.runtime import parallelize
 
     expected = torch.load(path + ".expected.pt", weights_only=False)
@@ -238,9 +343,12 @@ def checkpoint_load(rank: int, world: int, model_name: str, path: str,
                          optimizer=make_optimizer, graph=_graph(graph))
         pm.load(path)
         model_sd, optim_sd = pm.full_state_dict(), pm.full_optimizer_state_dict()
+        held_model, held_optim = _held_full_state(pm)
+        _assert_same(f"{label}: rank {rank} model", held_model, expected["model"], subset=True)
+        _assert_same(f"{label}: rank {rank} optimizer", held_optim, expected["optim"], subset=True)
         if rank == 0:
-            _assert_same(f"{label} model", model_sd, expected["model"])
-            _assert_same(f"{label} optimizer", optim_sd, expected["optim"])
+            _assert_same(f"{label}: model", model_sd, expected["model"])
+            _assert_same(f"{label}: optimizer", optim_sd, expected["optim"])
         loss3 = pm.step(ids)
         params3 = pm.full_state_dict()
         loss_err = abs(loss3 - expected["loss3"])
@@ -251,7 +359,8 @@ def checkpoint_load(rank: int, world: int, model_name: str, path: str,
             param_err = max(_max_err(params3[k], v) for k, v in expected["params3"].items())
             if param_err > ATOL:
                 raise AssertionError(f"{label}: step after loading: parameters off by {param_err:.3g}")
-        out[label] = {"loss_err": loss_err, "param_err": param_err, "steps": pm.steps}
+        out[label] = {"loss_err": loss_err, "param_err": param_err, "steps": pm.steps,
+                      **_facts(pm)}
     return out
 
 
