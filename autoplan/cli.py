@@ -274,9 +274,12 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     overrides = parse_model_args(args.model_arg)
     build_model(args.model, overrides)          # fail now, not on the cluster, for a bad spec
     name = os.path.basename(args.out)
-    atomic_write_text(args.out, emit_script(plan, args.model, overrides, name))
+    cluster = _load_cluster(args) if args.cluster else None
+    elastic = dict(min_nodes=args.min_nodes, max_restarts=args.max_restarts)
+    atomic_write_text(args.out, emit_script(plan, args.model, overrides, name, cluster=cluster,
+                                            **elastic))
     os.chmod(args.out, 0o755)
-    cmds = launch_commands(plan, name)
+    cmds = launch_commands(plan, name, **elastic)
     _emit(args, {"script": args.out, "commands": cmds},
           f"wrote {args.out} for {plan.summary()}\nlaunch it with (one line per node):\n"
           + "\n".join(f"  {c}" for c in cmds))
@@ -288,6 +291,14 @@ def _build_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="the model spec the plan was made for")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", default="train.py", help="the script to write (default train.py)")
+    p.add_argument("--cluster", default=None,
+                   help="the cluster the plan was made for (profile name or YAML path), embedded "
+                        "so the script can replan on restarts (default: the plan's profile)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of a single-node-kind profile")
+    p.add_argument("--min-nodes", type=int, default=None,
+                   help="elastic launch: go on with at least this many nodes after failures")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts after a failure (resume from the last checkpoint)")
     p.add_argument("--json", action="store_true")
 
 

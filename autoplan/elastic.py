@@ -14,27 +14,31 @@ checkpoints are kept, and older ones are deleted only after a newer one
 verified.
 
 **Elastic training.**  :func:`run_elastic` is called by a training script in
-every process of a job (under ``torchrun`` or any launcher that sets
-``WORLD_SIZE``/``RANK``).  It chooses a layout for the world it finds
-(:func:`choose_strategy`), loads the last good checkpoint, resharding it to
-this world (DCP reshards on load), and continues from the step after it.  The
-batch of step ``n`` is a function of ``(seed, n)`` only (:func:`batch_for_step`),
-so after a restart no step is applied twice and none is lost beyond the
-checkpoint interval: a run killed at any point and resumed on any world size
-the policy accepts trains the same sequence of steps as an uninterrupted one.
+every process of a job (the script ``autoplan emit`` writes, launched by
+``torchrun --nnodes=MIN:MAX --max-restarts=R``).  When a process dies, its
+peers' next collective fails, torchrun's agents re-rendezvous with the nodes
+that are left and start the script again; it then finds a world of another
+size, chooses a plan for it (:func:`choose_plan`), loads the last good
+checkpoint, resharding it to the new layout (DCP reshards on load), and goes on
+from the step after it.  The batch of step ``n`` depends on ``n`` only
+(:func:`batch_for_step`, or the caller's ``data(step)``), so no step is
+applied twice and none is lost beyond the checkpoint interval: a run killed
+at any point and resumed on any world size trains the same sequence of steps
+as an uninterrupted one.
 
 Layout policy (elastic re-planning)
 -----------------------------------
-The runtime rejects uneven replica batches, so after a change of world size
-the layout must divide the global batch evenly.  The policy is the uniform
-one every world size can run: pure data parallelism, ``dp = world size``,
-``tp = pp = 1``, one micro-batch per replica (``micro_batch = global_batch /
-world``), ZeRO stage ``zero`` (0: DDP, 3: FSDP2), fp32.  When the global batch
-is not divisible by the world size nothing fits: :func:`run_elastic` refuses
-with :class:`NoLayoutFits` (a ConfigError) naming the world size, the batch and
-the world sizes that would work, before touching the process group or the
-checkpoint directory; :func:`main_exit_code` turns that into exit code
-:data:`EXIT_NO_LAYOUT`.
+On the world size the plan was made for, the plan runs as it is.  On another,
+rank 0 calls :func:`autoplan.replan` (warm-started from the plan) for the
+devices of that world (:func:`cluster_for_world`: the first devices of the
+plan's cluster, or more nodes like its last one), restricted to the layouts the
+runtime runs (:meth:`SearchSpace.runnable`: equal replica batches, no context
+parallelism), and broadcasts the plan.  When nothing fits (the model does
+not fit the memory of the devices left, or the global batch splits evenly
+over none of the data-parallel degrees) every rank raises
+:class:`NoLayoutFits`, whose message gives the memory needed and available,
+before the model is laid out and without touching the checkpoint directory;
+:func:`main_exit_code` turns that into exit code :data:`EXIT_NO_LAYOUT`.
 """
 
 from __future__ import annotations
@@ -52,7 +56,10 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, InfeasiblePlan
+from .graph import ModelGraph
+from .hardware.cluster import Cluster, ClusterNode
+from .plan import Plan
 from .records import atomic_write_text
 
 __all__ = [
@@ -61,7 +68,8 @@ __all__ = [
     "save_verified",
     "verify",
     "latest_good",
-    "choose_strategy",
+    "cluster_for_world",
+    "choose_plan",
     "batch_for_step",
     "run_elastic",
     "ElasticResult",
@@ -256,32 +264,79 @@ def save_verified(program: Any, root: str | os.PathLike[str], step: int, *,
 
 
 # ---------------------------------------------------------------------- policy
-class NoLayoutFits(ConfigError):
-    """No layout of the elastic policy fits the world size (the message says which would)."""
+class NoLayoutFits(InfeasiblePlan):
+    """No runnable layout fits the processes there are (the message says why and what
+    would; ``required_bytes``/``available_bytes`` when memory binds)."""
 
 
-def choose_strategy(world_size: int, global_batch: int, *, zero: int = 0):
-    """The layout the elastic entry point runs on ``world_size`` processes (policy above).
+def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
+    """The devices of a job of ``world_size`` processes, from the cluster it was planned for.
+
+    torchrun tells a restarted worker how many processes there are, not which
+    nodes left or joined, so the policy is positional: a smaller world keeps the
+    first ``world_size`` devices (whole nodes first, as torchrun's node ranks
+    are), a larger one adds nodes like the last node.  On a cluster of one
+    device type (every shipped single-node profile) that is exact; on a mixed
+    cluster it assumes the nodes lost or added are of the last group's kind.
+    """
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    n = cluster.num_devices
+    if world_size <= n:
+        return cluster.subset(range(world_size))
+    last = cluster.nodes[-1]
+    extra, nodes = world_size - n, list(cluster.nodes)
+    i = 0
+    while extra > 0:
+        ranks = last.local_ranks[:extra]
+        nodes.append(ClusterNode(f"{last.name}+{i}", last.group, last.profile, last.site, ranks))
+        extra -= len(ranks)
+        i += 1
+    return Cluster(cluster.name, cluster.profiles, tuple(nodes), cluster.site_links)
+
+
+def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
+                cluster: Cluster | None = None, time_limit_s: float = 30.0) -> Plan:
+    """The plan an elastic job runs on ``world_size`` processes (policy in the module docstring).
+
+    ``plan`` itself when it was made for ``world_size`` devices; otherwise
+    :func:`autoplan.replan` of it, warm-started, for :func:`cluster_for_world`
+    of ``cluster`` (the cluster ``plan`` was made for), within the layouts the
+    runtime runs (:meth:`SearchSpace.runnable`).
 
     Raises
     ------
     NoLayoutFits
-        When the global batch does not divide evenly over ``world_size``
-        replicas; the message lists the world sizes that fit.
+        When no runnable layout fits: the global batch does not split evenly over
+        any data-parallel degree of that world, or the model does not fit the
+        devices' memory (the message gives the memory needed and there).
+    ConfigError
+        When the world differs from the plan's and there is no ``cluster`` to replan for.
     """
-    from .strategy import Strategy
+    from .runtime.layout import layout_from_plan
+    from .search import SearchSpace, replan
 
-    if world_size < 1:
-        raise ConfigError(f"world size must be >= 1, got {world_size}")
-    if global_batch % world_size:
-        fits = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
-        raise NoLayoutFits(
-            f"no layout fits {world_size} processes: the elastic policy is data parallelism "
-            f"with dp = world size, and global_batch={global_batch} is not divisible by "
-            f"{world_size}; world sizes that fit: {fits}. Restart with one of them or change "
-            "global_batch (checkpoints were left untouched)")
-    return Strategy(dp=world_size, micro_batch=global_batch // world_size,
-                    global_batch=global_batch, zero=zero, precision="fp32")
+    if world_size == plan.num_devices:
+        layout_from_plan(plan)          # PlanMismatchError when the runtime cannot run it
+        return plan
+    if cluster is None:
+        raise ConfigError(
+            f"the plan is for {plan.num_devices} processes but the job has {world_size}; "
+            "replanning needs the cluster the plan was made for (emit the script with "
+            "--cluster/--nodes, or pass cluster= to run_elastic)")
+    target = cluster_for_world(cluster, world_size)
+    try:
+        return replan(plan, target, graph=graph, space=SearchSpace.runnable(),
+                      time_limit_s=time_limit_s)
+    except InfeasiblePlan as e:
+        raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were left "
+                           "untouched; restart with more devices.",
+                           required_bytes=e.required_bytes, available_bytes=e.available_bytes,
+                           binding=e.binding) from None
+    except ConfigError as e:
+        raise NoLayoutFits(f"no layout fits {world_size} processes: {e}. Checkpoints were left "
+                           "untouched; restart with another number of processes or change "
+                           "the global batch.") from None
 
 
 def batch_for_step(seed: int, step: int, *, global_batch: int, seq_len: int,
@@ -300,6 +355,10 @@ class ElasticResult:
     Attributes
     ----------
     world_size : int
+    plan : Plan
+        The plan this call ran (the given one, or its replan for this world).
+    replanned : bool
+        Whether ``plan`` was replanned for a world size other than the given plan's.
     resumed_from : int
         The step of the checkpoint loaded (0: started fresh).
     losses : dict of int to float
@@ -309,47 +368,83 @@ class ElasticResult:
     """
 
     world_size: int
+    plan: Plan
+    replanned: bool
     resumed_from: int
     losses: dict[int, float]
     checkpoints: list[str]
 
 
-def _world_size() -> int:
+def _agree(rank: int, fn: Callable[[], Any], what: str,
+           error: type[Exception] = ConfigError) -> Any:
+    """``fn()`` on rank 0, its result (or its error, re-raised) on every rank."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except NoLayoutFits as e:
+            box[0] = ("nofit", (str(e), e.required_bytes, e.available_bytes, e.binding))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "nofit":
+        msg, req, avail, binding = value
+        raise NoLayoutFits(msg, required_bytes=req, available_bytes=avail, binding=binding)
+    if kind == "error":
+        raise error(f"{what} failed on rank 0: {value}")
+    return value
 
 
-def run_elastic(model_factory: Callable[[], torch.nn.Module], *, global_batch: int,
-                seq_len: int, vocab_size: int, steps: int, checkpoint_dir: str,
-                checkpoint_every: int, seed: int = 0, zero: int = 0, keep: int = 3,
+def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, steps: int,
+                checkpoint_dir: str | None, checkpoint_every: int = 100,
+                cluster: Cluster | None = None, seed: int = 0, keep: int = 3,
+                data: Callable[[int], Any] | None = None, vocab_size: int | None = None,
+                optimizer: Callable | None = None, graph: ModelGraph | None = None,
+                time_limit_s: float = 30.0,
                 on_step: Callable[[int, float], None] | None = None) -> ElasticResult:
-    """Train ``steps`` steps in total across restarts; call it in every process of the job.
+    """Train steps ``1..steps`` across restarts; call it in every process of the job.
 
     Parameters
     ----------
     model_factory : callable
         ``model_factory() -> nn.Module``, called after ``torch.manual_seed(seed)``
-        on every rank: the same model everywhere (its initial weights matter
-        only for a fresh start).
-    global_batch, seq_len, vocab_size : int
-        Shape of every step's token batch (:func:`batch_for_step`).
+        on every rank: the same materialised model everywhere (its initial
+        weights matter only for a fresh start).
+    plan : Plan
+        The plan the job was made with (:func:`autoplan.plan`).  Run as is
+        when the world has its device count; replanned otherwise.
     steps : int
         Total training steps (1-based step numbers ``1..steps``).
-    checkpoint_dir : str
-        Root of the ``step-<N>`` checkpoints, on a file system every rank sees.
+    checkpoint_dir : str or None
+        Root of the ``step-<N>`` checkpoints, on a file system every rank sees;
+        None: no checkpoints, always a fresh start.
     checkpoint_every : int
         Save a verified checkpoint after every step divisible by it (and after the last).
+    cluster : Cluster, optional
+        The cluster ``plan`` was made for; needed to replan for another world size.
     seed : int
-        Seeds the model initialisation and the per-step data.
-    zero : int
-        ZeRO stage of the data-parallel layout (0: DDP, 3: FSDP2).
+        Seeds the model initialisation and the default per-step data.
     keep : int
         Good checkpoints to keep.
+    data : callable, optional
+        ``data(step) -> batch`` (the global batch of step ``step``, the same on
+        every rank); default :func:`batch_for_step` random tokens.  It must
+        depend on the step only, so that a resumed run sees the same batches.
+    vocab_size : int, optional
+        For the default data (default ``model.config.vocab_size``).
+    optimizer : callable, optional
+        Passed to :func:`autoplan.parallelize` (default AdamW).
+    graph : ModelGraph, optional
+        ``autoplan.trace`` of the model (e.g. built on the meta device); then the
+        model is built only after a plan fits this world.  Default: every rank
+        builds the model and traces it.
+    time_limit_s : float
+        Bound on the replanning search.
     on_step : callable, optional
-        ``on_step(step, loss)`` after each step, before its checkpoint (tests use it).
+        ``on_step(step, loss)`` after each step, before its checkpoint.
 
     Returns
     -------
@@ -358,61 +453,88 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], *, global_batch: i
     Raises
     ------
     NoLayoutFits
-        When no layout fits the world size (see the module's policy), before
-        any collective and without touching ``checkpoint_dir``.
+        On every rank when no layout fits this world (see :func:`choose_plan`),
+        before the model is laid out (or built, given ``graph``) and without
+        touching ``checkpoint_dir``.
     """
     import torch.distributed as dist
 
+    from .capture import trace
     from .runtime import parallelize
+    from .search import plan_diff
 
     if steps < 0 or checkpoint_every < 1:
         raise ConfigError(f"steps must be >= 0 and checkpoint_every >= 1, got steps={steps}, "
                           f"checkpoint_every={checkpoint_every}")
-    world = _world_size()
-    strategy = choose_strategy(world, global_batch, zero=zero)   # refuses before anything else
+    if plan.seq_len is None and data is None:
+        raise ConfigError("the plan has no sequence length: pass data=step -> batch")
     if not dist.is_initialized():
         dist.init_process_group("gloo")       # torchrun's env:// rendezvous
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        msg = ("torchrun restarts this job but shares its rendezvous store with the workers: "
+               "after a restart the process group can read the previous attempt's addresses "
+               "and fail to connect (pytorch/pytorch#135712); launch torchrun with "
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (autoplan.emit.RESTART_ENV)")
+        log.warning(msg)
+        warnings.warn(msg, stacklevel=2)
 
-    torch.manual_seed(seed)
-    model = model_factory()
-    program = parallelize(model, strategy, global_batch=global_batch, seq_len=seq_len)
+    model = None
+    if graph is None:       # trace the model itself (it is built anyway)
+        torch.manual_seed(seed)
+        model = model_factory()
+        graph = trace(model, seq_len=plan.seq_len)
+    chosen = Plan.from_json(_agree(rank, lambda: choose_plan(
+        plan, world, graph=graph, cluster=cluster, time_limit_s=time_limit_s).to_json(),
+        f"planning for {world} processes"))
+    replanned = chosen.num_devices != plan.num_devices
+    if rank == 0 and replanned:
+        print(f"elastic: the plan is for {plan.num_devices} processes, the job has {world}: "
+              f"replanned\n  {chosen.summary()}\n  "
+              + plan_diff(plan, chosen).replace("\n", "\n  "), flush=True)
+    if model is None:       # built only once a plan fits
+        torch.manual_seed(seed)
+        model = model_factory()
+    program = parallelize(model, chosen, graph=graph, optimizer=optimizer)
 
-    # every rank must agree on the checkpoint: rank 0 picks, the others follow
-    box: list[Any] = [None]
-    if rank == 0:
-        try:
-            box[0] = ("ok", latest_good(checkpoint_dir))
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    kind, found = box[0]
-    if kind == "error":
-        raise CheckpointError(f"looking for a checkpoint in {checkpoint_dir} failed on rank 0: "
-                              f"{found}")
+    if data is None:
+        vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise ConfigError("the model has no config.vocab_size: pass vocab_size= or data=")
+
+        def data(step: int) -> torch.Tensor:
+            return batch_for_step(seed, step, global_batch=plan.global_batch,
+                                  seq_len=plan.seq_len, vocab_size=vocab)
+
     resumed_from = 0
-    if found is not None:
-        path, resumed_from = found
-        program.load(path)
-        if rank == 0:
+    if checkpoint_dir is not None:
+        # every rank must agree on the checkpoint: rank 0 picks, the others follow
+        found = _agree(rank, lambda: latest_good(checkpoint_dir),
+                       f"looking for a checkpoint in {checkpoint_dir}", CheckpointError)
+        if found is not None:
+            path, resumed_from = found
+            program.load(path)
             log.info("resumed from %s (step %d) on %d processes", path, resumed_from, world)
-            print(f"resumed from step {resumed_from} on {world} processes", flush=True)
+            if rank == 0:
+                print(f"elastic: resumed from step {resumed_from} on {world} processes",
+                      flush=True)
 
     losses: dict[int, float] = {}
     written: list[str] = []
     for step in range(resumed_from + 1, steps + 1):
-        batch = batch_for_step(seed, step, global_batch=global_batch, seq_len=seq_len,
-                               vocab_size=vocab_size)
-        loss = program.step(batch)
+        loss = program.step(data(step))
         losses[step] = loss
         if rank == 0:
-            print(f"step {step} loss {loss:.6f}", flush=True)
+            print(f"step {step} loss {loss:.6f} world {world}", flush=True)
         if on_step is not None:
             on_step(step, loss)
-        if step % checkpoint_every == 0 or step == steps:
+        if checkpoint_dir is not None and (step % checkpoint_every == 0 or step == steps):
             written.append(save_verified(program, checkpoint_dir, step, keep=keep))
-    return ElasticResult(world_size=world, resumed_from=resumed_from, losses=losses,
-                         checkpoints=written)
+            if rank == 0:
+                print(f"elastic: checkpoint step-{step} saved (world {world})", flush=True)
+    return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
+                         resumed_from=resumed_from, losses=losses, checkpoints=written)
 
 
 def main_exit_code(fn: Callable[[], Any]) -> int:

@@ -1,10 +1,12 @@
 """``autoplan emit``: a plan becomes a standalone, readable training script.
 
-The script embeds the plan (JSON) and the model spec, and trains through the
-public API (:func:`autoplan.parallelize` then ``ParallelModel.step``).  It
-picks NCCL when CUDA is present and gloo otherwise, so the same file runs on a
-CPU test box and on a GPU cluster.  :func:`launch_commands` gives the torchrun
-line for every node.
+The script embeds the plan (JSON), the cluster it was made for and the model
+spec, and trains through :func:`autoplan.elastic.run_elastic` (which lays the
+model out with :func:`autoplan.parallelize`, checkpoints, resumes, and replans
+when the job restarts on another number of processes).  It picks NCCL when
+CUDA is present and gloo otherwise, so the same file runs on a CPU test box and
+on a GPU cluster.  :func:`launch_commands` gives the torchrun line for every
+node, elastic (``--nnodes=MIN:MAX --max-restarts``) on request.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 from typing import Any
 
 from .errors import ConfigError
-from .plan import Plan
+from .hardware.cluster import Cluster
+from .plan import ClusterSummary, Plan
 
 __all__ = ["emit_script", "launch_commands"]
 
@@ -26,83 +29,109 @@ Launch it on every node with torchrun (one process per device):
 
 {launch}
 
-It runs with gloo on CPU and NCCL on GPU unchanged.  The data here are random
-token ids from a fixed seed (replace ``batches()`` with your data loader); every
-rank receives the same global batch and parallelize() gives each rank its slice.
+It runs with gloo on CPU and NCCL on GPU unchanged.  With --checkpoint-dir it
+saves a verified checkpoint every --checkpoint-every steps and, when started
+again (by hand, or by torchrun after a failure), resumes from the last good one.
+{elastic_note}
+The data here are random token ids that depend on (seed, step) only: replace
+``data()`` with your loader, keeping it a function of the step, so that a
+resumed run sees the batches the lost steps saw.
 """
 
 import argparse
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
-import autoplan
+from autoplan import trace
+from autoplan.elastic import batch_for_step, main_exit_code, run_elastic
+from autoplan.hardware.cluster import Cluster
 from autoplan.plan import Plan
 from autoplan.zoo import build_model
 
 MODEL_SPEC = {model_spec!r}
 MODEL_ARGS = {model_args!r}
+VOCAB_SIZE = {vocab_size!r}
 PLAN_JSON = r"""{plan_json}"""
-
-
-def batches(plan, vocab_size, seed):
-    """Global batches of token ids, shape (global_batch, seq_len), the same on every rank."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        yield torch.randint(0, vocab_size, (plan.global_batch, plan.seq_len), generator=generator)
+CLUSTER_JSON = {cluster_json}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="total training steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-dir", default=None, help="save a checkpoint here at the end")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="verified checkpoints here; resume from the last good one")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    parser.add_argument("--keep", type=int, default=3, help="good checkpoints to keep")
     parser.add_argument("--timeout-min", type=float, default=10.0, help="collective timeout")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo",
                             timeout=datetime.timedelta(minutes=args.timeout_min))
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    plan = Plan.from_json(PLAN_JSON)
-    if world != plan.num_devices:
-        raise SystemExit(f"this plan is for {{plan.num_devices}} processes, but torchrun started "
-                         f"{{world}}; launch one process per device as the docstring shows")
+    try:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = "cuda" if cuda else "cpu"
+        plan = Plan.from_json(PLAN_JSON)
+        cluster = Cluster.from_json(CLUSTER_JSON) if CLUSTER_JSON else None
 
-    torch.manual_seed(args.seed)            # the same initial weights on every rank
-    device = "cuda" if cuda else "cpu"
-    model, _ = build_model(MODEL_SPEC, MODEL_ARGS, dtype=torch.float32, device=device)
-    program = autoplan.parallelize(model, plan, global_batch=plan.global_batch, seq_len=plan.seq_len)
+        def model():
+            return build_model(MODEL_SPEC, MODEL_ARGS, dtype=torch.float32, device=device)[0]
 
-    vocab_size = model.config.vocab_size
-    data = batches(plan, vocab_size, args.seed)
-    for step in range(args.steps):
-        loss = program.step(next(data))
-        if rank == 0:
-            print(f"step {{step}} loss {{loss:.6f}}", flush=True)
-    if args.checkpoint_dir:
-        program.save(args.checkpoint_dir)
-        if rank == 0:
-            print(f"checkpoint written to {{args.checkpoint_dir}}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+        def data(step):
+            """The global batch of step ``step`` (1-based), the same on every rank."""
+            return batch_for_step(args.seed, step, global_batch=plan.global_batch,
+                                  seq_len=plan.seq_len, vocab_size=VOCAB_SIZE)
+
+        # the model's layer graph, traced on the meta device (no memory): the model itself
+        # is built only once a plan fits the processes there are
+        graph = trace(build_model(MODEL_SPEC, MODEL_ARGS, dtype=torch.float32)[0],
+                      seq_len=plan.seq_len)
+        run_elastic(model, plan, cluster=cluster, graph=graph, steps=args.steps, seed=args.seed,
+                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                    keep=args.keep, data=data)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_exit_code(main))
 '''
+
+_ELASTIC_NOTE = """
+Elastic launch: torchrun restarts the job on the nodes that are left (at least
+{min_nodes}); the script then replans for the new number of processes (the
+cluster it was planned for is embedded below) and reshards the checkpoint.
+"""
+
+
+#: Set for torchrun when workers restart.  By default (torch >= 2.5) the workers'
+#: process group shares the agents' rendezvous TCPStore across restarts, and the
+#: restart count that should separate attempts is counted per agent, so it differs
+#: between agents whose worker failed and those restarted for a membership change:
+#: a restarted gloo/NCCL group then reads the previous attempt's addresses and
+#: fails to connect (pytorch/pytorch#135712, #167288; reproduced here with gloo on
+#: the first restart).  With the variable set, every attempt gets a fresh store.
+RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 
 def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$MASTER_ADDR:29500",
-                    args: str = "") -> list[str]:
+                    args: str = "", min_nodes: int | None = None, max_nodes: int | None = None,
+                    max_restarts: int = 0, last_call_timeout_s: float = 5.0) -> list[str]:
     """One torchrun command per node of the plan's cluster.
 
     Every node runs ``devices / nodes`` processes and meets the others at ``endpoint``
-    (the c10d rendezvous on node 0's address).
+    (the c10d rendezvous on node 0's address).  With ``min_nodes`` (elastic) every
+    node runs the same line, ``--nnodes=min_nodes:max_nodes`` (default: the plan's
+    nodes), node ranks come from the rendezvous, torchrun restarts the workers up to
+    ``max_restarts`` times, and a rendezvous that has its minimum waits
+    ``last_call_timeout_s`` for late nodes.
     """
     nodes = max(1, plan.cluster.num_nodes)
     if plan.num_devices % nodes:
@@ -110,28 +139,93 @@ def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$M
                           f"{nodes} nodes evenly")
     per_node = plan.num_devices // nodes
     tail = f" {args}" if args else ""
+    if max_restarts < 0:
+        raise ConfigError(f"max_restarts must be >= 0, got {max_restarts}")
+    restarts = f" --max-restarts={max_restarts}" if max_restarts else ""
+    torchrun = f"{RESTART_ENV} torchrun" if max_restarts or min_nodes is not None else "torchrun"
+    if min_nodes is not None:
+        top = nodes if max_nodes is None else max_nodes
+        if not 1 <= min_nodes <= top:
+            raise ConfigError(f"need 1 <= min_nodes <= max_nodes, got min_nodes={min_nodes}, "
+                              f"max_nodes={top}")
+        line = (f"{torchrun} --nnodes={min_nodes}:{top} --nproc-per-node={per_node}{restarts} "
+                f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=autoplan "
+                f"--rdzv-conf=last_call_timeout={last_call_timeout_s:g} {script}{tail}")
+        return [line] * nodes
     if nodes == 1:
-        return [f"torchrun --standalone --nnodes=1 --nproc-per-node={per_node} {script}{tail}"]
-    return [f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --node-rank={i} "
+        return [f"{torchrun} --standalone --nnodes=1 --nproc-per-node={per_node}{restarts} "
+                f"{script}{tail}"]
+    return [f"{torchrun} --nnodes={nodes} --nproc-per-node={per_node}{restarts} --node-rank={i} "
             f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=autoplan {script}{tail}"
             for i in range(nodes)]
 
 
+def _cluster_of(plan: Plan) -> Cluster | None:
+    """The cluster a plan was made for, rebuilt from its profile name when that gives it back."""
+    from .errors import ProfileError
+    from .hardware import load_cluster
+
+    try:
+        cluster = load_cluster(plan.cluster.name, nodes=plan.cluster.num_nodes)
+    except (ProfileError, ConfigError):
+        try:
+            cluster = load_cluster(plan.cluster.name)
+        except (ProfileError, ConfigError):
+            return None
+    return cluster if ClusterSummary.from_cluster(cluster) == plan.cluster else None
+
+
 def emit_script(plan: Plan, model_spec: str, model_args: dict[str, Any] | None = None,
-                script_name: str = "train.py") -> str:
+                script_name: str = "train.py", *, cluster: Cluster | None = None,
+                min_nodes: int | None = None, max_restarts: int = 0) -> str:
     """The text of a training script that runs ``plan`` for the model ``model_spec``.
+
+    Parameters
+    ----------
+    cluster : Cluster, optional
+        The cluster the plan was made for, embedded so that the script can replan
+        when it is started on another number of processes (elastic restarts).
+        Default: rebuilt from the plan's profile name when that gives the same
+        devices; without it the script runs on the plan's device count only.
+    min_nodes, max_restarts : int
+        Elastic launch (see :func:`launch_commands`); needs the cluster.
 
     Raises
     ------
     ConfigError
-        When the plan has no sequence length (the script trains token models).
+        When the plan has no sequence length (the script trains token models),
+        the model has no ``config.vocab_size``, the cluster disagrees with the
+        plan, or an elastic launch has no cluster to replan for.
     """
+    from .zoo import build_model
+
     if plan.seq_len is None:
         raise ConfigError("emit writes training scripts for token models; this plan has no "
                           "sequence length")
-    launch = "\n".join(f"    {c}" for c in launch_commands(plan, script_name))
+    vocab_size = getattr(getattr(build_model(model_spec, model_args)[0], "config", None),
+                         "vocab_size", None)
+    if not isinstance(vocab_size, int):
+        raise ConfigError(f"the model {model_spec!r} has no config.vocab_size: the emitted "
+                          "script trains token models")
+    if cluster is not None and ClusterSummary.from_cluster(cluster) != plan.cluster:
+        raise ConfigError(f"the plan was made for {plan.cluster.num_devices} devices of "
+                          f"{plan.cluster.name!r}, not for the cluster given "
+                          f"({cluster.num_devices} devices of {cluster.name!r})")
+    cluster = cluster or _cluster_of(plan)
+    if min_nodes is not None and cluster is None:
+        raise ConfigError(f"an elastic script must replan for the nodes that remain, but the "
+                          f"plan's cluster {plan.cluster.name!r} ({plan.cluster.num_devices} "
+                          "devices) is not a shipped profile: pass the cluster (autoplan emit "
+                          "--cluster ... --nodes ...)")
+    launch = "\n".join(f"    {c}" for c in launch_commands(
+        plan, script_name, min_nodes=min_nodes, max_restarts=max_restarts))
     plan_json = json.dumps(plan.to_dict(), indent=1)
-    if '"""' in plan_json:
+    cluster_json = None if cluster is None else cluster.to_json()
+    if '"""' in plan_json or (cluster_json and '"""' in cluster_json):
         raise ConfigError("the plan JSON cannot be embedded (contains triple quotes)")
+    note = _ELASTIC_NOTE.format(min_nodes=min_nodes) if min_nodes is not None else ""
     return _TEMPLATE.format(summary=plan.summary(), launch=launch, model_spec=model_spec,
-                            model_args=dict(model_args or {}), plan_json=plan_json)
+                            model_args=dict(model_args or {}), plan_json=plan_json,
+                            vocab_size=vocab_size, elastic_note=note,
+                            cluster_json="None" if cluster_json is None
+                            else f'r"""{cluster_json}"""')

@@ -1,43 +1,48 @@
-"""Fault tolerance: verified checkpoints, refusing a world no layout fits, and resuming
-after a killed process on fewer processes with the loss of an uninterrupted run.
+"""Fault tolerance: verified checkpoints, replanning for the processes that remain,
+refusing a world nothing fits, and an emitted program that survives a killed process.
 
-The kill test orchestrates the restart itself rather than through torchrun's
-elastic agents: 4 ranks train with checkpoints, one rank is SIGKILLed in mid-run,
-the harness sees the others fail at their next collective (gloo notices the
-closed connection at once) and ends them, then the 3 survivors' world starts
-again from the last good checkpoint, which DCP reshards from 4 to 3 ranks.
-Why not torchrun: the same scenario under ``torchrun --nnodes=2:4
---nproc-per-node=1 --max-restarts=3 --rdzv-backend=c10d`` with 4 agents on
-localhost (kill one agent and its worker at step 10, checkpoints every 4 steps)
-works, re-rendezvouses with 3 and matches the reference from step 9 on, but
-takes ~106 s on a 2-core machine (~40 s of it the first rendezvous), too slow
-for the test suite; this test takes ~20 s.  Note that torchrun starts each
-worker in its own session: killing an agent's process group leaves its worker
-running.
+The kill test is the real thing: ``autoplan emit`` writes the training script,
+four torchrun agents (``--nnodes=2:4 --nproc-per-node=1 --max-restarts=3``, c10d
+rendezvous on localhost) start it, one agent and its worker are SIGKILLed in
+mid-run, the three agents left re-rendezvous, and their restarted workers replan
+for 3 processes, reshard the last good checkpoint and train to the end.  The
+losses of every step, before and after the kill, must equal a single-process
+run's (same seed, same per-step data).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import io
 import os
 import re
 import shutil
 import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
-from autoplan import elastic
+import autoplan
 from autoplan.elastic import (EXIT_NO_LAYOUT, MANIFEST_FILE, NoLayoutFits, batch_for_step,
-                              latest_good, main_exit_code, run_elastic, verify)
-from autoplan.errors import CheckpointError
-from dist_harness import run, run_outcomes
+                              choose_plan, cluster_for_world, latest_good, main_exit_code,
+                              run_elastic, verify)
+from autoplan.errors import CheckpointError, ConfigError
+from autoplan.hardware.cluster import Cluster
+from autoplan.plan import Plan
+from autoplan.search import SearchSpace
+from dist_harness import run
 
 #: tiny fp32 GPT; the global batch divides by 4 and by 3 (the world before and after the kill)
-GPT_ARGS = dict(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=2)
+GPT_ARGS = dict(vocab_size=128, seq_len=16, hidden=32, heads=2, layers=4)
 GLOBAL_BATCH = 12
 SEED = 7
-#: loss tolerance against the single-process reference (fp32, DDP over 4 and 3 ranks)
+#: loss tolerance against the single-process reference (fp32; losses printed with 6 decimals)
 ATOL = 1e-5
 
 
@@ -47,19 +52,32 @@ def _gpt() -> torch.nn.Module:
     return build_model("gpt", GPT_ARGS, dtype=torch.float32, device="cpu")[0]
 
 
-def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int = 3,
-           kill_at: int | None = None, kill_rank: int | None = None) -> dict:
-    """``run_elastic`` on this rank; ``kill_rank`` SIGKILLs itself after step ``kill_at``."""
+@functools.lru_cache(maxsize=None)
+def _graph():
+    from autoplan.zoo import build_model
 
-    def on_step(step: int, loss: float) -> None:
-        if step == kill_at and rank == kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+    return autoplan.trace(build_model("gpt", GPT_ARGS, dtype=torch.float32)[0],
+                          seq_len=GPT_ARGS["seq_len"])
 
-    res = run_elastic(_gpt, global_batch=GLOBAL_BATCH, seq_len=GPT_ARGS["seq_len"],
-                      vocab_size=GPT_ARGS["vocab_size"], steps=steps, checkpoint_dir=root,
-                      checkpoint_every=every, seed=SEED, keep=keep, on_step=on_step)
+
+def _cluster(nodes: int) -> Cluster:
+    """``nodes`` A100 nodes with one device each (one torchrun agent = one process = one node)."""
+    return autoplan.load_cluster("a100-sxm4-80gb", nodes=nodes).subset(range(0, 8 * nodes, 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(nodes: int) -> Plan:
+    return autoplan.plan(_graph(), _cluster(nodes), global_batch=GLOBAL_BATCH, precision="fp32",
+                         space=SearchSpace.runnable())
+
+
+def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
+           plan_json: str, cluster_json: str) -> dict:
+    res = run_elastic(_gpt, Plan.from_json(plan_json), cluster=Cluster.from_json(cluster_json),
+                      steps=steps, checkpoint_dir=root, checkpoint_every=every, seed=SEED,
+                      keep=keep)
     return {"world": res.world_size, "resumed_from": res.resumed_from, "losses": res.losses,
-            "checkpoints": res.checkpoints}
+            "checkpoints": res.checkpoints, "replanned": res.replanned}
 
 
 def _reference_losses(steps: int) -> dict[int, float]:
@@ -101,8 +119,8 @@ def _data_file(ckpt: str) -> str:
 @pytest.mark.distributed
 def test_latest_good_skips_corrupt_and_half_written_checkpoints(tmp_path):
     root = tmp_path / "ckpt"
-    out = run(_train, 2, str(root), 3, 1, 2)
-    assert out[0]["losses"].keys() == {1, 2, 3}
+    out = run(_train, 2, str(root), 3, 1, 2, _plan(2).to_json(), _cluster(2).to_json())
+    assert out[0]["losses"].keys() == {1, 2, 3} and not out[0]["replanned"]
     # keep=2: step-1 was deleted once step-3 verified
     assert sorted(os.listdir(root)) == ["step-2", "step-3"]
     for name in ("step-2", "step-3"):
@@ -153,62 +171,218 @@ def test_latest_good_skips_corrupt_and_half_written_checkpoints(tmp_path):
     assert latest_good(tmp_path / "nowhere") is None
 
 
-# ---------------------------------------------------------------------- (b) nothing fits
-def test_refuses_a_world_no_layout_fits_and_leaves_checkpoints(tmp_path, monkeypatch, capsys):
-    import torch.distributed as dist
+# ---------------------------------------------------------------------- (b) the policy
+def test_cluster_for_world_keeps_the_first_devices_and_grows_like_the_last_node():
+    c = autoplan.load_cluster("a100-sxm4-80gb", nodes=2)
+    assert cluster_for_world(c, 16) is not None and cluster_for_world(c, 16).num_devices == 16
+    small = cluster_for_world(c, 8)                # a node lost: whole first node kept
+    assert (small.num_devices, small.num_nodes) == (8, 1)
+    big = cluster_for_world(c, 28)                 # nodes added, like the last one
+    assert (big.num_devices, big.num_nodes) == (28, 4)
+    assert [len(n.local_ranks) for n in big.nodes] == [8, 8, 8, 4]
+    assert {t.name for t in big.device_types} == {"A100-SXM4-80GB"}
+    with pytest.raises(ConfigError):
+        cluster_for_world(c, 0)
+
+
+def test_choose_plan_replans_within_what_the_runtime_runs():
+    from autoplan.runtime.layout import layout_from_plan
+
+    plan, graph, cluster = _plan(4), _graph(), _cluster(4)
+    assert choose_plan(plan, 4, graph=graph, cluster=cluster) is plan
+    for world in (3, 2, 6):
+        new = choose_plan(plan, world, graph=graph, cluster=cluster)
+        assert new.num_devices == world and new.global_batch == GLOBAL_BATCH
+        layout_from_plan(new)                      # the runtime accepts it
+        assert choose_plan(plan, world, graph=graph, cluster=cluster).to_json() == new.to_json()
+    # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes
+    with pytest.raises(NoLayoutFits, match="no layout fits 5 processes.*equal replica batches"):
+        choose_plan(plan, 5, graph=graph, cluster=cluster)
+    with pytest.raises(ConfigError, match="replanning needs the cluster"):
+        choose_plan(plan, 3, graph=graph)
+
+
+@functools.lru_cache(maxsize=None)
+def _big():
+    """A 6.9B-parameter GPT planned on 8 A100-80GB: its fp32 Adam states (~110 GB) fit 8
+    GPUs sharded, never one."""
+    from autoplan.zoo import build_model
+
+    args = dict(vocab_size=50304, seq_len=1024, hidden=4096, heads=32, layers=32)
+    graph = autoplan.trace(build_model("gpt", args, dtype=torch.float32)[0], seq_len=1024)
+    cluster = autoplan.load_cluster("a100-sxm4-80gb")
+    plan = autoplan.plan(graph, cluster, global_batch=8, precision="fp32",
+                         space=SearchSpace.runnable())
+    return graph, cluster, plan
+
+
+def _refused(rank: int, world: int, root: str, graph_json: str, plan_json: str,
+             cluster_json: str) -> dict:
+    from autoplan.graph import ModelGraph
+
+    built = []
+
+    def factory():                   # the model must not be built when no plan fits
+        built.append(1)
+        raise AssertionError("the model was built")
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main_exit_code(lambda: run_elastic(
+            factory, Plan.from_json(plan_json), cluster=Cluster.from_json(cluster_json),
+            graph=ModelGraph.from_json(graph_json), steps=4, checkpoint_dir=root,
+            checkpoint_every=2))
+    return {"code": code, "stderr": err.getvalue(), "built": bool(built)}
+
+
+@pytest.mark.distributed
+def test_refuses_a_world_whose_memory_nothing_fits_and_leaves_checkpoints(tmp_path):
+    graph, cluster, plan = _big()
+    assert plan.num_devices == 8 and plan.estimate.fits
+    with pytest.raises(NoLayoutFits) as err:
+        choose_plan(plan, 1, graph=graph, cluster=cluster)
+    e = err.value
+    assert e.required_bytes > e.available_bytes > 0
+    msg = str(e)
+    assert "no layout fits 1 processes" in msg and "GiB per device" in msg
+    assert "Checkpoints were left untouched" in msg
 
     root = tmp_path / "ckpt"
     (root / "step-4").mkdir(parents=True)
     (root / "step-4" / "__0_0.distcp").write_bytes(b"x" * 100)
     (root / "step-4" / MANIFEST_FILE).write_text("{}")
     before = _tree(root)
-    monkeypatch.setenv("WORLD_SIZE", "5")     # 12 sequences do not split over 5 replicas
-
-    def body():
-        run_elastic(_gpt, global_batch=GLOBAL_BATCH, seq_len=16, vocab_size=128, steps=8,
-                    checkpoint_dir=str(root), checkpoint_every=2)
-
-    with pytest.raises(NoLayoutFits) as err:
-        body()
-    msg = str(err.value)
-    assert "no layout fits 5 processes" in msg and "global_batch=12" in msg
-    assert "[1, 2, 3, 4, 6, 12]" in msg
-    assert main_exit_code(body) == EXIT_NO_LAYOUT == 3
-    assert "no layout fits 5 processes" in capsys.readouterr().err
+    out = run(_refused, 1, str(root), graph.to_json(), plan.to_json(), cluster.to_json())[0]
+    assert out["code"] == EXIT_NO_LAYOUT == 3 and not out["built"]
+    assert "no layout fits 1 processes" in out["stderr"] and "GiB" in out["stderr"]
     assert _tree(root) == before
-    assert not dist.is_initialized()
-    # the policy itself
-    s = elastic.choose_strategy(3, GLOBAL_BATCH, zero=3)
-    assert (s.dp, s.tp, s.pp, s.micro_batch, s.zero) == (3, 1, 1, 4, 3)
 
 
 # ---------------------------------------------------------------------- (c) the kill test
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (torchrun's workers; they run in their own sessions)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    for pid in _children(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.mark.distributed
-def test_kill_one_of_four_and_resume_on_three_matches_reference(tmp_path):
-    root = str(tmp_path / "ckpt")
-    steps, every, kill_at = 8, 2, 5
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find workers")
+def test_emitted_program_survives_a_killed_process_under_torchrun(tmp_path):
+    from autoplan.emit import RESTART_ENV, emit_script, launch_commands
+
+    steps, every, kill_after = 24, 4, 8
+    plan, cluster = _plan(4), _cluster(4)
+    script = tmp_path / "train.py"
+    script.write_text(emit_script(plan, "gpt", GPT_ARGS, cluster=cluster, min_nodes=2,
+                                  max_restarts=3))
+    line = launch_commands(plan, "train.py", min_nodes=2, max_restarts=3)[0]
+    assert line.startswith(RESTART_ENV) and "--nnodes=2:4" in line and "--max-restarts=3" in line
+    root, logs = tmp_path / "ckpt", tmp_path / "logs"
+    logs.mkdir()
+    port = _free_port()
+    # the emitted line, on localhost, with fast rendezvous settings for the test
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:4", "--nproc-per-node=1",
+           "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-id=autoplan-test", "--rdzv-conf=last_call_timeout=1,join_timeout=120",
+           "--monitor-interval=0.2", str(script), "--steps", str(steps),
+           "--checkpoint-every", str(every), "--checkpoint-dir", str(root), "--seed", str(SEED)]
+    key, value = RESTART_ENV.split("=")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{key: value})
+    agents: list[subprocess.Popen] = []
+
+    def text() -> str:
+        return "".join((logs / f"agent{i}.log").read_text(errors="replace")
+                       for i in range(len(agents)))
+
+    def start(i: int) -> None:
+        with open(logs / f"agent{i}.log", "w") as f:
+            agents.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                           cwd=tmp_path, start_new_session=True))
+
+    def wait_for(pred, timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > end:
+                pytest.fail(f"timed out waiting for {what}; agent logs:\n{text()[-6000:]}")
+            time.sleep(0.05)
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        start(0)                      # agent 0 hosts the rendezvous store: never the victim
+        wait_for(listening, 60, "the rendezvous store")
+        for i in (1, 2, 3):
+            start(i)
+        wait_for(lambda: any(int(s) >= kill_after for s in re.findall(r"step (\d+) loss", text())),
+                 180, f"step {kill_after}")
+        victim = agents[3]
+        workers = _children(victim.pid)
+        assert workers, "agent 3 has no worker"
+        _kill_tree(victim)            # a node lost: its agent and its worker
+        t_kill = time.monotonic()
+        wait_for(lambda: "world 3" in text(), 180, "training to resume on 3 processes")
+        recovery_s = time.monotonic() - t_kill
+        for a in agents[:3]:
+            try:
+                a.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"an agent did not finish; logs:\n{text()[-6000:]}")
+    finally:
+        for a in agents:
+            _kill_tree(a)
+    log = text()
+    assert [a.returncode for a in agents[:3]] == [0, 0, 0], log[-6000:]
+
+    losses: dict[int, dict[int, float]] = {4: {}, 3: {}}
+    order: dict[int, list[int]] = {4: [], 3: []}
+    for s, x, w in re.findall(r"step (\d+) loss ([0-9.]+) world (\d+)", log):
+        losses[int(w)][int(s)] = float(x)
+        order[int(w)].append(int(s))
+    saved4 = [int(s) for s in re.findall(r"checkpoint step-(\d+) saved \(world 4\)", log)]
+    resumed = [int(s) for s in re.findall(r"resumed from step (\d+) on 3 processes", log)]
+    killed_at = max(order[4])
+    print(f"\nkilled after step {killed_at} (checkpoints of world 4: {saved4}), resumed from "
+          f"step {resumed} on 3 processes {recovery_s:.1f} s after the kill")
+    # before the kill: steps 1..k once each; after: from the last good checkpoint to the end
+    assert order[4] == list(range(1, killed_at + 1)) and killed_at >= kill_after
+    assert resumed == [max(saved4)], (resumed, saved4)
+    assert killed_at - resumed[0] <= every          # nothing lost beyond the interval
+    assert order[3] == list(range(resumed[0] + 1, steps + 1))   # none applied twice
+    assert "replanned" in log and "the job has 3" in log
     reference = _reference_losses(steps)
-
-    # 4 ranks; rank 3 is killed after step 5, the others fail at step 6's all-reduce
-    outcomes = run_outcomes(_train, 4, root, steps, every, 3, kill_at, 3,
-                            timeout=120, pg_timeout=30, grace=10)
-    assert outcomes[3].exitcode == -signal.SIGKILL, outcomes[3].describe()
-    for o in outcomes[:3]:
-        assert o.exitcode != 0 and o.value is None, (o.rank, o.describe())
-    logged = {int(s): float(x) for s, x in re.findall(r"step (\d+) loss ([0-9.]+)",
-                                                      outcomes[0].log)}
-    assert sorted(logged) == list(range(1, kill_at + 1)), outcomes[0].log
-    torch.testing.assert_close(logged, {s: reference[s] for s in logged}, atol=ATOL, rtol=0)
-    good = latest_good(root)
-    assert good == (os.path.join(root, "step-4"), 4)
-
-    # the 3 survivors start again: resume from step 4 (resharded 4 -> 3), run steps 5..8
-    out = run(_train, 3, root, steps, every, 3, timeout=120, pg_timeout=30)
-    for rank_out in out:
-        assert rank_out["world"] == 3 and rank_out["resumed_from"] == 4
-        # no step applied twice, none skipped after the checkpoint
-        assert sorted(rank_out["losses"]) == [5, 6, 7, 8]
-    resumed = out[0]["losses"]
-    torch.testing.assert_close(resumed, {s: reference[s] for s in resumed}, atol=ATOL, rtol=0)
-    verify(os.path.join(root, "step-8"))
-    assert latest_good(root) == (os.path.join(root, "step-8"), 8)
+    for world in (4, 3):
+        torch.testing.assert_close(losses[world], {s: reference[s] for s in losses[world]},
+                                   atol=ATOL, rtol=0)
+    assert latest_good(root) == (str(root / f"step-{steps}"), steps)
+    import json
+    with open(root / f"step-{steps}" / MANIFEST_FILE) as f:
+        assert json.load(f)["world_size"] == 3

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import autoplan
+from autoplan.errors import ConfigError
 from autoplan.capture import token_cross_entropy
-from autoplan.emit import emit_script, launch_commands
+from autoplan.elastic import batch_for_step
+from autoplan.emit import RESTART_ENV, emit_script, launch_commands
 from autoplan.zoo import build_model
 
 ARGS = dict(vocab_size=128, seq_len=32, hidden=32, heads=4, layers=4)
@@ -36,6 +38,15 @@ def test_launch_commands_name_every_node():
     assert all("--nnodes=2" in c and "--nproc-per-node=8" in c and "--rdzv-backend=c10d" in c
                for c in cmds)
     assert [re.search(r"--node-rank=(\d)", c).group(1) for c in cmds] == ["0", "1"]
+    assert not any(RESTART_ENV in c for c in cmds)
+    # elastic: one line for every node, node ranks from the rendezvous, fresh stores per attempt
+    elastic = launch_commands(plan, min_nodes=1, max_restarts=2)
+    assert len(elastic) == 2 and elastic[0] == elastic[1]
+    assert elastic[0].startswith(f"{RESTART_ENV} torchrun --nnodes=1:2 --nproc-per-node=8 "
+                                 "--max-restarts=2 --rdzv-backend=c10d")
+    assert "--node-rank" not in elastic[0]
+    with pytest.raises(ConfigError, match="min_nodes"):
+        launch_commands(plan, min_nodes=3)
 
 
 @pytest.mark.distributed
@@ -58,7 +69,7 @@ def test_emitted_script_matches_a_single_process(tmp_path: Path):
     # the single-process reference: same seed, same first batch, same weights
     torch.manual_seed(0)
     model, _ = build_model("gpt", ARGS, dtype=torch.float32, device="cpu")
-    batch = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    batch = batch_for_step(0, 1, global_batch=8, seq_len=32, vocab_size=128)
     with torch.no_grad():
         ref = token_cross_entropy(model(batch), batch, shift=True).item()
     torch.testing.assert_close(losses[0], ref, atol=1e-5, rtol=0)   # printed with 6 decimals
@@ -73,3 +84,34 @@ def test_emit_rejects_bad_input(tmp_path: Path):
     plan = _plan(2)
     text = emit_script(plan, "gpt", ARGS)
     compile(text, "train.py", "exec")
+
+
+def test_emit_embeds_the_cluster_it_can_replan_for():
+    plan = _plan(16, global_batch=32, nodes=2)
+    text = emit_script(plan, "gpt", ARGS, min_nodes=1, max_restarts=3)
+    assert "CLUSTER_JSON = r\"\"\"" in text and "--nnodes=1:2" in text
+    # a plan on part of a node: its cluster is not a shipped profile at a node count
+    part = _plan(2)
+    assert "CLUSTER_JSON = None" in emit_script(part, "gpt", ARGS)
+    with pytest.raises(ConfigError, match="pass the cluster"):
+        emit_script(part, "gpt", ARGS, min_nodes=1)
+    cluster = autoplan.load_cluster("a100-sxm4-80gb").subset(range(2))
+    assert "CLUSTER_JSON = r" in emit_script(part, "gpt", ARGS, cluster=cluster, min_nodes=1)
+    with pytest.raises(ConfigError, match="not for the cluster given"):
+        emit_script(part, "gpt", ARGS, cluster=autoplan.load_cluster("a100-sxm4-80gb"))
+
+
+def test_cli_emits_an_elastic_launch(tmp_path: Path):
+    plan = _plan(16, global_batch=32, nodes=2)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    cli = [sys.executable, "-m", "autoplan.cli", "emit", str(tmp_path / "plan.json"), "--model",
+           "gpt", "--out", str(tmp_path / "train.py"), "--min-nodes", "1", "--max-restarts", "2",
+           "--cluster", "a100-sxm4-80gb", "--json"]
+    cli += [x for k, v in ARGS.items() for x in ("--model-arg", f"{k}={v}")]
+    out = subprocess.run(cli + ["--nodes", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    cmds = json.loads(out.stdout)["commands"]
+    assert cmds == launch_commands(plan, "train.py", min_nodes=1, max_restarts=2)
+    assert "CLUSTER_JSON = r" in (tmp_path / "train.py").read_text()
+    bad = subprocess.run(cli + ["--nodes", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not for the cluster given" in bad.stderr, bad.stderr
