@@ -123,15 +123,18 @@ RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
 
 def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$MASTER_ADDR:29500",
                     args: str = "", min_nodes: int | None = None, max_nodes: int | None = None,
-                    max_restarts: int = 0, last_call_timeout_s: float = 5.0) -> list[str]:
+                    max_restarts: int = 0, last_call_timeout_s: int = 5,
+                    keep_alive_s: int = 2) -> list[str]:
     """One torchrun command per node of the plan's cluster.
 
     Every node runs ``devices / nodes`` processes and meets the others at ``endpoint``
     (the c10d rendezvous on node 0's address).  With ``min_nodes`` (elastic) every
     node runs the same line, ``--nnodes=min_nodes:max_nodes`` (default: the plan's
     nodes), node ranks come from the rendezvous, torchrun restarts the workers up to
-    ``max_restarts`` times, and a rendezvous that has its minimum waits
-    ``last_call_timeout_s`` for late nodes.
+    ``max_restarts`` times, a rendezvous that has its minimum waits
+    ``last_call_timeout_s`` for late nodes, and a node whose agent missed three
+    ``keep_alive_s`` heartbeats is taken for dead (torch's default, 5 s, makes the
+    survivors wait ~15 s for a lost node; 1 s halved recovery in the kill test).
     """
     nodes = max(1, plan.cluster.num_nodes)
     if plan.num_devices % nodes:
@@ -150,7 +153,8 @@ def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$M
                               f"max_nodes={top}")
         line = (f"{torchrun} --nnodes={min_nodes}:{top} --nproc-per-node={per_node}{restarts} "
                 f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=autoplan "
-                f"--rdzv-conf=last_call_timeout={last_call_timeout_s:g} {script}{tail}")
+                f"--rdzv-conf=last_call_timeout={int(last_call_timeout_s)},"
+                f"keep_alive_interval={int(keep_alive_s)} {script}{tail}")
         return [line] * nodes
     if nodes == 1:
         return [f"{torchrun} --standalone --nnodes=1 --nproc-per-node={per_node}{restarts} "
