@@ -33,9 +33,15 @@ rank 0 calls :func:`autoplan.replan` (warm-started from the plan) for the
 devices of that world (:func:`cluster_for_world`: the first devices of the
 plan's cluster, or more nodes like its last one), restricted to the layouts the
 runtime runs (:meth:`SearchSpace.runnable`: equal replica batches, no context
-parallelism), and broadcasts the plan.  When nothing fits (the model does
-not fit the memory of the devices left, or the global batch splits evenly
-over none of the data-parallel degrees) every rank raises
+parallelism), and broadcasts the plan.  When no such layout uses every device
+because the global batch splits evenly over none of their data-parallel
+degrees (losing one node of 128 leaves 1016 = 8 x 127 GPUs), it tries fewer
+whole nodes: the plan then uses the first ranks, and the others wait idle
+(their process group is re-formed among the active ranks on a store rank 0
+hosts; all rejoin one group at the end, and a failure of an active rank ends
+the idle ones' wait with an error).  When nothing fits (the model does not fit
+the memory of the devices left, or no device count splits the batch evenly)
+every rank raises
 :class:`NoLayoutFits`, whose message gives the memory needed and available,
 before the model is laid out and without touching the checkpoint directory;
 :func:`main_exit_code` turns that into exit code :data:`EXIT_NO_LAYOUT`.
@@ -43,6 +49,8 @@ before the model is laid out and without touching the checkpoint directory;
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
@@ -296,20 +304,25 @@ def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
 
 
 def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
-                cluster: Cluster | None = None, time_limit_s: float = 30.0) -> Plan:
+                cluster: Cluster | None = None, time_limit_s: float = 30.0,
+                allow_idle: bool = True) -> Plan:
     """The plan an elastic job runs on ``world_size`` processes (policy in the module docstring).
 
     ``plan`` itself when it was made for ``world_size`` devices; otherwise
     :func:`autoplan.replan` of it, warm-started, for :func:`cluster_for_world`
     of ``cluster`` (the cluster ``plan`` was made for), within the layouts the
-    runtime runs (:meth:`SearchSpace.runnable`).
+    runtime runs (:meth:`SearchSpace.runnable`).  When no such layout uses all
+    ``world_size`` devices because the global batch splits evenly over none of
+    their data-parallel degrees (1016 = 8 x 127 GPUs and a batch of 1536),
+    ``allow_idle`` tries fewer whole nodes (of the plan's devices per node), and
+    the plan returned uses fewer devices than there are processes.
 
     Raises
     ------
     NoLayoutFits
-        When no runnable layout fits: the global batch does not split evenly over
-        any data-parallel degree of that world, or the model does not fit the
-        devices' memory (the message gives the memory needed and there).
+        When no runnable layout fits: the model does not fit the devices' memory
+        (the message gives the memory needed and there), or the global batch
+        splits evenly over no data-parallel degree of any device count tried.
     ConfigError
         When the world differs from the plan's and there is no ``cluster`` to replan for.
     """
@@ -324,19 +337,27 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
             f"the plan is for {plan.num_devices} processes but the job has {world_size}; "
             "replanning needs the cluster the plan was made for (emit the script with "
             "--cluster/--nodes, or pass cluster= to run_elastic)")
-    target = cluster_for_world(cluster, world_size)
-    try:
-        return replan(plan, target, graph=graph, space=SearchSpace.runnable(),
-                      time_limit_s=time_limit_s)
-    except InfeasiblePlan as e:
-        raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were left "
-                           "untouched; restart with more devices.",
-                           required_bytes=e.required_bytes, available_bytes=e.available_bytes,
-                           binding=e.binding) from None
-    except ConfigError as e:
-        raise NoLayoutFits(f"no layout fits {world_size} processes: {e}. Checkpoints were left "
-                           "untouched; restart with another number of processes or change "
-                           "the global batch.") from None
+    per_node = max(1, plan.num_devices // max(1, plan.cluster.num_nodes))
+    sizes = [world_size]
+    if allow_idle:
+        sizes += [k * per_node for k in range(world_size // per_node, 0, -1)
+                  if k * per_node < world_size]
+    first: ConfigError | None = None
+    for n in sizes:
+        try:
+            return replan(plan, cluster_for_world(cluster, n), graph=graph,
+                          space=SearchSpace.runnable(), time_limit_s=time_limit_s)
+        except InfeasiblePlan as e:     # memory binds: fewer devices will not fit either
+            raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were "
+                               "left untouched; restart with more devices.",
+                               required_bytes=e.required_bytes,
+                               available_bytes=e.available_bytes, binding=e.binding) from None
+        except ConfigError as e:        # the batch does not split evenly: try fewer nodes
+            first = first or e
+    tried = f" (nor on {sizes[1]}..{sizes[-1]} of them)" if len(sizes) > 1 else ""
+    raise NoLayoutFits(f"no layout fits {world_size} processes{tried}: {first}. Checkpoints were "
+                       "left untouched; restart with another number of processes or change "
+                       "the global batch.")
 
 
 def batch_for_step(seed: int, step: int, *, global_batch: int, seq_len: int,
@@ -365,6 +386,8 @@ class ElasticResult:
         Loss of every step this call ran, by step number.
     checkpoints : list of str
         Checkpoints this call wrote.
+    active : bool
+        False on a process the plan left idle (it trained nothing).
     """
 
     world_size: int
@@ -373,6 +396,7 @@ class ElasticResult:
     resumed_from: int
     losses: dict[int, float]
     checkpoints: list[str]
+    active: bool = True
 
 
 def _agree(rank: int, fn: Callable[[], Any], what: str,
@@ -403,7 +427,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
                 cluster: Cluster | None = None, seed: int = 0, keep: int = 3,
                 data: Callable[[int], Any] | None = None, vocab_size: int | None = None,
                 optimizer: Callable | None = None, graph: ModelGraph | None = None,
-                time_limit_s: float = 30.0,
+                time_limit_s: float = 30.0, timeout: datetime.timedelta | None = None,
                 on_step: Callable[[int, float], None] | None = None) -> ElasticResult:
     """Train steps ``1..steps`` across restarts; call it in every process of the job.
 
@@ -443,6 +467,9 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         builds the model and traces it.
     time_limit_s : float
         Bound on the replanning search.
+    timeout : datetime.timedelta, optional
+        Collective timeout of the process groups this call forms when it leaves
+        processes idle (default 10 minutes).
     on_step : callable, optional
         ``on_step(step, loss)`` after each step, before its checkpoint.
 
@@ -460,7 +487,6 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     import torch.distributed as dist
 
     from .capture import trace
-    from .runtime import parallelize
     from .search import plan_diff
 
     if steps < 0 or checkpoint_every < 1:
@@ -488,15 +514,60 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     chosen = Plan.from_json(_agree(rank, lambda: choose_plan(
         plan, world, graph=graph, cluster=cluster, time_limit_s=time_limit_s).to_json(),
         f"planning for {world} processes"))
-    replanned = chosen.num_devices != plan.num_devices
+    replanned = world != plan.num_devices
     if rank == 0 and replanned:
         print(f"elastic: the plan is for {plan.num_devices} processes, the job has {world}: "
               f"replanned\n  {chosen.summary()}\n  "
               + plan_diff(plan, chosen).replace("\n", "\n  "), flush=True)
+    timeout = timeout or datetime.timedelta(minutes=10)
+    side = None
+    if chosen.num_devices < world:      # the last processes wait while the others train
+        side = _SideStore.open(rank, timeout)
+        backend = dist.get_backend()
+        dist.destroy_process_group()
+        if rank >= chosen.num_devices:
+            if rank == chosen.num_devices:
+                print(f"elastic: {world - chosen.num_devices} of {world} processes stay idle "
+                      f"(ranks {chosen.num_devices}..{world - 1}): no runnable layout uses all "
+                      f"{world}", flush=True)
+            side.wait_done()
+            side.rejoin(backend, rank, world, timeout)
+            return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
+                                 resumed_from=0, losses={}, checkpoints=[], active=False)
+        dist.init_process_group(backend, store=dist.PrefixStore("autoplan/active/", side.store),
+                                rank=rank, world_size=chosen.num_devices, timeout=timeout)
+    try:
+        result = _train(model_factory, model, chosen, graph, steps=steps,
+                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                        seed=seed, keep=keep, data=data, vocab_size=vocab_size,
+                        optimizer=optimizer, on_step=on_step)
+    except BaseException as e:
+        if side is not None:
+            side.fail(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    result.replanned, result.world_size = replanned, world
+    if side is not None:
+        side.finish(rank)
+        dist.destroy_process_group()
+        side.rejoin(backend, rank, world, timeout)
+    return result
+
+
+def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module | None,
+           plan: Plan, graph: ModelGraph, *, steps: int, checkpoint_dir: str | None,
+           checkpoint_every: int, seed: int, keep: int, data: Callable[[int], Any] | None,
+           vocab_size: int | None, optimizer: Callable | None,
+           on_step: Callable[[int, float], None] | None) -> ElasticResult:
+    """Lay the model out under ``plan`` over the current process group, resume, train."""
+    import torch.distributed as dist
+
+    from .runtime import parallelize
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     if model is None:       # built only once a plan fits
         torch.manual_seed(seed)
         model = model_factory()
-    program = parallelize(model, chosen, graph=graph, optimizer=optimizer)
+    program = parallelize(model, plan, graph=graph, optimizer=optimizer)
 
     if data is None:
         vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
@@ -533,8 +604,64 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
             written.append(save_verified(program, checkpoint_dir, step, keep=keep))
             if rank == 0:
                 print(f"elastic: checkpoint step-{step} saved (world {world})", flush=True)
-    return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
+    return ElasticResult(world_size=world, plan=plan, replanned=False,
                          resumed_from=resumed_from, losses=losses, checkpoints=written)
+
+
+class _SideStore:
+    """A TCPStore hosted by rank 0 for a job that leaves processes idle: the active ones
+    form their process group on it, the idle ones wait on it for the end (or a failure),
+    and then all form the world's group again."""
+
+    DONE = "autoplan/done"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def open(cls, rank: int, timeout: datetime.timedelta) -> "_SideStore":
+        import socket
+
+        import torch.distributed as dist
+
+        server = None
+        box: list[Any] = [None]
+        if rank == 0:      # where the other processes reach rank 0 (torchrun's MASTER_ADDR)
+            host = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+            server = dist.TCPStore(host, 0, None, is_master=True, timeout=timeout,
+                                   wait_for_workers=False)
+            box[0] = (host, server.port)
+        dist.broadcast_object_list(box, src=0)
+        host, port = box[0]
+        if server is not None:
+            return cls(server)
+        return cls(dist.TCPStore(host, port, None, is_master=False, timeout=timeout))
+
+    def wait_done(self) -> None:
+        """Block until the active processes finish; raise if one of them failed."""
+        self.store.wait([self.DONE], _IDLE_WAIT)
+        status = self.store.get(self.DONE).decode()
+        if status != "ok":
+            raise RuntimeError(f"an active process of this elastic job failed ({status})")
+
+    def fail(self, why: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(self.DONE, why)
+
+    def finish(self, rank: int) -> None:
+        if rank == 0:
+            self.store.set(self.DONE, "ok")
+
+    def rejoin(self, backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
+        """Every process of the job in one default process group again."""
+        import torch.distributed as dist
+
+        dist.init_process_group(backend, store=dist.PrefixStore("autoplan/world/", self.store),
+                                rank=rank, world_size=world, timeout=timeout)
+
+
+#: How long an idle process waits for the active ones (a failure ends the wait sooner).
+_IDLE_WAIT = datetime.timedelta(days=365)
 
 
 def main_exit_code(fn: Callable[[], Any]) -> int:

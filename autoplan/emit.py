@@ -101,7 +101,12 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main_exit_code(main))
+    code = main_exit_code(main)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # end here, not in the interpreter's teardown: under gloo that can abort after the work
+    # is done, and torchrun would take the abort for a failure and restart the job
+    os._exit(code)
 '''
 
 _ELASTIC_NOTE = """

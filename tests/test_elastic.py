@@ -50,17 +50,23 @@ SEED = 7
 ATOL = 1e-5
 
 
-def _gpt() -> torch.nn.Module:
+#: a 2-block GPT and a batch of 8: on 3 single-device nodes no runnable layout exists
+#: (8 does not split over dp=3, 2 blocks do not make 3 stages), on 2 one does
+IDLE_ARGS = dict(GPT_ARGS, layers=2)
+IDLE_BATCH = 8
+
+
+def _gpt(args: tuple | None = None) -> torch.nn.Module:
     from autoplan.zoo import build_model
 
-    return build_model("gpt", GPT_ARGS, dtype=torch.float32, device="cpu")[0]
+    return build_model("gpt", dict(args or GPT_ARGS), dtype=torch.float32, device="cpu")[0]
 
 
 @functools.lru_cache(maxsize=None)
-def _graph():
+def _graph(args: tuple | None = None):
     from autoplan.zoo import build_model
 
-    return autoplan.trace(build_model("gpt", GPT_ARGS, dtype=torch.float32)[0],
+    return autoplan.trace(build_model("gpt", dict(args or GPT_ARGS), dtype=torch.float32)[0],
                           seq_len=GPT_ARGS["seq_len"])
 
 
@@ -70,9 +76,9 @@ def _cluster(nodes: int) -> Cluster:
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(nodes: int) -> Plan:
-    return autoplan.plan(_graph(), _cluster(nodes), global_batch=GLOBAL_BATCH, precision="fp32",
-                         space=SearchSpace.runnable())
+def _plan(nodes: int, args: tuple | None = None, global_batch: int = GLOBAL_BATCH) -> Plan:
+    return autoplan.plan(_graph(args), _cluster(nodes), global_batch=global_batch,
+                         precision="fp32", space=SearchSpace.runnable())
 
 
 def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
@@ -84,16 +90,17 @@ def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
             "checkpoints": res.checkpoints, "replanned": res.replanned}
 
 
-def _reference_losses(steps: int) -> dict[int, float]:
+def _reference_losses(steps: int, args: tuple | None = None,
+                      global_batch: int = GLOBAL_BATCH) -> dict[int, float]:
     """One plain process, no autoplan runtime: same seed, same model, same per-step data."""
     from autoplan.capture import token_cross_entropy
 
     torch.manual_seed(SEED)
-    model = _gpt()
+    model = _gpt(args)
     opt = torch.optim.AdamW(model.parameters())
     out = {}
     for step in range(1, steps + 1):
-        ids = batch_for_step(SEED, step, global_batch=GLOBAL_BATCH, seq_len=GPT_ARGS["seq_len"],
+        ids = batch_for_step(SEED, step, global_batch=global_batch, seq_len=GPT_ARGS["seq_len"],
                              vocab_size=GPT_ARGS["vocab_size"])
         loss = token_cross_entropy(model(ids), ids, shift=True)
         loss.backward()
@@ -199,11 +206,50 @@ def test_choose_plan_replans_within_what_the_runtime_runs():
         assert new.num_devices == world and new.global_batch == GLOBAL_BATCH
         layout_from_plan(new)                      # the runtime accepts it
         assert choose_plan(plan, world, graph=graph, cluster=cluster).to_json() == new.to_json()
-    # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes
+    # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes: the
+    # plan leaves one idle, or, without that, nothing fits
+    assert choose_plan(plan, 5, graph=graph, cluster=cluster).num_devices == 4
     with pytest.raises(NoLayoutFits, match="no layout fits 5 processes.*equal replica batches"):
-        choose_plan(plan, 5, graph=graph, cluster=cluster)
+        choose_plan(plan, 5, graph=graph, cluster=cluster, allow_idle=False)
     with pytest.raises(ConfigError, match="replanning needs the cluster"):
         choose_plan(plan, 3, graph=graph)
+
+
+def _train_idle(rank: int, world: int, root: str, plan_json: str, cluster_json: str,
+                fail_at: int | None = None) -> dict:
+    def on_step(step: int, loss: float) -> None:
+        if step == fail_at and rank == 1:
+            raise RuntimeError("injected failure")
+
+    res = run_elastic(functools.partial(_gpt, tuple(IDLE_ARGS.items())),
+                      Plan.from_json(plan_json), cluster=Cluster.from_json(cluster_json),
+                      steps=4, checkpoint_dir=root, checkpoint_every=2, seed=SEED,
+                      on_step=on_step)
+    import torch.distributed as dist
+
+    return {"active": res.active, "devices": res.plan.num_devices, "losses": res.losses,
+            "group": dist.get_world_size()}
+
+
+@pytest.mark.distributed
+def test_processes_no_layout_uses_wait_idle_and_rejoin(tmp_path):
+    from dist_harness import run_outcomes
+
+    args = tuple(IDLE_ARGS.items())
+    plan, cluster = _plan(4, args, IDLE_BATCH), _cluster(4)
+    out = run(_train_idle, 3, str(tmp_path / "a"), plan.to_json(), cluster.to_json())
+    assert [o["active"] for o in out] == [True, True, False]
+    assert {o["devices"] for o in out} == {2} and {o["group"] for o in out} == {3}
+    reference = _reference_losses(4, args, IDLE_BATCH)
+    torch.testing.assert_close(out[0]["losses"], reference, atol=ATOL, rtol=0)
+    assert out[2]["losses"] == {}
+    # an active process fails: the idle one's wait ends with the reason, not a hang
+    outcomes = run_outcomes(_train_idle, 3, str(tmp_path / "b"), plan.to_json(),
+                            cluster.to_json(), 2, timeout=120, pg_timeout=30)
+    assert all(o.value is None for o in outcomes)
+    err = outcomes[2].error or ""
+    assert "an active process of this elastic job failed" in err and "injected failure" in err, \
+        outcomes[2].describe()
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,7 +427,7 @@ def test_emitted_program_survives_a_killed_process_under_torchrun(tmp_path):
     print(m.group(0) if m else "no replan message")
     # before the kill: steps 1..k once each; after: from the last good checkpoint to the end
     assert order[4] == list(range(1, killed_at + 1)) and killed_at >= kill_after
-    assert resumed == [max(saved4)], (resumed, saved4)
+    assert resumed == [max(saved4)], (resumed, saved4, log[-8000:])
     assert killed_at - resumed[0] <= every          # nothing lost beyond the interval
     assert order[3] == list(range(resumed[0] + 1, steps + 1))   # none applied twice
     assert "replanned" in log and "the job has 3" in log
