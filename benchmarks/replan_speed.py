@@ -2,7 +2,8 @@
 
 Target: GPT-3 175B planned on 1024 A100 (128 nodes of a100-sxm4-80gb), then one node
 (8 GPUs) lost: replanned for the 1016 remaining GPUs in <= 2 s on a 2-core machine,
-warm-started from the previous plan.  Prints how the new plan differs.
+warm-started from the previous plan.  Prints how the new plan differs, and what the
+elastic entry point would run (runnable layouts only, idle nodes allowed).
 
     python benchmarks/replan_speed.py
 """
@@ -13,6 +14,7 @@ import sys
 import time
 
 import autoplan
+from autoplan.elastic import choose_plan
 from autoplan.zoo import build_model
 
 TARGET_S = 2.0
@@ -39,6 +41,14 @@ def main() -> int:
           f"{TARGET_S:.0f} s, warm start {'used' if new.warm_start else 'fell back to full search'}: "
           f"{'PASS' if ok else 'FAIL'}\n  {new.summary()}")
     print("what changed:\n  " + autoplan.plan_diff(old, new).replace("\n", "\n  "))
+    # what an elastic job runs: only layouts the runtime runs (equal replica batches); none uses
+    # all 1016 GPUs with a batch of 1536, so the policy tries fewer whole nodes
+    t2 = time.perf_counter()
+    runnable = choose_plan(old, survivors.num_devices, graph=graph, cluster=cluster)
+    t_elastic = time.perf_counter() - t2
+    print(f"elastic policy on {survivors.num_devices} processes: {t_elastic:.2f} s, uses "
+          f"{runnable.num_devices} GPUs ({survivors.num_devices - runnable.num_devices} idle)\n"
+          f"  {runnable.summary()}")
     return 0 if ok else 1
 
 
