@@ -246,28 +246,24 @@ def save_verified(program: Any, root: str | os.PathLike[str], step: int, *,
         os.makedirs(root, exist_ok=True)
     dist.barrier()
     program.save(partial)          # DCP, itself written to a temp dir and renamed
-    error: list[Any] = [None]
-    if rank == 0:
-        try:
-            if os.path.exists(final):      # a stale one from a run that died after this step
-                shutil.rmtree(final)
-            os.rename(partial, final)
-            manifest = {
-                "version": MANIFEST_VERSION,
-                "step": step,
-                "world_size": dist.get_world_size(),
-                "layout": program.layout.to_dict(),
-                "files": _files_of(final),
-            }
-            atomic_write_text(os.path.join(final, MANIFEST_FILE),
-                              json.dumps(manifest, indent=1, sort_keys=True))
-            verify(final)
-            _prune(root, keep, step)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise CheckpointError(f"saving {final} failed on rank 0: {error[0]}")
+
+    def seal() -> None:
+        if os.path.exists(final):      # a stale one from a run that died after this step
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "layout": program.layout.to_dict(),
+            "files": _files_of(final),
+        }
+        atomic_write_text(os.path.join(final, MANIFEST_FILE),
+                          json.dumps(manifest, indent=1, sort_keys=True))
+        verify(final)
+        _prune(root, keep, step)
+
+    _agree(seal, f"saving {final}", CheckpointError)
     return final
 
 
@@ -399,27 +395,20 @@ class ElasticResult:
     active: bool = True
 
 
-def _agree(rank: int, fn: Callable[[], Any], what: str,
-           error: type[Exception] = ConfigError) -> Any:
-    """``fn()`` on rank 0, its result (or its error, re-raised) on every rank."""
-    import torch.distributed as dist
+def _agree(fn: Callable[[], Any], what: str, error: type[Exception] = ConfigError) -> Any:
+    """``fn()`` on rank 0, its result on every rank; an error other than
+    :class:`NoLayoutFits` is raised everywhere as ``error`` saying that ``what`` failed."""
+    from .runtime.agree import on_rank0
 
-    box: list[Any] = [None]
-    if rank == 0:
+    def named() -> Any:
         try:
-            box[0] = ("ok", fn())
-        except NoLayoutFits as e:
-            box[0] = ("nofit", (str(e), e.required_bytes, e.available_bytes, e.binding))
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "nofit":
-        msg, req, avail, binding = value
-        raise NoLayoutFits(msg, required_bytes=req, available_bytes=avail, binding=binding)
-    if kind == "error":
-        raise error(f"{what} failed on rank 0: {value}")
-    return value
+            return fn()
+        except NoLayoutFits:
+            raise
+        except Exception as e:  # noqa: BLE001 - every rank raises it, named
+            raise error(f"{what} failed on rank 0: {type(e).__name__}: {e}") from None
+
+    return on_rank0(named)
 
 
 def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, steps: int,
@@ -511,7 +500,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         torch.manual_seed(seed)
         model = model_factory()
         graph = trace(model, seq_len=plan.seq_len)
-    chosen = Plan.from_json(_agree(rank, lambda: choose_plan(
+    chosen = Plan.from_json(_agree(lambda: choose_plan(
         plan, world, graph=graph, cluster=cluster, time_limit_s=time_limit_s).to_json(),
         f"planning for {world} processes"))
     replanned = world != plan.num_devices
@@ -522,7 +511,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     timeout = timeout or datetime.timedelta(minutes=10)
     side = None
     if chosen.num_devices < world:      # the last processes wait while the others train
-        side = _SideStore.open(rank, timeout)
+        side = _SideStore.open(timeout)
         backend = dist.get_backend()
         dist.destroy_process_group()
         if rank >= chosen.num_devices:
@@ -537,28 +526,30 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         dist.init_process_group(backend, store=dist.PrefixStore("autoplan/active/", side.store),
                                 rank=rank, world_size=chosen.num_devices, timeout=timeout)
     try:
-        result = _train(model_factory, model, chosen, graph, steps=steps,
-                        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                        seed=seed, keep=keep, data=data, vocab_size=vocab_size,
-                        optimizer=optimizer, on_step=on_step)
+        resumed_from, losses, written = _train(
+            model_factory, model, chosen, graph, steps=steps, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, seed=seed, keep=keep, data=data,
+            vocab_size=vocab_size, optimizer=optimizer, on_step=on_step)
     except BaseException as e:
         if side is not None:
             side.fail(f"rank {rank}: {type(e).__name__}: {e}")
         raise
-    result.replanned, result.world_size = replanned, world
     if side is not None:
         side.finish(rank)
         dist.destroy_process_group()
         side.rejoin(backend, rank, world, timeout)
-    return result
+    return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
+                         resumed_from=resumed_from, losses=losses, checkpoints=written)
 
 
 def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module | None,
            plan: Plan, graph: ModelGraph, *, steps: int, checkpoint_dir: str | None,
            checkpoint_every: int, seed: int, keep: int, data: Callable[[int], Any] | None,
            vocab_size: int | None, optimizer: Callable | None,
-           on_step: Callable[[int, float], None] | None) -> ElasticResult:
-    """Lay the model out under ``plan`` over the current process group, resume, train."""
+           on_step: Callable[[int, float], None] | None
+           ) -> tuple[int, dict[int, float], list[str]]:
+    """Lay the model out under ``plan`` over the current process group, resume, train;
+    returns the step resumed from, the loss of every step run and the checkpoints written."""
     import torch.distributed as dist
 
     from .runtime import parallelize
@@ -581,7 +572,7 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
     resumed_from = 0
     if checkpoint_dir is not None:
         # every rank must agree on the checkpoint: rank 0 picks, the others follow
-        found = _agree(rank, lambda: latest_good(checkpoint_dir),
+        found = _agree(lambda: latest_good(checkpoint_dir),
                        f"looking for a checkpoint in {checkpoint_dir}", CheckpointError)
         if found is not None:
             path, resumed_from = found
@@ -604,8 +595,7 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
             written.append(save_verified(program, checkpoint_dir, step, keep=keep))
             if rank == 0:
                 print(f"elastic: checkpoint step-{step} saved (world {world})", flush=True)
-    return ElasticResult(world_size=world, plan=plan, replanned=False,
-                         resumed_from=resumed_from, losses=losses, checkpoints=written)
+    return resumed_from, losses, written
 
 
 class _SideStore:
@@ -619,23 +609,26 @@ class _SideStore:
         self.store = store
 
     @classmethod
-    def open(cls, rank: int, timeout: datetime.timedelta) -> "_SideStore":
+    def open(cls, timeout: datetime.timedelta) -> "_SideStore":
         import socket
 
         import torch.distributed as dist
 
-        server = None
-        box: list[Any] = [None]
-        if rank == 0:      # where the other processes reach rank 0 (torchrun's MASTER_ADDR)
-            host = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-            server = dist.TCPStore(host, 0, None, is_master=True, timeout=timeout,
-                                   wait_for_workers=False)
-            box[0] = (host, server.port)
-        dist.broadcast_object_list(box, src=0)
-        host, port = box[0]
-        if server is not None:
-            return cls(server)
-        return cls(dist.TCPStore(host, port, None, is_master=False, timeout=timeout))
+        from .runtime.agree import on_rank0
+
+        server = []
+
+        def host() -> tuple[str, int]:
+            # where the other processes reach rank 0 (torchrun's MASTER_ADDR)
+            name = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+            server.append(dist.TCPStore(name, 0, None, is_master=True, timeout=timeout,
+                                        wait_for_workers=False))
+            return name, server[0].port
+
+        name, port = on_rank0(host)
+        if server:
+            return cls(server[0])
+        return cls(dist.TCPStore(name, port, None, is_master=False, timeout=timeout))
 
     def wait_done(self) -> None:
         """Block until the active processes finish; raise if one of them failed."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
+from .agree import on_rank0
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
@@ -33,19 +34,13 @@ __all__ = ["save_checkpoint", "load_checkpoint", "METADATA_FILE"]
 METADATA_FILE = "autoplan.json"
 
 
-def _broadcast_str(value: str) -> str:
-    box = [value if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save_checkpoint(pm: "ParallelModel", path: str | os.PathLike[str]) -> str:
     """Write ``pm``'s model and optimizer state to the directory ``path`` (collective).
 
     An existing checkpoint at ``path`` is replaced only once the new one is complete.
     """
     path = os.path.abspath(os.fspath(path))
-    tmp = _broadcast_str(f"{path}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = on_rank0(lambda: f"{path}.tmp-{uuid.uuid4().hex[:12]}")
     state = pm.state_dict()
     dcp.save(state, checkpoint_id=tmp)
     # dcp.save returns after rank 0 has written the metadata of every rank's files

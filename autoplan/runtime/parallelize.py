@@ -34,6 +34,7 @@ from ..hardware import Cluster
 from ..plan import Plan
 from ..strategy import Precision, Recompute, Schedule, Strategy
 from .ac import apply_ac
+from .agree import on_rank0
 from .adapters import adapter_for, is_hf, model_output
 from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import Layout, check_layout, layout_from_plan, layout_from_strategy
@@ -125,19 +126,9 @@ def _plan_on_rank0(graph: ModelGraph, cluster: Cluster, global_batch: int) -> Pl
     from ..search import SearchSpace
     from ..search import plan as search
 
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("plan", search(graph, cluster, global_batch=global_batch,
-                                     seq_len=graph.seq_len,
-                                     space=SearchSpace.runnable()).to_json())
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
-    kind, payload = box[0]
-    if kind == "error":
-        raise payload
-    return Plan.from_json(payload)
+    return Plan.from_json(on_rank0(lambda: search(
+        graph, cluster, global_batch=global_batch, seq_len=graph.seq_len,
+        space=SearchSpace.runnable()).to_json()))
 
 
 # ---------------------------------------------------------------------- the program
