@@ -416,15 +416,15 @@ def zero_bubble_safety(pm) -> list[str]:
 
 
 # ---------------------------------------------------------------------- searched plans
-def cpu_cluster(world: int = 4):
-    """A one-node cluster of ``world`` CPU processes, from synthetic profiler measurements
-    (fp32 matmul at 1e10 FLOP/s, bf16 at half that, gloo collectives on the ring model at ~1 GB/s and 100 us per
-    step): the shape of what ``autoplan profile --device cpu --nproc 4`` writes."""
-    from autoplan.hardware import NodeGroup, compose_cluster
-    from autoplan.hardware.profiler import _build_profile
-
+def synthetic_measurements(world: int = 2, bf16: bool = False) -> dict:
+    """What ``autoplan profile --device cpu`` measures, made up to known values: matmul n^3
+    at 1e10 FLOP/s for n >= 128, half that below (``bf16``: also a bf16 table at half the
+    fp32 speed); every collective exactly on the ring model with bus bandwidth B_op and
+    100 us per step."""
     fp32 = [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]
-    matmul = {"fp32": fp32, "bf16": [[n, t * 2] for n, t in fp32]}   # bf16 at half the speed
+    matmul = {"fp32": fp32}
+    if bf16:
+        matmul["bf16"] = [[n, t * 2] for n, t in fp32]
     ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
               "info": {"name": "Test CPU", "memory_bytes": 8 * 2**30}} for r in range(world)]
     bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
@@ -433,9 +433,20 @@ def cpu_cluster(world: int = 4):
     coef = {"all_reduce": (2 * (n - 1) / n, 2 * (n - 1)), "all_gather": ((n - 1) / n, n - 1),
             "reduce_scatter": ((n - 1) / n, n - 1), "all_to_all": ((n - 1) / n, n - 1),
             "broadcast": (1.0, n - 1), "p2p": (1.0, 1)}
-    comm = {op: [[s, coef[op][1] * 100e-6 + coef[op][0] * s / bus[op]] for s in (2**10, 2**16, 2**22)]
+    sizes = [2**10, 2**16, 2**22]
+    comm = {op: [[s, coef[op][1] * 100e-6 + coef[op][0] * s / bus[op]] for s in sizes]
             for op in bus}
-    profile, _ = _build_profile(f"cpu-{world}", {"ranks": ranks, "comm": comm, "world": world},
+    return {"ranks": ranks, "comm": comm, "world": world}
+
+
+def cpu_cluster(world: int = 4):
+    """A one-node cluster of ``world`` CPU processes from :func:`synthetic_measurements`
+    (with bf16 at half the fp32 speed): the shape of what ``autoplan profile --device cpu
+    --nproc 4`` writes."""
+    from autoplan.hardware import NodeGroup, compose_cluster
+    from autoplan.hardware.profiler import _build_profile
+
+    profile, _ = _build_profile(f"cpu-{world}", synthetic_measurements(world, bf16=True),
                                 cuda=False, nproc=world, threads=1, devices_per_node=world,
                                 quick=True, copy_bytes=2**20)
     return compose_cluster([NodeGroup(profile, 1)], name=f"cpu-{world}")

@@ -9,6 +9,7 @@ import pytest
 
 from autoplan.hardware import IntraNodeTopology, available_profiles, load_cluster, load_profile
 from autoplan.hardware.profiler import _build_profile, fit_alpha_beta, main
+from runtime_cases import synthetic_measurements
 
 
 def test_fit_recovers_exact_alpha_beta():
@@ -29,27 +30,10 @@ def test_fit_never_returns_negative_latency_or_bandwidth():
     assert (a, b) == (0.0, 1e-9)
 
 
-def _raw(world: int = 2) -> dict:
-    """Synthetic measurements: matmul n^3 at 1e10 FLOP/s for n >= 128, half that below;
-    every collective exactly on the ring model with bus bandwidth B_op and 100 us per step."""
-    matmul = {"fp32": [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]}
-    ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
-              "info": {"name": "Test CPU", "memory_bytes": 8 * 2**30}} for r in range(world)]
-    bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
-           "broadcast": 2e9, "p2p": 2e9}
-    n = world
-    coef = {"all_reduce": (2 * (n - 1) / n, 2 * (n - 1)), "all_gather": ((n - 1) / n, n - 1),
-            "reduce_scatter": ((n - 1) / n, n - 1), "all_to_all": ((n - 1) / n, n - 1),
-            "broadcast": (1.0, n - 1), "p2p": (1.0, 1)}
-    sizes = [2**10, 2**16, 2**22]
-    comm = {op: [[s, coef[op][1] * 100e-6 + coef[op][0] * s / bus[op]] for s in sizes]
-            for op in bus}
-    return {"ranks": ranks, "comm": comm, "world": world}
-
-
 def test_build_profile_from_measurements():
-    profile, measurements = _build_profile("local-test", _raw(), cuda=False, nproc=2, threads=1,
-                                           devices_per_node=2, quick=True, copy_bytes=2**20)
+    profile, measurements = _build_profile("local-test", synthetic_measurements(), cuda=False,
+                                           nproc=2, threads=1, devices_per_node=2, quick=True,
+                                           copy_bytes=2**20)
     d, node = profile.device, profile.node
     assert d.peak_flops_per_s == {"fp32": pytest.approx(1e10, rel=1e-12)}
     assert [p[1] for p in d.matmul_efficiency["fp32"].points] == pytest.approx([0.5, 1.0, 1.0])
@@ -63,7 +47,7 @@ def test_build_profile_from_measurements():
         pytest.approx(0.5, rel=1e-9), pytest.approx(0.25, rel=1e-9), pytest.approx(1.0, rel=1e-9))
     assert profile.network is None
     assert "measured by `autoplan profile --quick`" in d.source
-    assert set(measurements["collective_fits"]) == set(_raw()["comm"])
+    assert set(measurements["collective_fits"]) == set(synthetic_measurements()["comm"])
 
 
 def test_usage_errors_return_2(capsys):
