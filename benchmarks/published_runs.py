@@ -190,6 +190,13 @@ def load_graphs(specs, *, workers: int | None = None, log=None) -> dict[str, Mod
 # ----------------------------------------------------------------------------- rows
 
 PROFILE_OF_GPU = (("A100", "a100-sxm4-80gb"), ("H100", "h100-sxm5-80gb"))
+
+#: Sources the cost model cannot express yet, with the reason; their rows are listed as
+#: not evaluated rather than dropped silently (``not_evaluated``).
+UNMODELLED_SOURCES = {
+    "megatron_bridge_perf": "FP8 training and Blackwell GPUs (B200, GB200, GB300) are not "
+                            "modelled yet (the cost-model issue)",
+}
 GPUS_PER_NODE = 8
 
 MEGATRON_2021 = CostOptions(fused_attention=False, overlap_grad_reduce=False,
@@ -239,8 +246,13 @@ def row_spec(row: pd.Series) -> RunSpec | None:
     if measured is None:
         return None
     src = row["source_group"]
+    if src in UNMODELLED_SOURCES:
+        return None
     gpu = str(row["gpu_type"])
-    profile = next(p for k, p in PROFILE_OF_GPU if k in gpu)
+    profile = next((p for k, p in PROFILE_OF_GPU if k in gpu), None)
+    if profile is None:
+        raise ValueError(f"{row['run_id']}: no profile for GPU {gpu!r}; known: "
+                         f"{[k for k, _ in PROFILE_OF_GPU]}")
     n = int(row["num_gpus"])
     L, h, a = int(row["num_layers"]), int(row["hidden_size"]), int(row["num_attention_heads"])
     V, s = int(row["vocab_size"]), int(row["seq_length"])
@@ -305,6 +317,14 @@ def row_spec(row: pd.Series) -> RunSpec | None:
     nodes = max(1, n // GPUS_PER_NODE)
     return RunSpec(row["run_id"], src, model, profile, nodes, strategy, options, float(measured),
                    mem, tuple(notes))
+
+
+def not_evaluated(csv: Path = CSV) -> dict[str, str]:
+    """Run id -> why, for the measured rows of sources the model cannot express yet."""
+    df = pd.read_csv(csv)
+    return {r["run_id"]: UNMODELLED_SOURCES[r["source_group"]] for _, r in df.iterrows()
+            if r["source_group"] in UNMODELLED_SOURCES and _num(r.get("measured_step_time_s"))
+            is not None}
 
 
 def load_specs(csv: Path = CSV) -> list[RunSpec]:
@@ -579,6 +599,10 @@ def main(argv: list[str] | None = None) -> int:
     df = evaluate(specs, cal, graphs=graphs)
     stats = report(df, verbose=args.verbose, specs=specs)
     print(f"({len(specs)} rows; graphs {t1 - t0:.1f} s, estimates {time.perf_counter() - t1:.1f} s)")
+    skipped = not_evaluated(args.csv)
+    for why in sorted(set(skipped.values())):
+        ids = [r for r, w in skipped.items() if w == why]
+        print(f"not evaluated ({len(ids)} rows): {why}")
     ok = (stats["mape"] <= TARGET_MAPE and stats["max_error"] <= TARGET_MAX_ERROR
           and stats["all_fit"])
     return 0 if ok else 1
