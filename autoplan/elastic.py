@@ -255,7 +255,7 @@ def save_verified(program: Any, root: str | os.PathLike[str], step: int, *,
             "version": MANIFEST_VERSION,
             "step": step,
             "world_size": dist.get_world_size(),
-            "layout": program.layout.to_dict(),
+            "layout": program.plan.to_dict(),
             "files": _files_of(final),
         }
         atomic_write_text(os.path.join(final, MANIFEST_FILE),
@@ -322,11 +322,11 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
     ConfigError
         When the world differs from the plan's and there is no ``cluster`` to replan for.
     """
-    from .runtime.layout import layout_from_plan
+    from .runtime.layout import uniform_degrees
     from .search import SearchSpace, replan
 
     if world_size == plan.num_devices:
-        layout_from_plan(plan)          # PlanMismatchError when the runtime cannot run it
+        uniform_degrees(plan)           # PlanMismatchError when the runtime cannot run it
         return plan
     if cluster is None:
         raise ConfigError(

@@ -18,9 +18,16 @@ Conventions
   (by default ``device = rank``: devices are numbered node by node, so a
   tensor-parallel group of at most one node's size stays inside a node).
 * **Stages** are *virtual* stages in execution order: ``pp * virtual_stages``
-  of them.  Virtual stage ``k`` runs on pipeline rank ``k % pp`` as its chunk
-  ``k // pp`` (Narayanan et al. 2021, Sec. 2.2.2: the interleaved schedule
-  gives each rank ``v`` non-consecutive chunks).
+  of them.  Virtual stage ``k`` runs as chunk ``k // pp`` of pipeline rank
+  ``k % pp`` (Narayanan et al. 2021, Sec. 2.2.2: the interleaved schedule
+  gives each rank ``v`` non-consecutive chunks), or, under the zero-bubble
+  schedule, of rank ``k`` for ``k < pp`` and ``2 pp - 1 - k`` after (a V, as
+  torch's ZBV runs it; :func:`autoplan.strategy.stage_ranks`).
+* **Blocks per stage**: evenly, the later stages taking the remainder
+  (:func:`even_block_counts`): under 1F1B the first stage holds the most
+  micro-batches in flight, so it gets the fewest blocks.  One function,
+  :func:`chunk_bounds`, turns block counts into stages for the plan, the cost
+  engine, the search and the runtime alike.
 * Each stage lists its ``devices`` in rank order (``dp``, then ``cp``, then
   ``tp`` innermost), so replica ``r`` of a stage is the slice
   ``devices[r * cp * tp:(r + 1) * cp * tp]``.
@@ -47,18 +54,26 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
 from .records import Record
-from .strategy import Precision, Recompute, Schedule, Strategy
+from .strategy import (ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, schedule_problem,
+                       stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .cost.summary import GraphSummary
     from .hardware import Cluster
 
-__all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS"]
+__all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS",
+           "even_block_counts", "chunk_bounds", "split_layers"]
+
+#: Why uneven replica batches and ZeRO-2/3 are never combined.
+UNEVEN_ZERO = ("replicas with different numbers of micro-batches cannot use ZeRO-2/3: those "
+               "gather parameters or reduce-scatter gradients every micro-batch, and the "
+               "replicas' collectives would not match; use zero <= 1, or equal replica batches")
 
 #: Mesh dimensions, outermost first.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -201,10 +216,12 @@ class Plan(Record):
             raise StrategyError(f"num_micro_batches={self.num_micro_batches} but the largest "
                                 f"replica runs {max(self.replica_batch) // self.micro_batch}")
         rank_devices: dict[int, tuple[int, ...]] = {}
+        ranks = stage_ranks(self.schedule, pp, len(self.stages))
         for k, st in enumerate(self.stages):
-            if (st.index, st.rank, st.chunk) != (k, k % pp, k // pp):
+            if (st.index, st.rank, st.chunk) != (k, ranks[k], k // pp):
                 raise StrategyError(f"stages[{k}] has index={st.index}, rank={st.rank}, "
-                                    f"chunk={st.chunk}; expected {k}, {k % pp}, {k // pp}")
+                                    f"chunk={st.chunk}; expected {k}, {ranks[k]}, {k // pp} "
+                                    f"under schedule={self.schedule.value!r}")
             if st.dp != dp:
                 raise StrategyError(f"stage {k} has dp={st.dp} but replica_batch has {dp} replicas")
             if rank_devices.setdefault(st.rank, st.devices) != st.devices:
@@ -233,6 +250,15 @@ class Plan(Record):
                 raise StrategyError(f"stage {st.index} lists layers that are placed elsewhere")
         if sum(len(st.layers) for st in self.stages) != len(self.layers):
             raise StrategyError("the stages' layer lists and the layer placements disagree")
+        v_chunks = 2 if self.schedule is Schedule.ZERO_BUBBLE else v
+        for r in sorted(set(self.replica_batch)):
+            problem = schedule_problem(self.schedule, pp, v_chunks, r // self.micro_batch)
+            if problem:
+                raise StrategyError(f"a replica with {r} sequences per step: {problem}")
+        if pp > 1 and self.schedule is Schedule.ZERO_BUBBLE and any(lp.zero == 3 for lp in self.layers):
+            raise StrategyError(ZBV_ZERO3)
+        if len(set(self.replica_batch)) > 1 and any(lp.zero >= 2 for lp in self.layers):
+            raise StrategyError(UNEVEN_ZERO)
 
     # ------------------------------------------------------------------ views
     @property
@@ -251,42 +277,73 @@ class Plan(Record):
         """Micro-batches replica ``replica`` runs per step."""
         return self.replica_batch[replica] // self.micro_batch
 
+    @property
+    def cp(self) -> int:
+        return self.mesh.degree("cp")
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of every virtual stage (looped, or a V for zero-bubble)."""
+        return tuple(st.rank for st in self.stages)
+
+    def local_stages(self, pp_rank: int) -> tuple[int, ...]:
+        """The virtual stages pipeline rank ``pp_rank`` runs, in execution order."""
+        return tuple(st.index for st in self.stages if st.rank == pp_rank)
+
+    def placement(self, name: str) -> LayerPlacement:
+        """The placement of layer ``name``."""
+        for lp in self.layers:
+            if lp.name == name:
+                return lp
+        raise PlanMismatchError(f"the plan has no layer named {name!r}")
+
+    def replica_offset(self, replica: int) -> int:
+        """Index of replica ``replica``'s first sequence in the global batch."""
+        return sum(self.replica_batch[:replica])
+
     def with_estimate(self, estimate: Estimate | None) -> "Plan":
         return replace(self, estimate=estimate)
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_strategy(cls, graph: ModelGraph, cluster: "Cluster", strategy: Strategy,
-                      *, devices: tuple[int, ...] | None = None) -> "Plan":
+    def from_strategy(cls, graph: "ModelGraph | GraphSummary", cluster: "Cluster | int",
+                      strategy: Strategy,
+                      *, devices: tuple[int, ...] | None = None,
+                      blocks_per_stage: tuple[int, ...] | None = None) -> "Plan":
         """The plan of a uniform strategy, laid out as Megatron-LM does.
 
         The blocks are split evenly over the ``pp * virtual_stages`` virtual
-        stages (when they do not divide, later stages get one more); the layers
-        before the first block (embeddings) go to the first stage, those after
-        the last block (final norm, head, loss) to the last.  Ranks follow the
-        module's convention (``tp`` innermost, ``pp`` outermost) and map to
-        ``devices`` (default: device ``i`` for rank ``i``).
+        stages, the later stages taking the remainder (``blocks_per_stage``
+        gives the counts instead); the layers before the first block
+        (embeddings) go to the first stage, those after the last block (final
+        norm, head, loss) to the last.  Ranks follow the module's convention
+        (``tp`` innermost, ``pp`` outermost) and map to ``devices`` (default:
+        device ``i`` for rank ``i``).  ``cluster`` may be a number of processes
+        (a plan for the runtime made without a hardware profile).
 
         Raises
         ------
         StrategyError
             When the degrees do not fit the cluster or the model.
         """
-        strategy.check_world(cluster.num_devices if devices is None else len(devices))
-        devices = tuple(range(cluster.num_devices)) if devices is None else tuple(devices)
+        num_devices = cluster if isinstance(cluster, int) else cluster.num_devices
+        strategy.check_world(num_devices if devices is None else len(devices))
+        devices = tuple(range(num_devices)) if devices is None else tuple(devices)
         pp, dp, cp, tp, v = (strategy.pp, strategy.dp, strategy.cp, strategy.tp,
                              strategy.chunks_per_rank)
         _check_tp(graph, tp)
-        chunks = split_layers(graph, pp * v)
+        chunks = split_layers(graph, pp * v, blocks_per_stage)
         per_rank = dp * cp * tp
         kinds = {l.name: l.kind for l in graph.layers}
+        ranks = stage_ranks(strategy.schedule, pp, pp * v)
         type_names: dict[int, str] = {}
         stages, placements = [], []
         for k, names in enumerate(chunks):
-            rank = k % pp
+            rank = ranks[k]
             devs = devices[rank * per_rank:(rank + 1) * per_rank]
             if rank not in type_names:
-                type_names[rank] = _type_name(cluster, devs)
+                type_names[rank] = (_PROCESS if isinstance(cluster, int)
+                                    else _type_name(cluster, devs))
             stages.append(StagePlan(k, rank, k // pp, tuple(names), devs, type_names[rank],
                                     tp, dp, cp))
             for n in names:
@@ -296,8 +353,10 @@ class Plan(Record):
                                                  strategy.zero, rc))
         mesh = MeshPlan(MESH_DIMS, (pp, dp, cp, tp), devices)
         per_replica = strategy.global_batch // dp
+        summary = (ClusterSummary("processes", num_devices, 1, (_PROCESS,), ())
+                   if isinstance(cluster, int) else ClusterSummary.from_cluster(cluster))
         return cls(
-            model=graph.model, cluster=ClusterSummary.from_cluster(cluster),
+            model=graph.model, cluster=summary,
             global_batch=strategy.global_batch, seq_len=graph.seq_len,
             precision=strategy.precision, mesh=mesh, stages=tuple(stages),
             layers=tuple(placements),
@@ -380,49 +439,96 @@ def _type_name(cluster: "Cluster", devices: tuple[int, ...]) -> str:
     return "+".join(names)
 
 
-def _check_tp(graph: ModelGraph, tp: int) -> None:
+def _check_tp(graph, tp: int) -> None:
+    """``graph``: a ModelGraph, or the cost model's GraphSummary (layers with ``max_tp``)."""
     for layer in graph.layers:
-        if layer.kind is not LayerKind.BLOCK or not layer.tp.divisors:
+        if layer.kind is not LayerKind.BLOCK:
             continue
-        if layer.tp.max_degree() % tp:
+        if hasattr(layer, "max_tp"):
+            if layer.max_tp and layer.max_tp % tp:
+                raise StrategyError(f"tp={tp} does not divide layer {layer.name!r}; valid "
+                                    f"degrees divide {layer.max_tp}")
+            continue
+        if layer.tp.divisors and layer.tp.max_degree() % tp:
             raise StrategyError(
                 f"tp={tp} does not divide layer {layer.name!r} (heads/features "
                 f"{list(layer.tp.divisors)}); valid degrees are {list(layer.tp.valid_degrees())}")
 
 
-def split_layers(graph: ModelGraph, num_chunks: int) -> list[list[str]]:
-    """Layer names of each of ``num_chunks`` consecutive chunks, Megatron-style.
+#: The device type of a plan made for a number of processes rather than a cluster.
+_PROCESS = "process"
 
-    Blocks are split evenly (chunk ``i`` gets ``floor((i+1) n / k) - floor(i n / k)``
-    of the ``n`` blocks); leading non-block layers join the first chunk, trailing
-    ones the last, and glue between stacks the chunk of the block that follows it.
+
+def even_block_counts(num_blocks: int, num_chunks: int) -> list[int]:
+    """Blocks per chunk, as even as possible, later chunks taking the remainder.
+
+    Chunk ``i`` gets ``floor((i+1) n / k) - floor(i n / k)`` of the ``n`` blocks
+    (Megatron-LM's split).  Under 1F1B the first stage keeps the most
+    micro-batches in flight (:func:`autoplan.cost.schedules.in_flight`), so it
+    is the one to hold fewer blocks.
+
+    >>> even_block_counts(4, 3)
+    [1, 1, 2]
 
     Raises
     ------
     StrategyError
         When there are fewer blocks than chunks.
     """
+    if num_blocks < num_chunks:
+        raise StrategyError(f"the model has {num_blocks} blocks, fewer than the {num_chunks} "
+                            "pipeline (virtual) stages; lower pp or virtual_stages")
+    return [((i + 1) * num_blocks) // num_chunks - (i * num_blocks) // num_chunks
+            for i in range(num_chunks)]
+
+
+def chunk_bounds(is_block: Sequence[bool], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` layer indices of each chunk when chunk ``c`` holds ``counts[c]`` blocks.
+
+    The one stage-split rule of the plan, the cost engine, the search and the
+    runtime: layers before the first block join the first chunk, layers after the
+    last block the last chunk, and glue between two blocks the chunk of the block
+    that follows it.
+
+    >>> chunk_bounds([False, True, True, True, True, False], [1, 1, 2])
+    [(0, 2), (2, 3), (3, 6)]
+
+    Raises
+    ------
+    StrategyError
+        When a count is not positive or the counts do not add up to the blocks.
+    """
+    blocks = [i for i, b in enumerate(is_block) if b]
+    counts = list(counts)
+    if not counts or any(c < 1 for c in counts) or sum(counts) != len(blocks):
+        raise StrategyError(f"blocks per stage {counts} must be positive and add up to the "
+                            f"model's {len(blocks)} blocks")
+    starts, b = [0], 0
+    for c in counts[:-1]:
+        b += c
+        i = blocks[b]
+        # glue layers before a block belong to the block's chunk
+        while i - 1 > blocks[b - 1]:
+            i -= 1
+        starts.append(i)
+    return list(zip(starts, starts[1:] + [len(is_block)]))
+
+
+def split_layers(graph: ModelGraph, num_chunks: int,
+                 counts: Sequence[int] | None = None) -> list[list[str]]:
+    """Layer names of each of ``num_chunks`` consecutive chunks (:func:`chunk_bounds` of
+    ``counts`` blocks per chunk, default :func:`even_block_counts`).
+
+    Raises
+    ------
+    StrategyError
+        When there are fewer blocks than chunks, or ``counts`` does not fit.
+    """
     layers = graph.layers
-    blocks = [i for i, l in enumerate(layers) if l.kind is LayerKind.BLOCK]
-    n = len(blocks)
-    if n < num_chunks:
-        raise StrategyError(f"the model has {n} blocks, fewer than the {num_chunks} pipeline "
-                            "(virtual) stages; lower pp or virtual_stages")
-    bounds = [((i + 1) * n) // num_chunks for i in range(num_chunks)]
-    chunk_of_block = []
-    c = 0
-    for j in range(n):
-        while j >= bounds[c]:
-            c += 1
-        chunk_of_block.append(c)
-    out: list[list[str]] = [[] for _ in range(num_chunks)]
-    next_block = 0
-    for i, l in enumerate(layers):
-        if l.kind is LayerKind.BLOCK:
-            out[chunk_of_block[next_block]].append(l.name)
-            next_block += 1
-        elif next_block < n:
-            out[chunk_of_block[next_block]].append(l.name)   # before (or between) blocks
-        else:
-            out[num_chunks - 1].append(l.name)                # after the last block
-    return out
+    is_block = [l.kind is LayerKind.BLOCK for l in layers]
+    if counts is None:
+        counts = even_block_counts(sum(is_block), num_chunks)
+    elif len(counts) != num_chunks:
+        raise StrategyError(f"blocks_per_stage {list(counts)} names {len(counts)} stages, but "
+                            f"the layout has {num_chunks}")
+    return [[l.name for l in layers[lo:hi]] for lo, hi in chunk_bounds(is_block, counts)]

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from .errors import StrategyError
 from .records import Record
 
-__all__ = ["Recompute", "Schedule", "Precision", "Strategy"]
+__all__ = ["Recompute", "Schedule", "Precision", "Strategy", "schedule_problem", "stage_ranks"]
+
+
+#: Why zero-bubble schedules and ZeRO-3 are never combined.
+ZBV_ZERO3 = ("zero=3 with schedule='zero_bubble': ZeRO-3 reshards parameters after forward, "
+             "which gives silently wrong gradients under torch 2.13's zero-bubble schedules; "
+             "use zero <= 2 with zero_bubble, or another schedule with zero=3")
 
 
 class Recompute(str, enum.Enum):
@@ -48,6 +54,40 @@ class Precision(str, enum.Enum):
     @property
     def bytes(self) -> int:
         return 4 if self is Precision.FP32 else 2
+
+
+def stage_ranks(schedule: "Schedule", pp: int, num_stages: int) -> tuple[int, ...]:
+    """The pipeline rank of each virtual stage, as torch's schedules place them.
+
+    Looped for GPipe, 1F1B and interleaved 1F1B (stage ``k`` on rank ``k % pp``,
+    Narayanan et al. 2021, Sec. 2.2.2); a V for zero-bubble ZBV (Qi et al. 2024,
+    Sec. 5): stage ``k`` on rank ``k`` for ``k < pp``, on ``2 pp - 1 - k`` after.
+
+    >>> stage_ranks(Schedule.INTERLEAVED, 2, 4), stage_ranks(Schedule.ZERO_BUBBLE, 2, 4)
+    ((0, 1, 0, 1), (0, 1, 1, 0))
+    """
+    if schedule is Schedule.ZERO_BUBBLE and pp > 1:
+        return tuple(k if k < pp else num_stages - 1 - k for k in range(num_stages))
+    return tuple(k % pp for k in range(num_stages))
+
+
+def schedule_problem(schedule: "Schedule", pp: int, chunks_per_rank: int, m: int) -> str | None:
+    """Why ``m`` micro-batches per replica cannot run ``schedule`` on ``pp`` ranks with
+    ``chunks_per_rank`` chunks each (as torch 2.13's schedules require), or None."""
+    if pp == 1:
+        return None
+    if schedule is Schedule.ONE_F_ONE_B and m < pp:
+        return f"1F1B needs at least as many micro-batches as stages: {m} micro-batches < pp={pp}"
+    if schedule is Schedule.INTERLEAVED:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            # torch's interleaved 1F1B runs the micro-batches in rounds of equal size
+            return (f"interleaved 1F1B runs {m} micro-batches in max(1, {m} // pp={pp}) = "
+                    f"{rounds} rounds, which must divide them; choose a multiple of pp or "
+                    "fewer than 2 x pp")
+    if schedule is Schedule.ZERO_BUBBLE and m < 2 * pp - 1:
+        return f"ZBV needs at least 2 x pp - 1 = {2 * pp - 1} micro-batches, got {m}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -104,11 +144,14 @@ class Strategy(Record):
             raise StrategyError(f"schedule={self.schedule.value!r} has one chunk per rank; "
                                 f"virtual_stages must be 1, got {self.virtual_stages} "
                                 "(use schedule='interleaved')")
-        if self.pp > 1 and self.schedule is Schedule.ONE_F_ONE_B and self.num_micro_batches < self.pp:
+        problem = schedule_problem(self.schedule, self.pp, self.chunks_per_rank,
+                                   self.num_micro_batches)
+        if problem:
             raise StrategyError(
-                f"1F1B needs at least as many micro-batches as stages: global_batch="
-                f"{self.global_batch} / (dp={self.dp} x micro_batch={self.micro_batch}) = "
-                f"{self.num_micro_batches} < pp={self.pp}")
+                f"global_batch={self.global_batch} / (dp={self.dp} x micro_batch="
+                f"{self.micro_batch}) = {self.num_micro_batches} micro-batches: {problem}")
+        if self.pp > 1 and self.schedule is Schedule.ZERO_BUBBLE and self.zero == 3:
+            raise StrategyError(ZBV_ZERO3)
 
     @property
     def world_size(self) -> int:

@@ -139,7 +139,7 @@ def parity(rank: int, world: int, model_name: str, targets: list[tuple],
         t0 = time.perf_counter()
         model = MODELS[name](0)
         pm = parallelize(model, target, seq_len=SEQ, optimizer=make_optimizer, graph=g)
-        if pm.layout.pp > 1 and pm.layout.schedule.value == "zero_bubble":
+        if pm.plan.pp > 1 and pm.plan.schedule.value == "zero_bubble":
             unsafe = zero_bubble_safety(pm)
             if unsafe:
                 raise AssertionError(f"{label}: unsafe under a zero-bubble schedule: {unsafe}")
@@ -160,10 +160,10 @@ def parity(rank: int, world: int, model_name: str, targets: list[tuple],
                         if e > param_err:
                             param_err, worst = e, f"{k} after step {step}"
         if loss_err > ATOL:
-            raise AssertionError(f"{label} ({pm.layout.describe()}): loss differs from the "
+            raise AssertionError(f"{label} ({pm.plan.label()}): loss differs from the "
                                  f"single-process reference by {loss_err:.3g} > {ATOL}")
         if param_err > ATOL:
-            raise AssertionError(f"{label} ({pm.layout.describe()}): parameter {worst} differs "
+            raise AssertionError(f"{label} ({pm.plan.label()}): parameter {worst} differs "
                                  f"by {param_err:.3g} > {ATOL}")
         out[label] = {"loss_err": loss_err, "param_err": param_err,
                       "seconds": time.perf_counter() - t0}
@@ -176,15 +176,15 @@ def layer_names(model_name: str, layers: int = 4) -> list[str]:
     return ["pre"] + [f"{stack}.{i}" for i in range(layers)] + ["post"]
 
 
-def uneven_layout(model_name: str, *, dp: int = 1, tp: int = 1, zero: int = 0,
-                  schedule: str = "1f1b", micro_batch: int = 2):
-    """pp=2 with one block on the first stage and three on the second."""
-    from autoplan.runtime import LayerLayout, Layout
+def uneven_plan(graph: str, *, dp: int = 1, tp: int = 1, zero: int = 0,
+                schedule: str = "1f1b", micro_batch: int = 2):
+    """pp=2 with one block on the first stage and three on the second (``graph``: JSON)."""
+    from autoplan.runtime import plan_of
+    from autoplan.strategy import Strategy
 
-    names = layer_names(model_name)
-    return Layout(dp=dp, tp=tp, pp=2, micro_batch=micro_batch, global_batch=GLOBAL_BATCH,
-                  stages=(tuple(names[:2]), tuple(names[2:])), schedule=schedule,
-                  layers=tuple(LayerLayout(n, zero=zero) for n in names), precision="fp32")
+    s = Strategy(dp=dp, tp=tp, pp=2, zero=zero, micro_batch=micro_batch,
+                 global_batch=GLOBAL_BATCH, schedule=schedule, precision="fp32")
+    return plan_of(s, _graph(graph), world_size=s.world_size, blocks_per_stage=(1, 3))
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -292,11 +292,11 @@ def _wrapping(pm) -> str:
 
 
 def _facts(pm) -> dict:
-    """What a layout is, for a test to check that a label names the pair it runs."""
-    lay = pm.layout
-    return {"world": dist.get_world_size(), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "zero": sorted({l.zero for l in lay.layers}), "wrap": _wrapping(pm),
-            "layout": lay.describe()}
+    """What a plan is, for a test to check that a label names the pair it runs."""
+    plan = pm.plan
+    return {"world": dist.get_world_size(), "dp": plan.dp, "tp": plan.stages[0].tp,
+            "pp": plan.pp, "zero": sorted({l.zero for l in plan.layers}), "wrap": _wrapping(pm),
+            "layout": plan.label()}
 
 
 def checkpoint_save(rank: int, world: int, model_name: str, path: str, target: Any,
@@ -316,7 +316,7 @@ def checkpoint_save(rank: int, world: int, model_name: str, path: str, target: A
     loss3 = pm.step(ids)
     params3 = pm.full_state_dict()
     if rank == 0:
-        _assert_complete(f"saved {model_name} ({pm.layout.describe()})", model_name,
+        _assert_complete(f"saved {model_name} ({pm.plan.label()})", model_name,
                          model_sd, optim_sd, steps=2)
         leftovers = [n for n in os.listdir(os.path.dirname(path)) if ".tmp-" in n or ".old-" in n]
         if leftovers:
@@ -517,17 +517,15 @@ def bad_plans_issue_no_collective(rank: int, world: int) -> dict:
     collective (the other rank is not participating, so a collective would hang or
     mismatch).  Then the group is still healthy: a real layout trains."""
     from autoplan.errors import PlanMismatchError, StrategyError
-    from autoplan.runtime import LayerLayout, Layout, parallelize
+    from autoplan.runtime import parallelize
     from autoplan.strategy import Strategy
 
     errors = {}
     for turn in range(world):
         if rank == turn:
-            names = layer_names("gpt")[:-1] + ["blocks.7"]
             bad = {
-                "unknown layer": Layout(dp=world, tp=1, pp=1, micro_batch=1, global_batch=8,
-                                        stages=(tuple(names),),
-                                        layers=tuple(LayerLayout(n) for n in names)),
+                "unknown layer": renamed_layer(
+                    Strategy(dp=world, global_batch=8, precision="fp32"), "blocks.3", "blocks.7"),
                 "degrees vs world": Strategy(dp=2, tp=2, global_batch=8),
                 "tp vs heads": Strategy(dp=1, tp=world, global_batch=8, precision="fp32"),
             }
@@ -546,6 +544,21 @@ def bad_plans_issue_no_collective(rank: int, world: int) -> dict:
     return {"errors": errors, "loss_after": loss}
 
 
+def renamed_layer(strategy, old: str, new: str):
+    """The plan of ``strategy`` for the tiny GPT with layer ``old`` renamed ``new`` (a plan
+    made for another model)."""
+    import dataclasses
+
+    from autoplan.runtime import plan_of
+
+    plan = plan_of(strategy, _graph(graph_json("gpt")), world_size=strategy.world_size)
+    stages = tuple(dataclasses.replace(st, layers=tuple(new if n == old else n for n in st.layers))
+                   for st in plan.stages)
+    layers = tuple(dataclasses.replace(lp, name=new) if lp.name == old else lp
+                   for lp in plan.layers)
+    return dataclasses.replace(plan, stages=stages, layers=layers)
+
+
 def _odd_heads_gpt():
     """A GPT with 3 heads: no even tensor-parallel degree divides it."""
     from autoplan.models import GPT, GPTConfig
@@ -560,7 +573,7 @@ def cluster_target(rank: int, world: int) -> dict:
 
     pm = parallelize(make_gpt(0), cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ)
     loss = pm.step(make_batch())
-    return {"layout": pm.layout.to_json(), "loss": loss}
+    return {"plan": pm.plan.to_json(), "loss": loss}
 
 
 # ---------------------------------------------------------------------- a model without tokens

@@ -17,7 +17,7 @@ from autoplan.cost import CostOptions, estimate, estimate_plan
 from autoplan.cost.toy import toy_cluster
 from autoplan.models import GPT, GPTConfig
 from autoplan.plan import Plan
-from autoplan.strategy import Recompute, Schedule, Strategy
+from autoplan.strategy import Recompute, Schedule, Strategy, schedule_problem
 
 GRAPH = trace(GPT(GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4,
                             dropout=0.1)), seq_len=64)
@@ -47,8 +47,11 @@ def layouts(draw) -> Strategy:
     assume(pp * v <= 4)
     mb = draw(st.sampled_from([1, 2]))
     m = draw(st.integers(min_value=pp, max_value=pp + 4))
+    # what torch's schedules run (ZBV: >= 2 pp - 1 micro-batches, never with ZeRO-3)
+    assume(schedule_problem(schedule, pp, v, m) is None)
+    zbv = schedule is Schedule.ZERO_BUBBLE and pp > 1
     return Strategy(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, global_batch=dp * mb * m,
-                    zero=draw(st.integers(0, 3)), recompute=draw(st.sampled_from(list(Recompute))),
+                    zero=draw(st.integers(0, 2 if zbv else 3)), recompute=draw(st.sampled_from(list(Recompute))),
                     sequence_parallel=tp > 1 and draw(st.booleans()), schedule=schedule,
                     virtual_stages=v)
 
@@ -85,6 +88,7 @@ def test_recompute_never_raises_activation_memory(s):
 @SETTINGS
 @given(layouts())
 def test_zero3_never_holds_more_parameter_memory_than_zero1(s):
+    assume(s.pp == 1 or s.schedule is not Schedule.ZERO_BUBBLE)   # never combined with ZeRO-3
     z1 = _est(dataclasses.replace(s, zero=1))
     z3 = _est(dataclasses.replace(s, zero=3))
     for a, b in zip(z3.stages, z1.stages):

@@ -197,14 +197,14 @@ def test_cluster_for_world_keeps_the_first_devices_and_grows_like_the_last_node(
 
 
 def test_choose_plan_replans_within_what_the_runtime_runs():
-    from autoplan.runtime.layout import layout_from_plan
+    from autoplan.runtime import check_plan
 
     plan, graph, cluster = _plan(4), _graph(), _cluster(4)
     assert choose_plan(plan, 4, graph=graph, cluster=cluster) is plan
     for world in (3, 2, 6):
         new = choose_plan(plan, world, graph=graph, cluster=cluster)
         assert new.num_devices == world and new.global_batch == GLOBAL_BATCH
-        layout_from_plan(new)                      # the runtime accepts it
+        check_plan(new, world, graph)              # the runtime accepts it
         assert choose_plan(plan, world, graph=graph, cluster=cluster).to_json() == new.to_json()
     # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes: the
     # plan leaves one idle, or, without that, nothing fits

@@ -9,11 +9,11 @@ hung one after the process group's timeout, set at ``init_process_group``.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 import runtime_cases as rc
+from autoplan.plan import Plan
 from dist_harness import run, run_outcomes
 
 pytestmark = pytest.mark.distributed
@@ -58,7 +58,6 @@ def test_hung_rank_surfaces_after_the_collective_timeout():
 
 def test_cluster_target_plans_once_and_every_rank_applies_the_same_plan():
     out = run(rc.cluster_target, 2)
-    assert out[0]["layout"] == out[1]["layout"]
+    assert out[0]["plan"] == out[1]["plan"]
     assert out[0]["loss"] == out[1]["loss"] > 0
-    assert json.loads(out[0]["layout"])["dp"] * json.loads(out[0]["layout"])["tp"] * \
-        json.loads(out[0]["layout"])["pp"] == 2
+    assert Plan.from_json(out[0]["plan"]).num_devices == 2

@@ -7,6 +7,8 @@ would fail here with torch's "default process group has not been initialized".
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor.parallel import (
@@ -19,11 +21,10 @@ from torch.distributed.tensor.parallel import (
 import autoplan
 import runtime_cases as rc
 from autoplan.errors import CheckpointError, ConfigError, PlanMismatchError, StrategyError
-from autoplan.runtime import LayerLayout, Layout, layout_from_strategy, parallelize, resolve_layout
+from autoplan.runtime import parallelize, plan_of, resolve_plan
 from autoplan.runtime.ac import attention_core_policy
 from autoplan.runtime.adapters import adapter_for
 from autoplan.runtime.checkpoint import load_checkpoint
-from autoplan.runtime.layout import layout_from_plan
 from autoplan.runtime.mesh import mesh_coordinates
 from autoplan.runtime.pipeline import build_stage_module
 from autoplan.runtime.tp import tp_plan
@@ -47,86 +48,98 @@ def _S(**kw) -> Strategy:
     return Strategy(global_batch=8, precision="fp32", **kw)
 
 
-# ---------------------------------------------------------------------- layouts
-def test_strategy_layout_splits_blocks_evenly_with_pre_and_post_at_the_ends():
-    lay = layout_from_strategy(_S(pp=2, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
-    assert lay.stages == (("pre", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "post"))
-    lay = layout_from_strategy(_S(pp=3, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
-    assert [len(s) for s in lay.stages] == [3, 1, 2]      # 2, 1, 1 blocks; remainder first
-    assert lay.layer("pre").recompute.value == "none"
+# ---------------------------------------------------------------------- plans
+def test_strategy_plan_splits_blocks_evenly_with_pre_and_post_at_the_ends(gpt_graph):
+    plan = plan_of(_S(pp=2, micro_batch=2), gpt_graph, world_size=2)
+    assert [s.layers for s in plan.stages] == [("pre", "blocks.0", "blocks.1"),
+                                               ("blocks.2", "blocks.3", "post")]
+    plan = plan_of(_S(pp=3, micro_batch=2), gpt_graph, world_size=3)
+    # 1, 1, 2 blocks: the first stage, which holds the most micro-batches under 1F1B,
+    # gets the fewest, as the cost model prices it
+    assert [len(s.layers) for s in plan.stages] == [2, 1, 3]
+    assert plan.placement("pre").recompute.value == "none"
+    uneven = plan_of(_S(pp=2, micro_batch=2), gpt_graph, world_size=2, blocks_per_stage=(3, 1))
+    assert [len(s.layers) for s in uneven.stages] == [4, 2]
+    with pytest.raises(StrategyError, match="add up to the model's 4 blocks"):
+        plan_of(_S(pp=2, micro_batch=2), gpt_graph, world_size=2, blocks_per_stage=(3, 2))
 
 
-def test_stage_to_rank_is_looped_for_interleaved_and_v_shaped_for_zero_bubble():
-    inter = layout_from_strategy(_S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2),
-                                 GPT_NAMES, GPT_NAMES[1:-1])
-    assert inter.stage_ranks() == (0, 1, 0, 1)
-    zbv = layout_from_strategy(_S(pp=2, micro_batch=1, schedule="zero_bubble"), GPT_NAMES,
-                               GPT_NAMES[1:-1])
-    assert zbv.stage_ranks() == (0, 1, 1, 0)
+def test_stage_to_rank_is_looped_for_interleaved_and_v_shaped_for_zero_bubble(gpt_graph):
+    inter = plan_of(_S(pp=2, micro_batch=2, schedule="interleaved", virtual_stages=2),
+                    gpt_graph, world_size=2)
+    assert inter.stage_ranks == (0, 1, 0, 1)
+    zbv = plan_of(_S(pp=2, micro_batch=1, schedule="zero_bubble"), gpt_graph, world_size=2)
+    assert zbv.stage_ranks == (0, 1, 1, 0)
     assert zbv.local_stages(0) == (0, 3)
 
 
-def test_mesh_coordinates_put_tp_innermost_and_follow_a_rank_permutation():
-    lay = layout_from_strategy(_S(dp=2, tp=2, pp=2, micro_batch=2), GPT_NAMES, GPT_NAMES[1:-1])
-    assert [tuple(mesh_coordinates(lay, r).values()) for r in range(4)] == \
-        [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]          # (tp, dp, pp) of ranks 0..3
-    perm = lay.with_options(ranks=(1, 0, 2, 3, 4, 5, 6, 7))
+def test_mesh_coordinates_put_tp_innermost_and_follow_a_rank_permutation(gpt_graph):
+    plan = plan_of(_S(dp=2, tp=2, pp=2, micro_batch=2), gpt_graph, world_size=8)
+    assert [(c["tp"], c["dp"], c["pp"]) for c in (mesh_coordinates(plan, r) for r in range(4))] \
+        == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    perm = dataclasses.replace(plan, mesh=dataclasses.replace(
+        plan.mesh, devices=(1, 0, 2, 3, 4, 5, 6, 7)))
     assert mesh_coordinates(perm, 1)["tp"] == 0 and mesh_coordinates(perm, 0)["tp"] == 1
 
 
-def test_layout_rejects_bad_schedules_with_the_reason():
-    names = GPT_NAMES
+def test_plans_refuse_schedules_torch_cannot_run_with_the_reason(gpt_graph):
     with pytest.raises(StrategyError, match="1F1B needs at least as many micro-batches"):
-        Layout(dp=1, tp=1, pp=2, micro_batch=4, global_batch=4, schedule="1f1b",
-               stages=(tuple(names[:3]), tuple(names[3:])),
-               layers=tuple(LayerLayout(n) for n in names))
-    with pytest.raises(StrategyError, match="exactly two stages per rank"):
-        Layout(dp=1, tp=1, pp=2, micro_batch=1, global_batch=8, schedule="zero_bubble",
-               stages=(tuple(names[:3]), tuple(names[3:])),
-               layers=tuple(LayerLayout(n) for n in names))
+        _S(pp=2, micro_batch=8)
+    with pytest.raises(StrategyError, match="ZBV needs at least 2 x pp - 1 = 3"):
+        Strategy(pp=2, micro_batch=4, global_batch=8, schedule="zero_bubble")
+    # ZeRO-3 reshards after forward: wrong gradients under zero-bubble, so never planned
+    with pytest.raises(StrategyError, match="zero_bubble"):
+        _S(pp=2, dp=2, zero=3, schedule="zero_bubble")
+    plan = plan_of(_S(pp=2, dp=2, zero=2, schedule="zero_bubble"), gpt_graph, world_size=4)
+    with pytest.raises(StrategyError, match="zero_bubble"):
+        dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, zero=3)
+                                               for lp in plan.layers))
 
 
 # ---------------------------------------------------------------------- validation
 def test_world_size_mismatch_names_every_factor(gpt_graph):
     with pytest.raises(StrategyError, match=r"dp=2 x tp=2 x pp=1 x cp=1 = 4, but the world has 2"):
-        resolve_layout(rc.make_gpt(0), _S(dp=2, tp=2), gpt_graph, world_size=2)
+        resolve_plan(rc.make_gpt(0), _S(dp=2, tp=2), gpt_graph, world_size=2)
 
 
 def test_unknown_layer_names_are_listed(gpt_graph):
-    names = GPT_NAMES[:-2] + ["blocks.9", "post"]
-    bad = Layout(dp=1, tp=1, pp=1, micro_batch=1, global_batch=8, stages=(tuple(names),),
-                 layers=tuple(LayerLayout(n) for n in names))
+    bad = rc.renamed_layer(_S(), "blocks.2", "blocks.9")
     with pytest.raises(PlanMismatchError, match=r"blocks\.9"):
-        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=1)
+        resolve_plan(rc.make_gpt(0), bad, gpt_graph, world_size=1)
 
 
 def test_stages_out_of_model_order_are_rejected(gpt_graph):
-    n = GPT_NAMES
-    bad = Layout(dp=1, tp=1, pp=2, micro_batch=2, global_batch=8,
-                 stages=((n[0], n[2], n[1]), tuple(n[3:])), layers=tuple(LayerLayout(x) for x in n))
+    plan = plan_of(_S(pp=2, micro_batch=2), gpt_graph, world_size=2)
+    a, b = plan.stages
+    swapped = (dataclasses.replace(a, layers=("pre", "blocks.1", "blocks.0")), b)
+    layers = tuple(dataclasses.replace(lp, stage=0) if lp.name in ("blocks.0", "blocks.1") else lp
+                   for lp in plan.layers)
+    bad = dataclasses.replace(plan, stages=swapped, layers=layers)
     with pytest.raises(PlanMismatchError, match="model order"):
-        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=2)
+        resolve_plan(rc.make_gpt(0), bad, gpt_graph, world_size=2)
 
 
 def test_tp_must_divide_heads_and_key_value_heads(llama_graph):
     # the tiny Llama has 4 query heads but 2 key/value heads: tp=4 cannot shard it
     with pytest.raises(StrategyError, match="tp=4 does not divide"):
-        resolve_layout(rc.make_llama(0), _S(tp=4), llama_graph, world_size=4)
+        resolve_plan(rc.make_llama(0), _S(tp=4), llama_graph, world_size=4)
 
 
 def test_mixed_replicated_and_sharded_layers_in_one_stage_are_rejected(gpt_graph):
-    layers = tuple(LayerLayout(x, zero=3 if x.startswith("blocks") else 0) for x in GPT_NAMES)
-    bad = Layout(dp=2, tp=1, pp=1, micro_batch=1, global_batch=8, stages=(tuple(GPT_NAMES),),
-                 layers=layers)
+    plan = plan_of(_S(dp=2), gpt_graph, world_size=2)
+    bad = dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(lp, zero=3) if lp.name.startswith("blocks") else lp
+        for lp in plan.layers))
     with pytest.raises(PlanMismatchError, match="mixes replicated"):
-        resolve_layout(rc.make_gpt(0), bad, gpt_graph, world_size=2)
+        resolve_plan(rc.make_gpt(0), bad, gpt_graph, world_size=2)
 
 
-def test_global_batch_must_agree_and_cp_is_refused(gpt_graph):
+def test_global_batch_must_agree(gpt_graph):
     with pytest.raises(ConfigError, match="global_batch=16 but the strategy says global_batch=8"):
-        resolve_layout(rc.make_gpt(0), _S(dp=2), gpt_graph, world_size=2, global_batch=16)
-    with pytest.raises(StrategyError, match="context parallelism"):
-        resolve_layout(rc.make_gpt(0), _S(cp=2), gpt_graph, world_size=2)
+        resolve_plan(rc.make_gpt(0), _S(dp=2), gpt_graph, world_size=2, global_batch=16)
+    plan = plan_of(_S(dp=2), gpt_graph, world_size=2)
+    with pytest.raises(ConfigError, match="global_batch=16 but the plan says global_batch=8"):
+        resolve_plan(rc.make_gpt(0), plan, gpt_graph, world_size=2, global_batch=16)
 
 
 def test_parallelize_needs_a_process_group():
@@ -140,26 +153,23 @@ def test_load_of_an_incomplete_checkpoint_is_refused_before_any_collective(tmp_p
         load_checkpoint(None, tmp_path / "ckpt")
 
 
-# ---------------------------------------------------------------------- plans
-def test_a_searched_plan_becomes_a_layout(gpt_graph):
+# ---------------------------------------------------------------------- searched plans
+def test_a_searched_plan_is_checked_as_it_is(gpt_graph):
     plan = autoplan.Plan.from_strategy(gpt_graph, autoplan.load_cluster("a100-sxm4-80gb"),
                                        _S(dp=2, tp=2, pp=2, micro_batch=2), devices=tuple(range(8)))
-    lay = layout_from_plan(plan)
-    assert (lay.dp, lay.tp, lay.pp) == (2, 2, 2)
-    assert lay.stages == tuple(s.layers for s in plan.stages)
-    assert lay.mesh_ranks() == tuple(range(8))
-    resolve_layout(rc.make_gpt(0), plan, gpt_graph, world_size=8)
+    assert resolve_plan(rc.make_gpt(0), plan, gpt_graph, world_size=8) is plan
+    with pytest.raises(StrategyError, match="but the world has 4 processes"):
+        resolve_plan(rc.make_gpt(0), plan, gpt_graph, world_size=4)
 
 
 def test_a_zero_bubble_plan_runs_its_stages_in_a_v(gpt_graph):
     # the plan lists virtual stages in model order; torch's ZBV places stage k on
-    # pipeline rank k for k < pp and on 2 pp - 1 - k after that
+    # pipeline rank k for k < pp and on 2 pp - 1 - k after that, and so does the plan
     plan = autoplan.Plan.from_strategy(gpt_graph, autoplan.load_cluster("a100-sxm4-80gb"),
                                        _S(pp=2, micro_batch=1, schedule="zero_bubble"),
                                        devices=(0, 1))
-    lay = resolve_layout(rc.make_gpt(0), plan, gpt_graph, world_size=2)
-    assert lay.stages == tuple(s.layers for s in plan.stages)
-    assert lay.stage_ranks() == (0, 1, 1, 0)
+    assert plan.stage_ranks == (0, 1, 1, 0)
+    assert [st.devices for st in plan.stages] == [(0,), (1,), (1,), (0,)]
 
 
 # ---------------------------------------------------------------------- pipeline stages

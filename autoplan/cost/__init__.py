@@ -10,7 +10,7 @@
 """
 
 from .constants import CostConstants, CostOptions, load_constants
-from .engine import CostEngine, Layout, QuickEstimate, Segment, layout_from_plan, layout_from_strategy
+from .engine import CostEngine, Layout, QuickEstimate, Segment, layout_from_plan
 from .api import clear_engines, engine_for, estimate, estimate_plan
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import bubble_fraction, in_flight, pipeline_time
@@ -34,7 +34,6 @@ __all__ = [
     "summarize",
     "Layout",
     "Segment",
-    "layout_from_strategy",
     "layout_from_plan",
     "pipeline_time",
     "bubble_fraction",

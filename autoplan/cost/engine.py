@@ -78,7 +78,7 @@ from typing import NamedTuple, Sequence
 
 from ..errors import ConfigError, StrategyError
 from ..graph import LayerKind
-from ..strategy import Precision, Recompute, Schedule, Strategy
+from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks
 from .calibration import DEFAULT_CALIBRATION, Calibration, apply_calibration, resolve_calibration
 from .constants import CostConstants, CostOptions, load_constants
 from .memory import activation_bytes, model_state_bytes
@@ -87,7 +87,6 @@ from .schedules import in_flight, pipeline_time
 from .summary import GraphSummary, LayerCost, summarize
 
 __all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "ELEMENTWISE_BACKWARD_FACTOR",
-           "layout_from_strategy",
            "layout_from_plan", "Layout", "Segment"]
 
 #: Backward bytes of a memory-bound operator per forward byte: it reads the output
@@ -117,12 +116,16 @@ class Segment:
 
 @dataclass(frozen=True)
 class Layout:
-    """What the engine prices: a Strategy or a Plan reduced to segments and devices.
+    """What the engine prices: a :class:`~autoplan.plan.Plan` compiled to segments and devices.
 
     ``chunks[k]`` are the segments of virtual stage ``k`` (on pipeline rank
-    ``k % pp``); ``rank_devices[p]`` the devices of rank ``p`` in rank order
+    ``stage_ranks[k]``: looped, or a V for zero-bubble);
+    ``rank_devices[p]`` the devices of rank ``p`` in rank order
     (dp, cp, tp innermost); ``rank_tp[p]`` its tensor-parallel degree;
     ``replica_micro_batches[r]`` the micro-batches replica ``r`` runs per step.
+    Plans compile to it with :func:`layout_from_plan` (a Strategy through
+    :meth:`Plan.from_strategy`); the search builds it directly for speed and
+    turns the winners into plans that compile back to the same layout.
     """
 
     pp: int
@@ -137,61 +140,12 @@ class Layout:
     chunks: tuple[tuple[Segment, ...], ...]
     rank_devices: tuple[tuple[int, ...], ...]
     rank_tp: tuple[int, ...]
+    stage_ranks: tuple[int, ...] = ()
 
-
-def layout_from_strategy(summary: GraphSummary, strategy: Strategy, num_devices: int,
-                         devices: Sequence[int] | None = None) -> Layout:
-    """The layout of :meth:`Plan.from_strategy` computed directly (no records built).
-
-    Raises
-    ------
-    StrategyError
-        When the degrees do not match ``num_devices`` or the model.
-    """
-    strategy.check_world(num_devices if devices is None else len(devices))
-    devs = tuple(range(num_devices)) if devices is None else tuple(devices)
-    pp, v, dp, cp, tp = (strategy.pp, strategy.chunks_per_rank, strategy.dp, strategy.cp,
-                         strategy.tp)
-    for l in summary.layers:
-        if l.is_block and l.max_tp and l.max_tp % tp:
-            raise StrategyError(f"tp={tp} does not divide layer {l.name!r}; valid degrees divide "
-                                f"{l.max_tp}")
-    bounds = _chunk_bounds(summary, pp * v)
-    chunks = []
-    for lo, hi in bounds:
-        segs = []
-        # recompute applies to blocks only: split the chunk where the kind changes
-        start = lo
-        for i in range(lo, hi + 1):
-            if i == hi or (i > start and summary.layers[i].is_block != summary.layers[start].is_block):
-                rc = strategy.recompute if summary.layers[start].is_block else Recompute.NONE
-                segs.append(Segment(start, i, tp, strategy.sequence_parallel, strategy.zero, rc))
-                start = i
-        chunks.append(tuple(segs))
-    per_rank = dp * cp * tp
-    rank_devices = tuple(devs[p * per_rank:(p + 1) * per_rank] for p in range(pp))
-    return Layout(pp, v, dp, cp, strategy.micro_batch, strategy.global_batch,
-                  (strategy.num_micro_batches,) * dp, strategy.schedule, strategy.precision,
-                  tuple(chunks), rank_devices, (tp,) * pp)
-
-
-def _chunk_bounds(summary: GraphSummary, k: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of each of ``k`` chunks, as :func:`autoplan.plan.split_layers` splits."""
-    blocks = summary.block_indices
-    n = len(blocks)
-    if n < k:
-        raise StrategyError(f"the model has {n} blocks, fewer than the {k} pipeline (virtual) "
-                            "stages; lower pp or virtual_stages")
-    starts = [0]
-    for c in range(1, k):
-        first_block = blocks[(c * n) // k]
-        # glue layers before a block belong to the block's chunk
-        i = first_block
-        while i > 0 and not summary.layers[i - 1].is_block and i - 1 > blocks[(c * n) // k - 1]:
-            i -= 1
-        starts.append(i)
-    ends = starts[1:] + [summary.num_layers]
-    return list(zip(starts, ends))
+    def __post_init__(self) -> None:
+        if not self.stage_ranks:
+            object.__setattr__(self, "stage_ranks",
+                               stage_ranks(self.schedule, self.pp, len(self.chunks)))
 
 
 def layout_from_plan(summary: GraphSummary, plan) -> Layout:
@@ -217,12 +171,12 @@ def layout_from_plan(summary: GraphSummary, plan) -> Layout:
                 segs.append(Segment(i, i + 1, *key))
         chunks.append(tuple(segs))
     pp = plan.pp
-    rank_devices = tuple(plan.stages[p].devices for p in range(pp))
+    rank_devices = tuple(plan.stages[p].devices for p in range(pp))   # stage p < pp is on rank p
     rank_tp = tuple(plan.stages[p].tp for p in range(pp))
     cp = plan.stages[0].cp
     return Layout(pp, plan.virtual_stages, plan.dp, cp, plan.micro_batch, plan.global_batch,
                   tuple(plan.micro_batches_of(r) for r in range(plan.dp)), plan.schedule,
-                  plan.precision, tuple(chunks), rank_devices, rank_tp)
+                  plan.precision, tuple(chunks), rank_devices, rank_tp, plan.stage_ranks)
 
 
 # --------------------------------------------------------------------------- results
@@ -326,7 +280,10 @@ class CostEngine:
         if isinstance(layout, Strategy):
             hit = self._strategy_layouts.get(layout)
             if hit is None:
-                hit = layout_from_strategy(self.summary, layout, self.cluster.num_devices)
+                from ..plan import Plan
+
+                hit = layout_from_plan(self.summary, Plan.from_strategy(self.summary, self.cluster,
+                                                                        layout))
                 if len(self._strategy_layouts) > 4096:
                     self._strategy_layouts.clear()
                 self._strategy_layouts[layout] = hit
@@ -671,9 +628,9 @@ class CostEngine:
         cut_out = 0.0
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
-        chunks = [lay.chunks[k] for k in range(p, pp * v, pp)]
-        for ci, chunk in enumerate(chunks):
-            k = p + ci * pp
+        mine = [k for k in range(pp * v) if lay.stage_ranks[k] == p]
+        chunks = [lay.chunks[k] for k in mine]
+        for chunk, k in zip(chunks, mine):
             for seg in chunk:
                 t = seg.tp
                 tp_group = rep[:t]
@@ -718,7 +675,7 @@ class CostEngine:
             cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
             cut_out = max(cut_out, cut)
             if k < pp * v - 1:
-                nxt = (k + 1) % pp
+                nxt = lay.stage_ranks[k + 1]
                 pair = (rep[0], self._replica_devices(lay, nxt, r)[0])
                 if pair[0] != pair[1]:
                     ev.p2p += 2 * self._collective("p2p", pair, cut)  # activation + its gradient

@@ -1,23 +1,23 @@
-"""The runtime: apply a layout to a model with torch.distributed and train it.
+"""The runtime: apply a plan to a model with torch.distributed and train it.
 
 Mechanism only: each parallelism is one small module (:mod:`.tp`, :mod:`.fsdp`,
-:mod:`.ac`, :mod:`.pipeline`); :func:`parallelize` applies a resolved
-:class:`Layout` through them.  Policy (which degrees, where to cut) comes from
-a :class:`~autoplan.Strategy`, a searched plan, or a hand-written ``Layout``.
+:mod:`.ac`, :mod:`.pipeline`); :func:`parallelize` applies a
+:class:`~autoplan.Plan`, the record the search makes and the cost model prices,
+through them.  Policy (which degrees, where to cut) comes from a
+:class:`~autoplan.Strategy` (laid out by :meth:`Plan.from_strategy`), a
+searched plan, or a plan built by hand (``blocks_per_stage`` for an uneven split).
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .layout import LayerLayout, Layout, check_layout, layout_from_strategy
-from .parallelize import ParallelModel, parallelize, resolve_layout
+from .layout import check_plan, plan_of
+from .parallelize import ParallelModel, parallelize, resolve_plan
 
 __all__ = [
     "parallelize",
     "ParallelModel",
-    "Layout",
-    "LayerLayout",
-    "layout_from_strategy",
-    "check_layout",
-    "resolve_layout",
+    "plan_of",
+    "check_plan",
+    "resolve_plan",
     "save_checkpoint",
     "load_checkpoint",
 ]

@@ -46,7 +46,7 @@ def save_checkpoint(pm: "ParallelModel", path: str | os.PathLike[str]) -> str:
     # dcp.save returns after rank 0 has written the metadata of every rank's files
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, METADATA_FILE), "w") as f:
-            json.dump({"layout": pm.layout.to_dict(), "world_size": dist.get_world_size(),
+            json.dump({"layout": pm.plan.to_dict(), "world_size": dist.get_world_size(),
                        "steps": pm.steps}, f, indent=1)
         old = None
         if os.path.exists(path):

@@ -20,10 +20,10 @@ between steps), so the memory of this ZeRO-1 between steps is that of ZeRO-3;
 during the step it is ZeRO-1's.
 
 Pure data parallelism uses DDP without pipelining and torch's FSDP-based
-``replicate`` with it (or with tensor parallelism).  With pipelining, layers
-never reshard after forward under a zero-bubble schedule (ZBV): DDP or
+``replicate`` with it (or with tensor parallelism).  DDP or
 ``reshard_after_forward=True`` with a zero-bubble schedule gives silently wrong
-gradients in torch 2.13 (see ../shared/notes/torch-distributed-on-cpu.md).
+gradients in torch 2.13, so plans never combine ZeRO-3 with zero-bubble
+schedules (:data:`autoplan.strategy.ZBV_ZERO3`) and pipelines use ``replicate``.
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ __all__ = ["apply_fsdp", "apply_replicate", "apply_ddp", "set_micro_batch_sync"]
 
 
 def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh: DeviceMesh, *,
-               root_zero: int, no_reshard: bool = False) -> None:
+               root_zero: int) -> None:
     """``fully_shard`` every layer module (with its ZeRO stage), then the root, which
     takes the parameters no layer owns (embeddings, final norm, head)."""
     for module, zero in layers:
         if not any(True for _ in module.parameters()):
             continue   # nothing to shard (an activation layer of an nn.Sequential)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3 and not no_reshard)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
         module._autoplan_zero = zero  # type: ignore[attr-defined]
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3 and not no_reshard)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3)
     root._autoplan_zero = root_zero  # type: ignore[attr-defined]
 
 

@@ -1,11 +1,14 @@
-"""The device mesh of a layout.
+"""The device mesh of a plan.
 
-Ranks are laid out with the last of ``Layout.mesh_dims`` varying fastest
-(default ``("pp", "dp", "tp")``): consecutive ranks, which launchers place on
-the same node, form the tensor-parallel groups, whose collectives sit on the
-critical path of every layer; data-parallel groups come next, and pipeline
-stages, which exchange only activations, span nodes.  This is the order of
-Megatron-LM (Narayanan et al. 2021, Sec. 3.3) and torchtitan.
+The mesh is the plan's own (:attr:`Plan.mesh`): dimensions ``pp``, ``dp``,
+``cp``, ``tp``, outermost first, so the last varies fastest over consecutive
+ranks, which launchers place on the same node: tensor-parallel groups, whose
+collectives sit on the critical path of every layer, stay inside a node; data-
+and context-parallel groups come next, and pipeline stages, which exchange
+only activations, span nodes.  This is the order of Megatron-LM (Narayanan et
+al. 2021, Sec. 3.3) and torchtitan.  ``plan.mesh.devices[i]`` is the process
+rank at mesh position ``i`` (a plan maps its ranks onto devices; the runtime
+runs process ``r`` on device ``r``).
 """
 
 from __future__ import annotations
@@ -14,35 +17,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .layout import Layout
+from ..plan import Plan
 
 __all__ = ["build_mesh", "mesh_coordinates", "rank_at"]
 
 
-def build_mesh(layout: Layout, device_type: str = "cpu") -> DeviceMesh:
-    """A 3-D mesh named ``pp``, ``dp``, ``tp`` (in ``layout.mesh_dims`` order)."""
-    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
-    dims = tuple(layout.mesh_dims)
-    ranks = torch.tensor(layout.mesh_ranks(), dtype=torch.int64).view(*(sizes[d] for d in dims))
-    return DeviceMesh(device_type, ranks, mesh_dim_names=dims)
+def build_mesh(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
+    """The plan's mesh as a torch :class:`DeviceMesh` named by ``plan.mesh.dims``."""
+    ranks = torch.tensor(plan.mesh.devices, dtype=torch.int64).view(*plan.mesh.degrees)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(plan.mesh.dims))
 
 
-def mesh_coordinates(layout: Layout, rank: int | None = None) -> dict[str, int]:
+def mesh_coordinates(plan: Plan, rank: int | None = None) -> dict[str, int]:
     """This rank's coordinate along each mesh dimension (no collective)."""
     rank = dist.get_rank() if rank is None else rank
-    rank = layout.mesh_ranks().index(rank)   # this process's mesh position
-    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+    pos = plan.mesh.devices.index(rank)   # this process's mesh position
     coords: dict[str, int] = {}
-    for d in reversed(layout.mesh_dims):
-        coords[d] = rank % sizes[d]
-        rank //= sizes[d]
+    for d, n in zip(reversed(plan.mesh.dims), reversed(plan.mesh.degrees)):
+        coords[d] = pos % n
+        pos //= n
     return coords
 
 
-def rank_at(layout: Layout, **coords: int) -> int:
-    """The process rank at mesh coordinates ``coords`` (``pp=``, ``dp=``, ``tp=``)."""
-    sizes = {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp}
+def rank_at(plan: Plan, **coords: int) -> int:
+    """The process rank at mesh coordinates ``coords`` (``pp=``, ``dp=``, ``cp=``, ``tp=``;
+    a dimension left out is 0)."""
     pos = 0
-    for d in layout.mesh_dims:
-        pos = pos * sizes[d] + coords[d]
-    return layout.mesh_ranks()[pos]
+    for d, n in zip(plan.mesh.dims, plan.mesh.degrees):
+        pos = pos * n + coords.get(d, 0)
+    return plan.mesh.devices[pos]

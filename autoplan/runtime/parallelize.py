@@ -12,6 +12,7 @@ collective, so every rank raises the same error and none is left waiting.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture import token_cross_entropy
-from ..errors import ConfigError, PlanMismatchError
+from ..errors import ConfigError, PlanMismatchError, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
@@ -37,12 +38,12 @@ from .ac import apply_ac
 from .agree import on_rank0
 from .adapters import adapter_for, is_hf, model_output
 from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
-from .layout import Layout, check_layout, layout_from_plan, layout_from_strategy
+from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, mesh_coordinates, rank_at
 from .pipeline import TiedGrads, build_schedule, build_stage_module, cross_stage_ties, make_stage
 from .tp import apply_tp
 
-__all__ = ["parallelize", "ParallelModel", "resolve_layout"]
+__all__ = ["parallelize", "ParallelModel", "resolve_plan"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -80,44 +81,29 @@ def _check_graph(model: nn.Module, graph: ModelGraph, seq_len: int | None) -> No
 
 
 # ---------------------------------------------------------------------- targets
-def resolve_layout(model: nn.Module, target: Any, graph: ModelGraph, *, world_size: int,
-                   global_batch: int | None = None) -> Layout:
-    """The :class:`Layout` of ``target`` for this model and world, validated (no collective)."""
-    names = [l.name for l in graph.layers]
-    blocks = [l.name for l in graph.layers if l.kind is LayerKind.BLOCK]
+def resolve_plan(model: nn.Module, target: Any, graph: ModelGraph, *, world_size: int,
+                 global_batch: int | None = None) -> Plan:
+    """The :class:`~autoplan.Plan` of ``target`` for this model and world, validated
+    (no collective but a Cluster's plan broadcast)."""
     if isinstance(target, Strategy):
         if global_batch is not None and global_batch != target.global_batch:
             raise ConfigError(f"global_batch={global_batch} but the strategy says "
                               f"global_batch={target.global_batch}; they must agree")
-        target.check_world(world_size)
-        layout = layout_from_strategy(target, names, blocks)
-    elif isinstance(target, Layout):
-        if global_batch is not None and global_batch != target.global_batch:
-            raise ConfigError(f"global_batch={global_batch} but the layout says "
-                              f"global_batch={target.global_batch}; they must agree")
-        layout = target
-    else:
-        layout = _layout_from_other(model, target, graph, world_size, global_batch)
-    divisors = {l.name: l.tp.divisors for l in graph.layers if l.tp.divisors}
-    check_layout(layout, world_size, names, divisors)
-    return layout
-
-
-def _layout_from_other(model, target, graph, world_size, global_batch) -> Layout:
-    if isinstance(target, Plan):
-        if global_batch is not None and global_batch != target.global_batch:
-            raise ConfigError(f"global_batch={global_batch} but the plan says "
-                              f"global_batch={target.global_batch}; they must agree")
-        if target.seq_len is not None and graph.seq_len is not None and target.seq_len != graph.seq_len:
-            raise PlanMismatchError(f"the plan was made for seq_len={target.seq_len}, the program "
-                                    f"is built for seq_len={graph.seq_len}")
-        return layout_from_plan(target)
-    if isinstance(target, Cluster):
+        plan = plan_of(target, graph, world_size=world_size)
+    elif isinstance(target, Plan):
+        plan = target
+    elif isinstance(target, Cluster):
         if global_batch is None:
             raise ConfigError("parallelize(model, cluster) needs global_batch to plan for")
-        return layout_from_plan(_plan_on_rank0(graph, target, global_batch))
-    raise ConfigError(f"target must be an autoplan.Strategy, Plan, Cluster or "
-                      f"autoplan.runtime.Layout, got {type(target).__name__}")
+        if target.num_devices != world_size:
+            raise ConfigError(f"the cluster {target.name!r} has {target.num_devices} devices, but "
+                              f"the world has {world_size} processes; they must agree")
+        plan = _plan_on_rank0(graph, target, global_batch)
+    else:
+        raise ConfigError(f"target must be an autoplan.Strategy, Plan or Cluster, got "
+                          f"{type(target).__name__}")
+    check_plan(plan, world_size, graph, global_batch)
+    return plan
 
 
 def _plan_on_rank0(graph: ModelGraph, cluster: Cluster, global_batch: int) -> Plan:
@@ -138,10 +124,11 @@ class ParallelModel:
 
     Attributes
     ----------
-    layout : Layout
-        The resolved layout (degrees, stages, per-layer options).
+    plan : Plan
+        The plan it runs (degrees, stages, per-layer options, replica batches):
+        the record the search made and the cost model priced.
     mesh : DeviceMesh
-        The ``pp x dp x tp`` device mesh.
+        The plan's ``pp x dp x cp x tp`` device mesh.
     parts : list of nn.Module
         The wrapped local modules: the whole model without pipelining, else
         this rank's pipeline stages (two for ZBV, ``virtual_stages`` for
@@ -150,10 +137,10 @@ class ParallelModel:
         One per part.
     schedule : torch pipeline schedule or None
     graph : ModelGraph
-        The capture the layout was checked against.
+        The capture the plan was checked against.
     """
 
-    layout: Layout
+    plan: Plan
     mesh: DeviceMesh
     parts: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
@@ -171,21 +158,34 @@ class ParallelModel:
     # ------------------------------------------------------------ coordinates
     @property
     def coords(self) -> dict[str, int]:
-        return mesh_coordinates(self.layout)
+        return mesh_coordinates(self.plan)
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.coords["dp"]
+
+    @property
+    def replica_weight(self) -> float:
+        """``dp x`` this replica's share of the global batch: its loss is scaled by this,
+        so that the data-parallel mean of the replicas' gradients is the gradient of the
+        mean loss over the global batch when replicas get uneven batches (1 when even)."""
+        plan = self.plan
+        return plan.dp * plan.replica_batch[self.replica] / plan.global_batch
 
     @property
     def holds_loss(self) -> bool:
         """Whether this rank computes losses (it holds the last pipeline stage)."""
-        return self.layout.pp == 1 or any(s.is_last for s in self.stages)
+        return self.plan.pp == 1 or any(s.is_last for s in self.stages)
 
     @property
     def holds_input(self) -> bool:
-        return self.layout.pp == 1 or any(s.is_first for s in self.stages)
+        return self.plan.pp == 1 or any(s.is_first for s in self.stages)
 
     # ------------------------------------------------------------ training
     def _local(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel rank's inputs and targets from the global batch."""
-        lay = self.layout
+        """This data-parallel replica's inputs and targets from the global batch."""
+        plan = self.plan
         if self.token_model:
             if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
                 raise ConfigError("a token model's batch is a (global_batch, seq_len) tensor of ids, "
@@ -198,19 +198,19 @@ class ParallelModel:
                                   "global_batch rows")
             inputs, targets = batch
         for t in (inputs, targets):
-            if t.shape[0] != lay.global_batch:
-                raise ConfigError(f"the batch has {t.shape[0]} rows; the layout's global batch "
-                                  f"is {lay.global_batch}")
+            if t.shape[0] != plan.global_batch:
+                raise ConfigError(f"the batch has {t.shape[0]} rows; the plan's global batch "
+                                  f"is {plan.global_batch}")
         if self.token_model and self.seq_len is not None and inputs.shape[1] != self.seq_len:
             raise ConfigError(f"the batch has sequences of {inputs.shape[1]} tokens; the program "
                               f"was built for seq_len={self.seq_len}")
-        n = lay.global_batch // lay.dp
-        d = self.coords["dp"]
-        return inputs[d * n:(d + 1) * n], targets[d * n:(d + 1) * n]
+        r = self.replica
+        lo, n = plan.replica_offset(r), plan.replica_batch[r]
+        return inputs[lo:lo + n], targets[lo:lo + n]
 
     def _autocast(self):
         """bf16 autocast for ``precision="bf16"`` (fp32 master weights and optimizer)."""
-        if self.layout.precision is Precision.FP32:
+        if self.plan.precision is Precision.FP32:
             return contextlib.nullcontext()
         device_type = next(self.parts[0].parameters()).device.type
         return torch.autocast(device_type, dtype=torch.bfloat16)
@@ -222,12 +222,13 @@ class ParallelModel:
     def step(self, batch: Any) -> float:
         """One training step on the global ``batch``; returns the mean loss over it on every rank."""
         inputs, targets = self._local(batch)
-        lay = self.layout
-        if lay.pp == 1:
+        plan = self.plan
+        weight = self.replica_weight
+        if plan.pp == 1:
             part = self.parts[0]
-            m = lay.num_micro_batches
+            m = plan.micro_batches_of(self.replica)
             total = torch.zeros((), dtype=torch.float64)
-            xs, ys = inputs.split(lay.micro_batch), targets.split(lay.micro_batch)
+            xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
             for i, (x, y) in enumerate(zip(xs, ys)):
                 last = i == m - 1
                 set_micro_batch_sync(part, last)
@@ -236,7 +237,7 @@ class ParallelModel:
                 with sync:
                     with self._autocast():
                         loss = self.loss_fn(self._forward(part, x), y)
-                    (loss / m).backward()
+                    (loss * (weight / m)).backward()
                 total += loss.detach().double()
             local = total / m
         else:
@@ -248,28 +249,30 @@ class ParallelModel:
             self.schedule.step(*args, **kwargs)
             if self.tied is not None:
                 self.tied()
-            local = (torch.stack([l.detach().double() for l in losses]).mean()
+            # the schedule's losses are weighted (see _attach_pipeline)
+            local = (torch.stack([l.detach().double() for l in losses]).mean() / weight
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.steps += 1
-        # mean over the data-parallel replicas, from the ranks that hold the loss
-        flag = 1.0 if self.holds_loss else 0.0
-        buf = torch.stack([local * flag, torch.tensor(flag, dtype=torch.float64)])
+        # mean over the global batch: each replica's mean weighted by its sequences, from
+        # the ranks that hold the loss (every tensor-parallel rank of a replica alike)
+        share = float(plan.replica_batch[self.replica]) if self.holds_loss else 0.0
+        buf = torch.stack([local * share, torch.tensor(share, dtype=torch.float64)])
         dist.all_reduce(buf)
         return float(buf[0] / buf[1])
 
     # ------------------------------------------------------------ state
     def _gather_to_rank0(self, sd: dict) -> dict | None:
         """Merge the per-stage dicts on global rank 0 (over the pipeline group of rank 0)."""
-        if self.layout.pp == 1:
+        if self.plan.pp == 1:
             return sd if dist.get_rank() == 0 else None
-        c, c0 = self.coords, mesh_coordinates(self.layout, 0)
-        if c["dp"] != c0["dp"] or c["tp"] != c0["tp"]:
+        c, c0 = self.coords, mesh_coordinates(self.plan, 0)
+        if any(c[d] != c0[d] for d in c if d != "pp"):
             return None   # not in rank 0's pipeline group
         group = self.mesh["pp"].get_group()
-        out: list | None = [None] * self.layout.pp if dist.get_rank() == 0 else None
+        out: list | None = [None] * self.plan.pp if dist.get_rank() == 0 else None
         dist.gather_object(sd, out, dst=0, group=group)
         if out is None:
             return None
@@ -375,12 +378,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         initialisation).  Without pipelining it is modified in place; with it,
         each rank builds its stages from it (sharing its tensors); do not use
         it afterwards.
-    target : Strategy, Layout, Plan or Cluster
-        A uniform :class:`~autoplan.Strategy` to apply, a per-layer
-        :class:`Layout`, a searched :class:`~autoplan.Plan`, or a
-        :class:`~autoplan.Cluster` to plan for (rank 0 searches the layouts the runtime runs,
-        ``SearchSpace.runnable()``, and
-        broadcasts the plan).
+    target : Strategy, Plan or Cluster
+        A uniform :class:`~autoplan.Strategy` to apply (laid out as
+        :meth:`Plan.from_strategy` lays it out for the cost model), a searched or
+        hand-made :class:`~autoplan.Plan`, or a :class:`~autoplan.Cluster` to plan
+        for (rank 0 searches and broadcasts the plan).
     global_batch : int, optional
         Sequences per step; must agree with the target's (required for a Cluster).
     seq_len : int, optional
@@ -431,40 +433,43 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     else:
         _check_graph(model, graph, seq_len)
     seq_len = seq_len or graph.seq_len
-    layout = resolve_layout(model, target, graph, world_size=dist.get_world_size(),
-                            global_batch=global_batch)
+    plan = resolve_plan(model, target, graph, world_size=dist.get_world_size(),
+                        global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
-    _check_program(model, graph, layout, seq_len, token_model, loss_fn)
+    _check_program(model, graph, plan, seq_len, token_model, loss_fn)
     loss_fn = loss_fn or _next_token_loss
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     # ---- no collective before this point (but for a Cluster's plan broadcast)
     device = next(model.parameters()).device
-    mesh = build_mesh(layout, device.type)
-    if layout.pp == 1:
+    mesh = build_mesh(plan, device.type)
+    if plan.pp == 1:
         stage_ids: tuple[int, ...] = (0,)
         parts, ties = [model], []
     else:
-        stage_ids = layout.local_stages(mesh_coordinates(layout)["pp"])
-        parts, ties = _build_stages(model, graph, layout, stage_ids, seq_len)
+        stage_ids = plan.local_stages(mesh_coordinates(plan)["pp"])
+        parts, ties = _build_stages(model, graph, plan, stage_ids, seq_len)
     for i, s in enumerate(stage_ids):
-        parts[i] = _apply_parallelisms(parts[i], layout.stages[s], model, graph, layout, mesh,
-                                       seq_len)
-    pm = ParallelModel(layout=layout, mesh=mesh, parts=parts,
+        parts[i] = _apply_parallelisms(parts[i], plan.stages[s].layers, model, graph, plan,
+                                       mesh, seq_len)
+    pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
                        hf=is_hf(model))
-    if layout.pp > 1:
+    if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm
 
 
-def _check_program(model: nn.Module, graph: ModelGraph, layout: Layout, seq_len: int | None,
+def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int | None,
                    token_model: bool, loss_fn: Callable | None) -> None:
-    """What the layout needs from this model beyond its layer names (no collective)."""
-    if layout.precision is Precision.FP16:
+    """What the plan needs from this model beyond its layer names (no collective)."""
+    if plan.precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
-    if layout.pp > 1:
+    if plan.cp > 1:
+        raise StrategyError(f"cp={plan.cp}: the runtime does not implement context parallelism "
+                            "yet; use cp=1")
+    if plan.pp > 1:
         adapter = adapter_for(model)
         if adapter is None:
             raise ConfigError(f"pipeline parallelism needs to know how to split a "
@@ -476,25 +481,26 @@ def _check_program(model: nn.Module, graph: ModelGraph, layout: Layout, seq_len:
                                     f"{adapter.family} adapter's {adapter.blocks!r}")
         if not seq_len:
             raise ConfigError("pipeline parallelism needs seq_len")
-    if not seq_len and any(l.recompute is Recompute.SELECTIVE for l in layout.layers):
+    if not seq_len and any(l.recompute is Recompute.SELECTIVE for l in plan.layers):
         raise ConfigError("selective recompute needs seq_len (it finds the attention core "
                           "by its two sequence dimensions)")
     if loss_fn is None and not token_model:
         raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
 
 
-def _build_stages(model: nn.Module, graph: ModelGraph, layout: Layout,
+def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
                   stage_ids: Sequence[int], seq_len: int) -> tuple[list[nn.Module], list]:
     """This rank's pipeline stage modules, and the tied parameters the split separates
     (an embedding tied to the head: each stage gets its own copy)."""
     adapter = adapter_for(model)
     kinds = {l.name: l.kind for l in graph.layers}
-    ties = cross_stage_ties(model, adapter, layout.stages, kinds)
+    stages = [st.layers for st in plan.stages]
+    ties = cross_stage_ties(model, adapter, stages, kinds)
     copied = [name for tie in ties for name in tie.names]
-    autocast = None if layout.precision is Precision.FP32 else torch.bfloat16
-    n = layout.num_stages
+    autocast = None if plan.precision is Precision.FP32 else torch.bfloat16
+    n = len(stages)
     parts = [build_stage_module(model, adapter,
-                                [x for x in layout.stages[s] if kinds[x] is LayerKind.BLOCK],
+                                [x for x in stages[s] if kinds[x] is LayerKind.BLOCK],
                                 is_first=s == 0, is_last=s == n - 1, seq_len=seq_len,
                                 autocast_dtype=autocast, copy_params=copied)
              for s in stage_ids]
@@ -502,54 +508,66 @@ def _build_stages(model: nn.Module, graph: ModelGraph, layout: Layout,
 
 
 def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
-                        graph: ModelGraph, layout: Layout, mesh: DeviceMesh,
+                        graph: ModelGraph, plan: Plan, mesh: DeviceMesh,
                         seq_len: int | None) -> nn.Module:
     """Tensor/sequence parallelism, then activation checkpointing, then data parallelism
     on one part (the model or a stage) holding the layers ``names``."""
     kinds = {l.name: l.kind for l in graph.layers}
     blocks = [x for x in names if kinds[x] is LayerKind.BLOCK]
-    if layout.tp > 1:
+    placement = {x: plan.placement(x) for x in names}
+    tp, dp, sp = uniform_degrees(plan)
+    if tp > 1:
         adapter = adapter_for(model)
         first_block = next((l.name for l in graph.layers if l.kind is LayerKind.BLOCK), None)
         apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
-                 sequence_parallel=layout.sequence_parallel, first_block=first_block,
+                 sequence_parallel=sp, first_block=first_block,
                  region_kwargs=adapter.region_kwargs if adapter is not None else {})
     for x in blocks:
-        rc = layout.layer(x).recompute
+        rc = placement[x].recompute
         if rc is not Recompute.NONE:
             _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
-    if layout.dp == 1:
+    if dp == 1:
         return part
-    zeros = [layout.layer(x).zero for x in names]
+    zeros = [placement[x].zero for x in names]
     if max(zeros) == 0:
-        if layout.pp == 1 and layout.tp == 1:
+        if plan.pp == 1 and tp == 1:
             return apply_ddp(part, mesh["dp"])
         # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
         return apply_replicate(part, mesh["dp"])
-    others = [layout.layer(x).zero for x in names if kinds[x] is not LayerKind.BLOCK]
-    apply_fsdp(part, [(part.get_submodule(x), layout.layer(x).zero) for x in blocks], mesh["dp"],
-               root_zero=max(others or zeros),
-               # resharding after forward gives wrong gradients under zero-bubble schedules
-               no_reshard=layout.pp > 1 and layout.schedule is Schedule.ZERO_BUBBLE)
+    others = [placement[x].zero for x in names if kinds[x] is not LayerKind.BLOCK]
+    # (plans never combine ZeRO-3 with zero-bubble schedules: strategy.ZBV_ZERO3)
+    apply_fsdp(part, [(part.get_submodule(x), placement[x].zero) for x in blocks], mesh["dp"],
+               root_zero=max(others or zeros))
     return part
 
 
 def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
                      device: torch.device) -> None:
     """torch pipeline stages and schedule over this rank's parts, and the gradient sum of
-    tied parameters split over stages."""
-    layout, mesh = pm.layout, pm.mesh
+    tied parameters split over stages.  The schedule's loss is weighted by the replica's
+    share of the global batch (:attr:`ParallelModel.replica_weight`)."""
+    plan, mesh = pm.plan, pm.mesh
     group = mesh["pp"].get_group()
-    pm.stages = [make_stage(p, s, layout.num_stages, device, group)
-                 for p, s in zip(pm.parts, stage_ids)]
-    pm.schedule = build_schedule(layout.schedule, pm.stages, layout.num_micro_batches, pm.loss_fn)
+    n = len(plan.stages)
+    pm.stages = [make_stage(p, s, n, device, group) for p, s in zip(pm.parts, stage_ids)]
+    weight = pm.replica_weight
+    loss_fn = pm.loss_fn if weight == 1.0 else (lambda out, y: pm.loss_fn(out, y) * weight)
+    pm.schedule = build_schedule(plan.schedule, pm.stages, plan.micro_batches_of(pm.replica),
+                                 loss_fn)
     if ties:
-        coords = mesh_coordinates(layout)
+        coords = mesh_coordinates(plan)
+        others = [d for d in plan.mesh.dims if d != "pp"]
+        sizes = dict(zip(plan.mesh.dims, plan.mesh.degrees))
+
+        def peers(pps, at):
+            return tuple(sorted(rank_at(plan, pp=r, **at) for r in pps))
+
         pm.tied = TiedGrads(
-            ties, dict(zip(stage_ids, pm.parts)), layout.stage_ranks(),
-            rank_of=lambda r: rank_at(layout, pp=r, dp=coords["dp"], tp=coords["tp"]),
-            all_pairs=lambda pps: [tuple(sorted(rank_at(layout, pp=r, dp=d, tp=t) for r in pps))
-                                   for d in range(layout.dp) for t in range(layout.tp)])
+            ties, dict(zip(stage_ids, pm.parts)), plan.stage_ranks,
+            rank_of=lambda r: rank_at(plan, pp=r, **{d: coords[d] for d in others}),
+            all_pairs=lambda pps: [peers(pps, dict(zip(others, idx)))
+                                   for idx in itertools.product(*(range(sizes[d])
+                                                                  for d in others))])
         pm.aliases = {n: tie.canonical for tie in ties for n in tie.names[1:]}
 
 

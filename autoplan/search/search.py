@@ -44,8 +44,9 @@ from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight
 from ..cost.engine import _DTYPE
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
-from ..plan import MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan
-from ..strategy import Precision, Recompute, Schedule
+from ..plan import (MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan,
+                    chunk_bounds, even_block_counts)
+from ..strategy import Precision, Recompute, Schedule, schedule_problem
 from .stage_solver import StageProblem, solve_stage_problem
 
 __all__ = ["plan", "search", "SearchResult", "SearchSpace"]
@@ -183,23 +184,11 @@ class _Builder:
         self._speed: dict[tuple[int, ...], float] = {}
 
     def even_bounds(self, k: int) -> list[tuple[int, int]]:
-        from ..cost.engine import _chunk_bounds
-        return _chunk_bounds(self.summary, k)
+        return self.bounds_from_counts(even_block_counts(len(self.blocks), k))
 
     def bounds_from_counts(self, counts: Sequence[int]) -> list[tuple[int, int]]:
-        """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (glue follows its block)."""
-        if any(c < 1 for c in counts) or sum(counts) != len(self.blocks):
-            raise StrategyError(f"block counts {list(counts)} must be positive and sum to "
-                                f"{len(self.blocks)}")
-        starts, b = [0], 0
-        for c in counts[:-1]:
-            b += c
-            first = self.blocks[b]
-            i = first
-            while i > 0 and not self.summary.layers[i - 1].is_block and i - 1 > self.blocks[b - 1]:
-                i -= 1
-            starts.append(i)
-        return list(zip(starts, starts[1:] + [self.summary.num_layers]))
+        """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (:func:`chunk_bounds`)."""
+        return chunk_bounds([l.is_block for l in self.summary.layers], counts)
 
     def proportional_bounds(self, c: _Combo) -> list[tuple[int, int]]:
         """Blocks per rank in proportion to the rank's speed (even on identical ranks)."""
@@ -303,7 +292,7 @@ class _Builder:
         pp, v = lay.pp, lay.virtual_stages
         stages, placements = [], []
         for k, chunk in enumerate(lay.chunks):
-            rank = k % pp
+            rank = lay.stage_ranks[k]
             devs = lay.rank_devices[rank]
             names = []
             for seg in chunk:
@@ -526,12 +515,14 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         if mbs is None:
             unsplit.add(c.dp)
             continue
-        if c.schedule is Schedule.ONE_F_ONE_B and c.pp > 1 and min(mbs) < c.pp:
-            continue
+        if any(schedule_problem(c.schedule, c.pp, c.v, m) for m in set(mbs)):
+            continue   # a replica's micro-batches do not fit the schedule (uneven splits)
         found_rung = False
         for rung_i, rung in enumerate(_ladder(space, c.schedule)):
             rung_cands = []
             for zero, rc in rung:
+                if zero >= 2 and len(set(mbs)) > 1:
+                    continue   # per-micro-batch dp collectives cannot match (plan.UNEVEN_ZERO)
                 try:
                     lay = builder.layout(c, zero, rc, mbs, global_batch)
                     q = engine.quick(lay)
