@@ -17,8 +17,44 @@ import torch.distributed as dist
 
 import runtime_cases as rc
 
-#: What a job may name as its model: runtime_cases' models plus the GPT with SDPA attention.
-MODELS = {**rc.MODELS, "gpt-sdpa": lambda seed=0: rc.make_gpt(seed, attention="sdpa")}
+def _llama_sdpa(seed: int = 0):
+    model = rc.make_llama(seed)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+#: What a job may name as its model: runtime_cases' models plus SDPA-attention variants.
+MODELS = {**rc.MODELS, "gpt-sdpa": lambda seed=0: rc.make_gpt(seed, attention="sdpa"),
+          "llama-sdpa": _llama_sdpa}
+
+
+def cp_errors(rank: int, world: int) -> dict[str, str]:
+    """What apply_cp and a CP model refuse, with their messages (every rank alike, no
+    collective is issued before the error)."""
+    from autoplan.errors import AutoplanError
+    from autoplan.runtime.cp import apply_cp
+
+    group = dist.group.WORLD
+    out = {}
+
+    def expect(what: str, fn) -> None:
+        try:
+            fn()
+        except AutoplanError as e:
+            out[what] = f"{type(e).__name__}: {e}"
+        else:
+            raise AssertionError(f"{what}: no error")
+
+    expect("seq_len", lambda: apply_cp(rc.make_gpt(0), group, seq_len=4 * world + 2))
+    gpt = rc.make_gpt(0)
+    apply_cp(gpt, group, seq_len=rc.SEQ)
+    expect("twice", lambda: apply_cp(gpt, group, seq_len=rc.SEQ))
+    expect("whole sequences", lambda: gpt(rc.make_batch()))
+    flash = rc.make_llama(0)
+    flash.config._attn_implementation = "flash_attention_2"
+    expect("flash attention", lambda: apply_cp(flash, group, seq_len=rc.SEQ))
+    expect("family", lambda: apply_cp(torch.nn.Linear(2, 2), group, seq_len=rc.SEQ))
+    return out
 
 
 def _reference(model_name: str, steps: int) -> dict[str, Any]:
@@ -74,10 +110,14 @@ def _stages(model, cut: int) -> _TwoStages:
                            seq_len=rc.SEQ))
 
 
-def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3) -> dict[str, dict]:
-    """Run every ``(label, model, cp, wrap)`` job; ``wrap`` is ``"ddp"``, ``"fsdp"`` or
-    ``"stages-ddp"`` (the model as two pipeline stage modules, each under CP, in DDP).
-    ``dp = world / cp``.  Returns per label the worst loss and parameter errors."""
+def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3,
+              graphs: dict[str, str] | None = None, errors: bool = False) -> dict[str, dict]:
+    """Run every ``(label, model, cp, wrap)`` job; ``wrap`` is ``"ddp"``, ``"fsdp"``,
+    ``"stages-ddp"`` (the model as two pipeline stage modules, each under CP, in DDP),
+    ``dp = world / cp``; or ``"tp"`` / ``"tp-sp"``: tensor parallelism (with sequence
+    parallelism) of degree ``world / cp``, then CP, then FSDP2 over the cp group (dp = 1);
+    ``graphs``: captures (JSON) by model name for tensor parallelism (else traced here);
+    ``errors``: first run :func:`cp_errors` (its messages under the key ``"errors"``).  Returns per label the worst loss and parameter errors."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -85,8 +125,8 @@ def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3) -> dict[
     from autoplan.runtime.adapters import model_output
 
     refs: dict[str, dict] = {}
-    meshes: dict[int, tuple] = {}
-    out = {}
+    meshes: dict[Any, Any] = {}
+    out: dict[str, Any] = {"errors": cp_errors(rank, world)} if errors else {}
     for label, model_name, cp, wrap in jobs:
         t0 = time.perf_counter()
         if model_name not in refs:
@@ -103,6 +143,17 @@ def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3) -> dict[
             ctx = apply_cp(stages.first, mesh["cp"], seq_len=rc.SEQ)
             apply_cp(stages.last, mesh["cp"], seq_len=rc.SEQ)
             net = DDP(stages, process_group=flat.get_group())
+        elif wrap.startswith("tp"):
+            # tensor (and sequence) parallelism over "tp", then CP over "cp" (keys and
+            # values of the local heads), then FSDP2 over the cp group (dp = 1)
+            mesh2 = meshes.setdefault(("cp", "tp", cp), _cp_tp_mesh(cp))
+            _tensor_parallel(model, model_name, mesh2["tp"], sequence_parallel=wrap == "tp-sp",
+                             graph=(graphs or {}).get(model_name))
+            ctx = apply_cp(model, mesh2["cp"], seq_len=rc.SEQ)
+            for block in (model.model.layers if hf else model.blocks):
+                fully_shard(block, mesh=mesh2["cp"])
+            net = fully_shard(model, mesh=mesh2["cp"])
+            dp = 1
         else:
             ctx = apply_cp(model, mesh["cp"], seq_len=rc.SEQ)
             if wrap == "ddp":
@@ -116,7 +167,7 @@ def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3) -> dict[
         opt = rc.make_optimizer(net.parameters())
         loss_fn = ctx.loss()
         rows = rc.GLOBAL_BATCH // dp
-        d = mesh.get_local_rank("dp")
+        d = mesh.get_local_rank("dp") if dp > 1 else 0
         batch = ctx.shard(rc.make_batch()[d * rows:(d + 1) * rows])
         loss_err = param_err = 0.0
         for step in range(1, steps + 1):
@@ -149,6 +200,28 @@ def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3) -> dict[
         out[label] = {"loss_err": loss_err, "param_err": param_err,
                       "seconds": time.perf_counter() - t0}
     return out
+
+
+def _cp_tp_mesh(cp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (cp, dist.get_world_size() // cp), mesh_dim_names=("cp", "tp"))
+
+
+def _tensor_parallel(model, model_name: str, tp_mesh, *, sequence_parallel: bool,
+                     graph: str | None = None) -> None:
+    """The runtime's tensor parallelism (autoplan.runtime.tp) from the model's capture."""
+    from autoplan import trace
+    from autoplan.graph import LayerKind, ModelGraph
+    from autoplan.runtime.adapters import adapter_for
+    from autoplan.runtime.tp import apply_tp
+
+    graph = (ModelGraph.from_json(graph) if graph is not None
+             else trace(MODELS[model_name](0), seq_len=rc.SEQ))
+    first = next(l.name for l in graph.layers if l.kind is LayerKind.BLOCK)
+    apply_tp(model, [(l, l.name) for l in graph.layers], tp_mesh,
+             sequence_parallel=sequence_parallel, first_block=first,
+             region_kwargs=adapter_for(model).region_kwargs)
 
 
 def _full_state(module) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ under ``apply_cp`` with gradients averaged over the ``dp x cp`` group (DDP or
 FSDP2): loss after every step and every parameter after steps 1 and 3 within
 ``ATOL = 1e-5`` of the single-process reference (see cp_cases.py).  Also the
 two pipeline-stage modules of each model under CP (the adapters' embed and
-block runners), chained in one process.
+block runners), chained in one process, and tensor (+ sequence) parallelism
+inside each cp rank.
 """
 
 from __future__ import annotations
@@ -127,18 +128,26 @@ def _report(title: str, results: dict) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_cp2_parity():
     pytest.importorskip("transformers")
     jobs = [
         ("gpt eager cp2", "gpt", 2, "ddp"),
         ("gpt sdpa cp2", "gpt-sdpa", 2, "ddp"),
         ("llama gqa cp2", "llama", 2, "ddp"),
+        ("llama gqa sdpa cp2", "llama-sdpa", 2, "ddp"),
         ("gpt stages cp2", "gpt", 2, "stages-ddp"),
         ("llama stages cp2", "llama", 2, "stages-ddp"),
     ]
-    results = run(cp_cases.cp_parity, 2, jobs)
+    results = run(cp_cases.cp_parity, 2, jobs, 3, None, True)
+    errors = results[0].pop("errors")
     _report("cp=2 (DDP over the cp group)", results[0])
     assert set(results[0]) == {j[0] for j in jobs}
+    assert errors["seq_len"].startswith("StrategyError: seq_len=10 is not divisible by 2 * cp = 4")
+    assert "already runs context parallelism" in errors["twice"]
+    assert "takes this rank's 8 tokens per sequence" in errors["whole sequences"]
+    assert "flash_attention_2" in errors["flash attention"] and "'sdpa'" in errors["flash attention"]
+    assert errors["family"].startswith("ConfigError: context parallelism knows the package GPT")
 
 
 @pytest.mark.distributed
@@ -155,4 +164,23 @@ def test_cp4_and_cp2_dp2_parity():
     ]
     results = run(cp_cases.cp_parity, 4, jobs)
     _report("cp=4, and cp=2 x dp=2 (gradients over the 4-rank dp x cp group)", results[0])
+    assert set(results[0]) == {j[0] for j in jobs}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_cp2_tp2_parity():
+    # tensor (and sequence) parallelism inside each cp rank: K/V gathered per local head
+    pytest.importorskip("transformers")
+    jobs = [
+        ("gpt eager cp2 x tp2", "gpt", 2, "tp"),
+        ("gpt sdpa cp2 x tp2 + sp", "gpt-sdpa", 2, "tp-sp"),
+        ("llama gqa cp2 x tp2 + sp", "llama", 2, "tp-sp"),
+    ]
+    from autoplan import trace
+
+    graphs = {name: trace(cp_cases.MODELS[name](0), seq_len=rc.SEQ).to_json()
+              for name in ("gpt", "gpt-sdpa", "llama")}
+    results = run(cp_cases.cp_parity, 4, jobs, 3, graphs)
+    _report("cp=2 x tp=2 (FSDP2 over the cp group)", results[0])
     assert set(results[0]) == {j[0] for j in jobs}

@@ -308,13 +308,13 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
         ctx.group, ctx.world = group, world
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out = grad.new_empty((grad.shape[0] // ctx.world, *grad.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
         return out, None, None
 
 
