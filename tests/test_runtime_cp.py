@@ -103,7 +103,7 @@ def test_loss_split_gives_the_mean_loss_and_its_gradient(cp):
         loss = loss_fn(local, b.targets)
         (gl,) = torch.autograd.grad(loss, local)
         grad.index_add_(1, b.positions, gl / cp)
-        losses.append(loss)
+        losses.append(loss.detach())
     # fp32 (the loss upcasts to fp32, as token_cross_entropy does): rounding only
     torch.testing.assert_close(torch.stack(losses).mean(), ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grad, ref_grad, atol=1e-7, rtol=1e-6)
@@ -111,7 +111,7 @@ def test_loss_split_gives_the_mean_loss_and_its_gradient(cp):
         b = shard_batch(ids, cp, 0)
         local_mean = torch.nn.functional.cross_entropy(
             logits.detach().index_select(1, b.positions).reshape(-1, 11), b.targets.reshape(-1))
-        assert not math.isclose(float(losses[0]), float(local_mean), rel_tol=1e-3)
+        assert not math.isclose(losses[0].item(), local_mean.item(), rel_tol=1e-3)
 
 
 def test_loss_rejects_whole_sequences():
