@@ -22,10 +22,11 @@ import torch
 import cp_cases
 import runtime_cases as rc
 from autoplan.capture import token_cross_entropy
-from autoplan.errors import StrategyError
+from autoplan.errors import ConfigError, StrategyError
 from autoplan.runtime.cp import (
     IGNORE_INDEX,
     NextTokenLoss,
+    check_cp,
     cp_positions,
     next_token_targets,
     shard_batch,
@@ -66,6 +67,21 @@ def test_seq_len_must_divide_by_two_cp():
         cp_positions(8, 0, 0)
     with pytest.raises(StrategyError):
         NextTokenLoss(seq_len=10, cp=2)
+
+
+def test_check_cp_without_a_group():
+    # what parallelize can check on every rank before any collective
+    assert check_cp(rc.make_gpt(0, layers=1), seq_len=16, cp=4) == "gpt"
+    with pytest.raises(StrategyError, match=r"2 \* cp = 6: .* use cp in \[1, 2, 4, 8\]"):
+        check_cp(rc.make_gpt(0, layers=1), seq_len=16, cp=3)
+    with pytest.raises(ConfigError, match="knows the package GPT"):
+        check_cp(torch.nn.Linear(2, 2), seq_len=16, cp=2)
+    pytest.importorskip("transformers")
+    llama = rc.make_llama(0, layers=1)
+    assert check_cp(llama, seq_len=16, cp=2) == "llama"
+    llama.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="flash_attention_2"):
+        check_cp(llama, seq_len=16, cp=2)
 
 
 def test_shard_sequence_any_dim():

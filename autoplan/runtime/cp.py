@@ -63,6 +63,7 @@ __all__ = [
     "CPBatch",
     "NextTokenLoss",
     "apply_cp",
+    "check_cp",
     "cp_context",
     "cp_positions",
     "shard_sequence",
@@ -449,6 +450,51 @@ def _positions_hook(ctx: CPContext, id_arg: str):
     return hook
 
 
+def check_cp(module: nn.Module, *, seq_len: int, cp: int, family: str | None = None) -> str:
+    """Everything :func:`apply_cp` needs from ``module`` for degree ``cp``, checked without
+    a process group (so every rank raises the same error before any collective).
+
+    Returns the family (``"gpt"`` or ``"llama"``).
+
+    Raises
+    ------
+    StrategyError
+        ``seq_len`` is not a multiple of ``2 * cp`` (names the degrees that divide it).
+    ConfigError
+        An unknown family, an attention implementation CP cannot wrap, or a module
+        that already runs context parallelism.
+
+    Examples
+    --------
+    >>> from autoplan.models import GPT, GPTConfig
+    >>> check_cp(GPT(GPTConfig(vocab_size=8, seq_len=16, hidden=8, heads=2, layers=1)),
+    ...          seq_len=16, cp=4)
+    'gpt'
+    """
+    _check(seq_len, cp)
+    if cp_context(module) is not None:
+        raise ConfigError(f"{type(module).__name__} already runs context parallelism")
+    kind = _family(module, family)
+    if kind == "gpt":
+        from ..models.gpt import GPT, Attention
+
+        if not _is_stage(module) and not isinstance(module, GPT):
+            raise ConfigError(f"apply_cp(family='gpt') takes a GPT or a pipeline stage of "
+                              f"one, got {type(module).__name__}")
+        found = any(isinstance(m, Attention) for m in module.modules())
+    else:
+        attns = _hf_attention_modules(module)
+        impls = {m.config._attn_implementation for m in attns}
+        if not impls <= set(_HF_CORES):
+            raise ConfigError(f"context parallelism wraps the {list(_HF_CORES)} attention of "
+                              f"Hugging Face models; this one uses {sorted(map(str, impls))}: "
+                              "load it with attn_implementation='sdpa' or 'eager'")
+        found = bool(attns)
+    if not found:
+        raise ConfigError(f"apply_cp found no attention layer in {type(module).__name__}")
+    return kind
+
+
 def apply_cp(module: nn.Module, group: Any, *, seq_len: int, family: str | None = None) -> CPContext:
     """Switch ``module`` (a whole model or a pipeline stage) to context-parallel attention.
 
@@ -494,42 +540,30 @@ def apply_cp(module: nn.Module, group: Any, *, seq_len: int, family: str | None 
     >>> # model = DDP(model, process_group=mesh["dp", "cp"]._flatten().get_group())
     >>> # b = ctx.shard(ids); loss = ctx.loss()(model(b.ids), b.targets)
     """
-    if cp_context(module) is not None:
-        raise ConfigError(f"{type(module).__name__} already runs context parallelism")
     pg = _group_of(group)
+    kind = check_cp(module, seq_len=seq_len, cp=dist.get_world_size(pg), family=family)
     cp, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if rank < 0:
         raise ConfigError("apply_cp: this process is not a member of the context-parallel group")
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     ctx = CPContext(pg, cp, rank, seq_len, device)
-    kind = _family(module, family)
     stage = _is_stage(module)
     if kind == "gpt":
-        from ..models.gpt import GPT, Attention
+        from ..models.gpt import Attention
 
-        attns = [m for m in module.modules() if isinstance(m, Attention)]
-        for m in attns:
-            m.core = _gpt_core(ctx)
+        for m in module.modules():
+            if isinstance(m, Attention):
+                m.core = _gpt_core(ctx)
         if not stage:
-            if not isinstance(module, GPT):
-                raise ConfigError(f"apply_cp(family='gpt') takes a GPT or a pipeline stage of "
-                                  f"one, got {type(module).__name__}")
             module.register_forward_pre_hook(_positions_hook(ctx, "idx"), with_kwargs=True)
     else:
-        attns = _hf_attention_modules(module)
-        impls = {m.config._attn_implementation for m in attns}
-        if not impls <= set(_HF_CORES):
-            raise ConfigError(f"context parallelism wraps the {list(_HF_CORES)} attention of "
-                              f"Hugging Face models; this one uses {sorted(map(str, impls))}: "
-                              "load it with attn_implementation='sdpa' or 'eager'")
         _register_hf()
+        attns = _hf_attention_modules(module)
         for m in attns:
             m._autoplan_cp = (ctx, m.config._attn_implementation)
         for m in attns:
             m.config._attn_implementation = HF_ATTENTION
         if not stage:
             module.register_forward_pre_hook(_positions_hook(ctx, "input_ids"), with_kwargs=True)
-    if not attns:
-        raise ConfigError(f"apply_cp found no attention layer in {type(module).__name__}")
     module._autoplan_cp_context = ctx
     return ctx
