@@ -31,10 +31,14 @@ and backward times of all its chunks:
   Sec. 4.2.2): the collectives captured per layer, all-reduces or (sequence
   parallel) all-gathers and reduce-scatters, over the tensor-parallel group;
   exposed unless ``tp_comm_overlap``, then hidden behind the layer's compute.
-* **context parallelism**, ring attention (Liu et al. 2023, "Ring Attention
-  with Blockwise Transformers", Sec. 3): ``cp - 1`` exchanges of a key/value
-  block per layer in the forward and twice that (keys/values and their
-  gradients) in the backward, overlapped with the attention core.
+* **context parallelism**, all-gather attention as :mod:`autoplan.runtime.cp`
+  runs it (Dubey et al. 2024, "The Llama 3 Herd of Models", Sec. 3.3.2): each
+  block all-gathers the keys/values of the whole sequences over the replica's
+  context-parallel group in the forward (``kv_bytes_per_token * seq_len * b / tp``
+  gathered bytes) and reduce-scatters their gradients in the backward (again
+  under full recompute, whose forward gathers again).  The attention core
+  waits for the gather and the input gradient for the reduce-scatter, so both
+  are exposed, not overlapped.
 * **ZeRO-3 / FSDP** (Rajbhandari et al. 2020, Sec. 5.3; Zhao et al. 2023,
   Sec. 3.3): each micro-batch all-gathers every layer's parameters in the
   forward and again in the backward and reduce-scatters its gradients; with
@@ -524,7 +528,7 @@ class CostEngine:
 
     def _layer_terms(self, l: LayerCost, seg: Segment, b: int, cp: int, device, dtype: str,
                      act_scale: float, tp_group: tuple[int, ...], dp_group: tuple[int, ...],
-                     dp_conc: int | None, cp_pair: tuple[int, ...], zero_degree: int,
+                     dp_conc: int | None, cp_group: tuple[int, ...], zero_degree: int,
                      pb: int, gb: int) -> tuple[float, ...]:
         """Everything one layer adds to its rank, per micro-batch (see the module docstring).
 
@@ -558,23 +562,25 @@ class CostEngine:
             ef, eb = max(0.0, tf - f), max(0.0, tb - bw - rc)
         else:
             ef, eb = tf, tb
-        # context parallelism: ring exchange of key/value blocks
+        # context parallelism: all-gather of the block's keys/values (this rank's heads,
+        # whole sequences) in the forward, reduce-scatter of their gradients in the
+        # backward; the attention core depends on them, so they are exposed
         cf = cb = cp_exp = 0.0
         if cp > 1 and core > 0 and l.is_block:
-            kv = s.kv_bytes_per_token * act_scale * (s.seq_len / cp) * b  # type: ignore[operator]
-            step = self._collective("p2p", cp_pair, kv / t)
-            cf, cb = (cp - 1) * step, 2 * (cp - 1) * step
+            kv = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
+            cf = self._collective("all_gather", cp_group, kv)
+            cb = self._collective("reduce_scatter", cp_group, kv)
             if seg.recompute is Recompute.FULL:
-                cb += cf
-            cp_exp = max(0.0, cf - core) + max(0.0, cb - 2 * core)
+                cb += cf   # the recomputed forward gathers again
+            cp_exp = cf + cb
         # ZeRO: parameters of this layer on this device
         local = l.sharded_params / t + (l.params - l.sharded_params)
         if opts.zero3_gather_unit == "module":
             unit = l.largest_module_params / (t if l.largest_module_sharded else 1)
         else:
             unit = local
-        lf = f + ef + (max(0.0, cf - core) if cf else 0.0)
-        lb = bw + rc + eb + (max(0.0, cb - 2 * core) if cb else 0.0)
+        lf = f + ef + cf
+        lb = bw + rc + eb + cb
         fwd_exp = bwd_exp = z_tot = 0.0
         if seg.zero >= 2 and zero_degree > 1 and local > 0:
             rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc)
@@ -617,7 +623,7 @@ class CostEngine:
         zero_degree = len(dp_group)
         dp_conc = self._dp_concurrency(dp_group)
         dp_key = (dp_group[0], len(dp_group), hash(dp_group))
-        cp_pair = (rep[0], rep[tp_stage]) if cp > 1 else ()
+        cp_group = rep[0::tp_stage] if cp > 1 else ()         # same tp index
         ev = _RankEval(device_type=device.name, layers=0)
         ev.capacity = float(device.memory_bytes)
 
@@ -638,11 +644,11 @@ class CostEngine:
                     l = self._rep[template]
                     ev.layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
-                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_pair)
+                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group)
                     terms = self._terms.get(key)
                     if terms is None:
                         terms = self._layer_terms(l, seg, b, cp, device, dtype, act_scale,
-                                                  tp_group, dp_group, dp_conc, cp_pair,
+                                                  tp_group, dp_group, dp_conc, cp_group,
                                                   zero_degree, pb, gb)
                         self._terms[key] = terms
                     (f, bw, rc, wg, tp_tot, tp_exp, cp_tot, cp_exp, z_tot, z_exp, lf, lb,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,15 @@ class GPTConfig:
             raise ValueError(f"attention must be 'eager' or 'sdpa', got {self.attention!r}")
 
 
+#: An attention core that replaces the causal one: ``core(attention, q, k, v) -> y`` with
+#: ``q, k, v`` and ``y`` of shape ``(batch, heads, seq, head_dim)`` (context parallelism
+#: installs one that attends to keys and values gathered from other ranks).
+AttentionCore = Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
+    """Causal multi-head self-attention; ``core``, when set, replaces the causal core."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim = cfg.hidden // cfg.heads
@@ -60,6 +69,7 @@ class Attention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout_p = cfg.dropout
         self.fused = cfg.attention == "sdpa"
+        self.core: AttentionCore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -68,7 +78,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(b, s, -1, 3, self.head_dim)
         q, k, v = qkv.unbind(dim=3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))          # (b, heads, s, d)
-        if self.fused:
+        if self.core is not None:
+            y = self.core(self, q, k, v)
+        elif self.fused:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout_p if self.training else 0.0)
         else:
@@ -106,7 +118,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token ids ``(batch, seq)`` in, logits ``(batch, seq, vocab)`` out."""
+    """Token ids ``(batch, seq)`` in, logits ``(batch, seq, vocab)`` out.
+
+    ``position_ids`` (``(seq,)`` or ``(batch, seq)``), when given, are the positions of
+    the tokens in their sequence (default ``0 .. seq-1``): a context-parallel rank holds
+    tokens from several places of the sequence.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -130,9 +147,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         s = idx.shape[1]
-        pos = torch.arange(s, device=idx.device)
+        pos = torch.arange(s, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .cp import cp_context
+
 __all__ = ["Adapter", "adapter_for", "model_output", "is_hf"]
 
 
@@ -65,8 +67,17 @@ class Adapter:
 
 
 # ------------------------------------------------------------------ the package GPT
+def _positions(root: nn.Module, length: int, device: torch.device) -> torch.Tensor:
+    """Global positions of the tokens a stage runs: ``0 .. length-1``, or under context
+    parallelism those of this rank's tokens (:func:`autoplan.runtime.cp.apply_cp`)."""
+    ctx = cp_context(root)
+    if ctx is None:
+        return torch.arange(length, device=device)
+    return ctx.positions.to(device)
+
+
 def _gpt_embed(root: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(ids.shape[1], device=ids.device)
+    pos = _positions(root, ids.shape[1], ids.device)
     return root.drop(root.tok_emb(ids) + root.pos_emb(pos))
 
 
@@ -93,12 +104,17 @@ def _llama_embed(root: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _llama_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tensor:
     # The same mask and rotary tables LlamaModel.forward builds, for the full
     # sequence: under sequence parallelism ``x`` holds only this rank's slice.
+    # Under context parallelism the "full sequence" is this rank's tokens, at their
+    # global positions; the CP attention builds its own mask (create_causal_mask
+    # returns None for an implementation without a mask function).
     from transformers.masking_utils import create_causal_mask
 
     inner = root.model
     b = x.shape[0]
-    position_ids = torch.arange(seq_len, device=x.device).unsqueeze(0)
-    shape_only = x.new_empty((b, seq_len, 0))
+    ctx = cp_context(root)
+    length = seq_len if ctx is None else ctx.local_len
+    position_ids = _positions(root, length, x.device).unsqueeze(0)
+    shape_only = x.new_empty((b, length, 0))
     mask = create_causal_mask(config=inner.config, inputs_embeds=shape_only, attention_mask=None,
                               past_key_values=None, position_ids=position_ids)
     rope = inner.rotary_emb(shape_only, position_ids=position_ids)
