@@ -147,3 +147,23 @@ def test_model_without_tokens_parity():
         ("zero1 recompute full", S(dp=2, zero=1, micro_batch=2, recompute="full")),
     ]
     _report("SmallMLP, 2 ranks", run(rc.mlp_parity, 2, targets)[0])
+
+
+def test_context_parallel_parity(gpt_graph, llama_graph):
+    """``cp > 1`` through ``parallelize``: sequences split over ranks (load-balanced),
+    keys/values all-gathered, gradients averaged over dp x cp, with DP, ZeRO, TP, PP."""
+    targets = [
+        ("cp2 x dp2 (DDP)", S(dp=2, cp=2)),
+        ("cp4", S(cp=4)),
+        ("cp2 x zero3 dp2", S(dp=2, cp=2, zero=3, micro_batch=2)),
+        ("cp2 x tp2 sp", S(cp=2, tp=2, sequence_parallel=True)),
+        ("cp2 x pp2 1f1b", S(cp=2, pp=2, micro_batch=2)),
+        ("cp2 x pp2 zbv", S(cp=2, pp=2, micro_batch=1, schedule="zero_bubble")),
+        ("llama cp2 x dp2 zero2", S(dp=2, cp=2, zero=2, micro_batch=2), "llama"),
+        ("llama cp2 x tp2", S(cp=2, tp=2), "llama"),
+        ("llama cp2 x pp2 interleaved", S(cp=2, pp=2, micro_batch=2, schedule="interleaved",
+                                          virtual_stages=2), "llama"),
+    ]
+    graphs = {"gpt": gpt_graph["gpt"], "llama": llama_graph["llama"]}
+    _report("context parallel, 4 ranks",
+            run(functools.partial(rc.parity, graph=graphs), 4, "gpt", targets)[0])

@@ -29,13 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture import token_cross_entropy
-from ..errors import ConfigError, PlanMismatchError, StrategyError
+from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
 from ..strategy import Precision, Recompute, Schedule, Strategy
 from .ac import apply_ac
 from .agree import on_rank0
+from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
 from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import check_plan, plan_of, uniform_degrees
@@ -206,7 +207,12 @@ class ParallelModel:
                               f"was built for seq_len={self.seq_len}")
         r = self.replica
         lo, n = plan.replica_offset(r), plan.replica_batch[r]
-        return inputs[lo:lo + n], targets[lo:lo + n]
+        inputs, targets = inputs[lo:lo + n], targets[lo:lo + n]
+        if plan.cp > 1:
+            # this rank's load-balanced share of every sequence, targets shifted before the split
+            local = shard_batch(inputs, plan.cp, self.coords["cp"])
+            inputs, targets = local.ids, local.targets
+        return inputs, targets
 
     def _autocast(self):
         """bf16 autocast for ``precision="bf16"`` (fp32 master weights and optimizer)."""
@@ -437,7 +443,7 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
     _check_program(model, graph, plan, seq_len, token_model, loss_fn)
-    loss_fn = loss_fn or _next_token_loss
+    loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     # ---- no collective before this point (but for a Cluster's plan broadcast)
     device = next(model.parameters()).device
@@ -467,8 +473,12 @@ def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
     if plan.cp > 1:
-        raise StrategyError(f"cp={plan.cp}: the runtime does not implement context parallelism "
-                            "yet; use cp=1")
+        if not token_model or loss_fn is not None:
+            raise ConfigError(f"cp={plan.cp}: context parallelism trains token models with the "
+                              "built-in next-token loss (the loss of a sequence split over ranks "
+                              "needs its targets shifted before the split); use cp=1 with a "
+                              "custom loss_fn")
+        check_cp(model, seq_len=seq_len, cp=plan.cp)
     if plan.pp > 1:
         adapter = adapter_for(model)
         if adapter is None:
@@ -522,21 +532,26 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
         apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
                  sequence_parallel=sp, first_block=first_block,
                  region_kwargs=adapter.region_kwargs if adapter is not None else {})
+    if plan.cp > 1:
+        apply_cp(part, mesh["cp"], seq_len=seq_len)
     for x in blocks:
         rc = placement[x].recompute
         if rc is not Recompute.NONE:
             _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
-    if dp == 1:
+    if dp * plan.cp == 1:
         return part
+    # parameters are replicated over the context-parallel ranks too: their gradients
+    # are averaged, and ZeRO shards, over dp x cp (as the cost model prices it)
+    dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"]
     zeros = [placement[x].zero for x in names]
     if max(zeros) == 0:
         if plan.pp == 1 and tp == 1:
-            return apply_ddp(part, mesh["dp"])
+            return apply_ddp(part, dp_mesh)
         # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
-        return apply_replicate(part, mesh["dp"])
+        return apply_replicate(part, dp_mesh)
     others = [placement[x].zero for x in names if kinds[x] is not LayerKind.BLOCK]
     # (plans never combine ZeRO-3 with zero-bubble schedules: strategy.ZBV_ZERO3)
-    apply_fsdp(part, [(part.get_submodule(x), placement[x].zero) for x in blocks], mesh["dp"],
+    apply_fsdp(part, [(part.get_submodule(x), placement[x].zero) for x in blocks], dp_mesh,
                root_zero=max(others or zeros))
     return part
 
