@@ -10,19 +10,27 @@ such as ``linear`` or ``matmul`` arrive decomposed: ``t`` + ``mm``, ``expand``
 the capture runs each fx node of a block under an :class:`OpStream` and the
 runtime feeds the eager block's operators through another one.
 
-An :class:`OpStream` sorts each dispatched operator into one of four kinds:
+An :class:`OpStream` sorts each dispatched operator into one of five kinds:
 
 ``free``
-    views, aliases and uninitialised allocations (``empty_like``): no work and
-    no new data, always cheap to redo; also the metadata queries torch's
-    selective checkpointing never shows its policy.  Not counted.
+    views and aliases: no work and no new data, always cheap to redo; also the
+    metadata queries torch's selective checkpointing never shows its policy.
+    Not counted.
+``alloc``
+    uninitialised allocations (``empty_like``).  Not counted; the runtime saves
+    them, because code that fills one in place keeps using the allocation, not
+    the in-place operator's result (CPU dropout: ``noise = empty_like(x);
+    noise.bernoulli_(1 - p)``), so a recompute that re-allocated it would read
+    garbage where the saved random draw was.
 ``random``
     operators tagged ``nondeterministic_seeded`` (a fused attention kernel only
     when its ``dropout_p`` is not 0).  Not counted; a recompute must never
     replay them, so the runtime always saves them.
 ``follow``
     operators whose presence depends on the run rather than on the model:
-    dtype casts (bf16 autocast adds ``_to_copy`` around matmuls), the pieces of
+    dtype casts (bf16 autocast adds ``_to_copy`` around matmuls), layout copies
+    (``clone``: whether ``matmul`` or ``reshape`` must copy depends on the
+    strides it is given, which a cast or a tensor-parallel shard changes), the pieces of
     CPU's composite dropout that act on its random noise (``div_`` of the
     noise, ``input * noise``; CUDA runs one ``native_dropout`` instead), and
     operators on constants, none of whose inputs requires grad (a captured
@@ -48,10 +56,10 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpStream", "StorageSet", "op_name", "plain_tensors", "FREE", "RANDOM", "FOLLOW",
-           "COUNTED"]
+__all__ = ["OpStream", "StorageSet", "op_name", "plain_tensors", "FREE", "ALLOC", "RANDOM",
+           "FOLLOW", "COUNTED"]
 
-FREE, RANDOM, FOLLOW, COUNTED = "free", "random", "follow", "counted"
+FREE, ALLOC, RANDOM, FOLLOW, COUNTED = "free", "alloc", "random", "follow", "counted"
 
 aten = torch.ops.aten
 
@@ -64,9 +72,12 @@ _SDPA_KERNELS = {
     "_efficient_attention_forward",
 }
 #: Operators that make no new data although torch does not mark them as views.
-_FREE = {"_unsafe_view", "alias", "lift_fresh", "detach", "empty_like", "empty"}
-#: dtype (and device) casts: autocast adds them, so their number is not the model's.
-_CASTS = {"_to_copy", "to", "type_as"}
+_FREE = {"_unsafe_view", "alias", "lift_fresh", "detach"}
+#: Allocations whose contents are written later, in place.
+_ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+#: dtype (and device) casts and layout copies: autocast adds casts, and whether a
+#: copy is needed depends on strides, so their number is not the model's.
+_COPIES = {"_to_copy", "to", "type_as", "clone", "contiguous"}
 #: random operators whose output is data (the dropped-out input), not noise
 _RANDOM_DATA = {"native_dropout", "sdpa"}
 
@@ -162,14 +173,16 @@ class OpStream:
         self._noise = StorageSet()
 
     def kind(self, func: Any, args: tuple, kwargs: dict | None = None) -> str:
-        """``free``, ``random``, ``follow`` or ``counted`` (see the module docstring)."""
+        """``free``, ``alloc``, ``random``, ``follow`` or ``counted`` (see the module docstring)."""
         name = op_name(func)
         if func in SAC_IGNORED_OPS or getattr(func, "is_view", False) or name in _FREE:
             return FREE
+        if name in _ALLOC:
+            return ALLOC
         kwargs = kwargs or {}
         if _is_random(func, args, kwargs):
             return RANDOM
-        if name in _CASTS or self._noise.any_of(plain_tensors((args, kwargs))):
+        if name in _COPIES or self._noise.any_of(plain_tensors((args, kwargs))):
             return FOLLOW
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if not any(t.requires_grad for t in tensors):

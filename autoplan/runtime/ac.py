@@ -31,7 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..errors import ConfigError, PlanMismatchError
 from ..graph import AttentionCore, LayerRecord
-from ..opstream import FOLLOW, FREE, RANDOM, OpStream, StorageSet, op_name, plain_tensors
+from ..opstream import ALLOC, FOLLOW, FREE, RANDOM, OpStream, StorageSet, op_name, plain_tensors
 from ..strategy import Recompute
 
 __all__ = ["apply_ac", "CorePolicy"]
@@ -41,8 +41,8 @@ class CorePolicy:
     """The selective-checkpoint policy of one checkpointed call of a block.
 
     Recomputes the captured attention core's operators and what follows from
-    them (casts, dropout applied to them), saves every other operator, and
-    lets views be redone.  ``context_fn`` runs once per forward, so each call
+    them (casts, layout copies, dropout applied to them), saves every other
+    operator, and lets views be redone.  ``context_fn`` runs once per forward, so each call
     gets a fresh policy; operators are counted apart for the forward and for a
     recompute (``ctx.is_recompute``), both of which run the same sequence.
 
@@ -79,7 +79,7 @@ class CorePolicy:
         stream.produced(func, kind, args, out)
         if kind == FREE:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if kind == RANDOM:
+        if kind in (RANDOM, ALLOC):
             return CheckpointPolicy.MUST_SAVE
         if kind == FOLLOW:
             redo = made.any_of(plain_tensors((args, kwargs)))
@@ -119,7 +119,13 @@ class _Checked:
 
     def __call__(self):
         self.policy = CorePolicy(self.core, self.where)
-        return create_selective_checkpoint_contexts(self.policy)
+        # CPU's composite dropout allocates its noise (empty_like), draws it in place
+        # (bernoulli_) and scales it in place (div_): all three are saved, so the cached
+        # allocation has been mutated by the time a recompute asks for it, and its final
+        # value is the one the recomputed `x * noise` needs.  Any other in-place change to
+        # a saved tensor that a recomputed core op reads would also break autograd's own
+        # saved-tensor version check without AC.
+        return create_selective_checkpoint_contexts(self.policy, allow_cache_entry_mutation=True)
 
     def reset(self, module, args) -> None:
         self.policy = None
