@@ -36,11 +36,14 @@ import torch.fx as fx
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter as _fc
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import InputError, TraceError
 from .graph import (
+    AttentionCore,
     CollectiveRecord,
+    CoreOp,
     LayerKind,
     LayerRecord,
     LinearRecord,
@@ -49,6 +52,7 @@ from .graph import (
     NodeRecord,
     TPStructure,
 )
+from .opstream import COUNTED, OpStream, op_name
 
 __all__ = ["trace", "find_stacks", "Stack"]
 
@@ -546,8 +550,30 @@ def _fix_device(x: Any) -> Any:
     return x
 
 
+class _Dispatched(TorchDispatchMode):
+    """Records the counted dispatched operators (:mod:`autoplan.opstream`) of what runs
+    under it, as the runtime's selective-checkpoint policy will see them."""
+
+    def __init__(self, stream: OpStream) -> None:
+        super().__init__()
+        self.stream = stream
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        kind = self.stream.kind(func, args, kwargs)
+        self.stream.produced(func, kind, args, out)
+        if kind == COUNTED:
+            self.names.append(op_name(func))
+        return out
+
+
 class _Measure:
-    """Run a captured graph node by node under FakeTensorMode, measuring each node."""
+    """Run a captured graph node by node under FakeTensorMode, measuring each node.
+
+    ``dispatched`` gets, per node, the counted operators it dispatched (in order).
+    """
 
     def __init__(self, gm: fx.GraphModule, args: tuple, kwargs: dict, seq_len: int | None,
                  region: set[str]) -> None:
@@ -559,6 +585,7 @@ class _Measure:
         # per-token gathers of expert weight banks (HF's batched_mm experts path):
         # grouped-GEMM kernels never materialise them
         self.gathered: set[str] = set()
+        self.dispatched: dict[str, tuple[str, ...]] = {}
 
     def run(self) -> tuple[dict[str, _Measured], dict[str, Any], dict[str, str]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -571,6 +598,7 @@ class _Measure:
         param_storages: set[StorageWeakRef] = set()
         param_of_node: dict[str, str] = {}
         gathered = self.gathered
+        stream = OpStream()
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         flat_inputs = list(self.args) + list(self.kwargs.values())
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -655,9 +683,10 @@ class _Measure:
 
                 with _fc.FlopCounterMode(display=False) as fwd, \
                         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                        torch.enable_grad():
+                        torch.enable_grad(), _Dispatched(stream) as dispatched:
                     out = target(*call_args, **call_kwargs)
                 rec.fwd_flops = int(fwd.get_total_flops())
+                self.dispatched[node.name] = tuple(dispatched.names)
                 outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
                 grad_leaves = [l for l in leaves if l.requires_grad]
                 if outs and grad_leaves:
@@ -1290,6 +1319,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         # measure once with no TP region known, derive TP regions, then attribute sharding
         first = _Measure(gm, args, kwargs, quad_seq, set())
         measured, values, param_of_node = first.run()
+        dispatched = first.dispatched
         for node in gm.graph.nodes:
             if node.name in values and node.op != "output":
                 v = values[node.name]
@@ -1352,6 +1382,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         core = ([n for n in nodes if n.name in probe[1]] if probe is not None
                 else _attention_core(nodes, seq_len))
         sel_flops = sum(n.fwd_flops for n in core)
+        core_ops = (_core_ops(l, {n.name for n in core}, dispatched)
+                    if l.kind is LayerKind.BLOCK else None)
         modules = _top_modules({n.module for n in nodes}) if l.kind is not LayerKind.BLOCK else (l.name,)
         rep_records.append((l, dict(
             template=tid, modules=modules,
@@ -1362,7 +1394,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             saved_quadratic_bytes=sum(n.saved_quadratic_bytes for n in nodes),
             selective_recompute_flops=sel_flops,
             input_bytes=_input_bytes(l, values, param_nodes, derived),
-            output_bytes=cuts[li], cut_bytes=cuts[li], tp=tp, tied_params=tuple(tied))))
+            output_bytes=cuts[li], cut_bytes=cuts[li], tp=tp, tied_params=tuple(tied),
+            attention_core=core_ops)))
 
     layers = _expand(rep_records, stacks, keep)
     all_params = {id(p): p for p in model.parameters()}
@@ -1441,6 +1474,24 @@ def _attention_core(nodes: Sequence[NodeRecord], seq_len: int | None) -> list[No
         if quadratic(n.shape) or (n.fwd_flops and any(quadratic(shapes.get(i, ())) for i in n.inputs)):
             core.append(n)
     return core
+
+
+def _core_ops(layer: _RepLayer, core: set[str],
+              dispatched: dict[str, tuple[str, ...]]) -> AttentionCore:
+    """The attention core of a block as the runtime will see it: the counted dispatched
+    operators of the core's nodes, each numbered by its occurrence among the block's
+    calls of that operator (see :mod:`autoplan.opstream`)."""
+    calls: dict[str, int] = defaultdict(int)
+    ops, nodes = [], []
+    for n in layer.nodes:
+        if n.name in core:
+            nodes.append(n.name)
+        for name in dispatched.get(n.name, ()):
+            if n.name in core:
+                ops.append(CoreOp(op=name, index=calls[name]))
+            calls[name] += 1
+    return AttentionCore(nodes=tuple(nodes), ops=tuple(ops),
+                         calls={name: calls[name] for name in sorted({o.op for o in ops})})
 
 
 def _top_modules(paths: Iterable[str]) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ __all__ = [
     "LinearRecord",
     "CollectiveRecord",
     "TPStructure",
+    "CoreOp",
+    "AttentionCore",
     "LayerRecord",
     "ModelGraph",
 ]
@@ -132,12 +134,53 @@ class TPStructure(Record):
 
 
 @dataclass(frozen=True)
+class CoreOp(Record):
+    """One dispatched operator of a block's attention core.
+
+    ``op`` is its counted name (:func:`autoplan.opstream.op_name`, e.g. ``bmm``,
+    ``_softmax``, ``sdpa``) and ``index`` its occurrence among that operator's
+    counted calls in one forward of the block (0 for the first).
+    """
+
+    op: str
+    index: int
+
+
+@dataclass(frozen=True)
+class AttentionCore(Record):
+    """What selective recompute re-runs in a block, named so the runtime can find it.
+
+    ``nodes`` are the captured fx nodes of the core (QK^T, scale, mask, softmax,
+    dropout, attention x V, or a fused attention kernel: the nodes whose forward
+    FLOPs make ``LayerRecord.selective_recompute_flops``); ``ops`` are the counted
+    dispatched operators those nodes ran, and ``calls`` how many counted calls of
+    each of those operators one forward of the whole block makes, so that the
+    runtime can tell when the block it runs is not the block that was captured.
+    Operators a run adds or drops (casts, dropout's noise) follow their inputs at
+    run time instead (see :mod:`autoplan.opstream`).
+    """
+
+    nodes: tuple[str, ...]
+    ops: tuple[CoreOp, ...]
+    calls: dict[str, int]
+
+    def __post_init__(self) -> None:
+        for o in self.ops:
+            if o.op not in self.calls or not 0 <= o.index < self.calls[o.op]:
+                raise ValueError(f"core op {o.op}#{o.index} is outside the block's "
+                                 f"{self.calls.get(o.op, 0)} counted call(s) of {o.op}")
+
+
+@dataclass(frozen=True)
 class LayerRecord(Record):
     """A unit the planner places: a block, or the pre/post/glue segments.
 
     All figures are per micro-batch of ``ModelGraph.micro_batch`` sequences.
     ``cut_bytes`` is what a pipeline boundary right after this layer must send
     forward (activations produced at or before it and used after it).
+    ``attention_core`` names, for a block, the operators selective recompute
+    re-runs (``None`` for other layers and in graphs captured before it was
+    recorded).
     """
 
     name: str
@@ -159,6 +202,7 @@ class LayerRecord(Record):
     cut_bytes: int
     tp: TPStructure
     tied_params: tuple[str, ...] = ()
+    attention_core: AttentionCore | None = None
 
     @property
     def flops(self) -> int:

@@ -22,7 +22,6 @@ import autoplan
 import runtime_cases as rc
 from autoplan.errors import CheckpointError, ConfigError, PlanMismatchError, StrategyError
 from autoplan.runtime import parallelize, plan_of, resolve_plan
-from autoplan.runtime.ac import attention_core_policy
 from autoplan.runtime.adapters import adapter_for
 from autoplan.runtime.checkpoint import load_checkpoint
 from autoplan.runtime.mesh import mesh_coordinates
@@ -229,17 +228,3 @@ def test_tp_plan_of_llama_gathers_attention_input_by_keyword(llama_graph):
         {"model.embed_tokens"}
 
 
-# ---------------------------------------------------------------------- selective AC
-def test_selective_policy_recomputes_only_the_attention_core():
-    from torch.utils.checkpoint import CheckpointPolicy as P
-
-    aten = torch.ops.aten
-    policy = attention_core_policy(seq_len=16)
-    x, w = torch.zeros(2, 16, 32), torch.zeros(96, 32)
-    q, kt = torch.zeros(8, 16, 8), torch.zeros(8, 8, 16)
-    scores = torch.zeros(8, 16, 16)
-    assert policy(None, aten.addmm.default, torch.zeros(96), x.view(32, 32), w.t()) is P.MUST_SAVE
-    assert policy(None, aten.bmm.default, q, kt) is P.PREFER_RECOMPUTE          # QK^T
-    assert policy(None, aten._softmax.default, scores, -1, False) is P.PREFER_RECOMPUTE
-    assert policy(None, aten.bmm.default, scores, q) is P.PREFER_RECOMPUTE      # attn x V
-    assert policy(None, aten.gelu.default, x) is P.MUST_SAVE

@@ -155,6 +155,8 @@ def test_context_parallel_parity(gpt_graph, llama_graph):
     targets = [
         ("cp2 x dp2 (DDP)", S(dp=2, cp=2)),
         ("cp4", S(cp=4)),
+        ("cp2 x dp2 recompute selective", S(dp=2, cp=2, recompute="selective")),
+        ("cp2 x pp2 recompute full", S(cp=2, pp=2, micro_batch=2, recompute="full")),
         ("cp2 x zero3 dp2", S(dp=2, cp=2, zero=3, micro_batch=2)),
         ("cp2 x tp2 sp", S(cp=2, tp=2, sequence_parallel=True)),
         ("cp2 x pp2 1f1b", S(cp=2, pp=2, micro_batch=2)),

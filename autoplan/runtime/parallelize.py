@@ -491,9 +491,15 @@ def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int
                                     f"{adapter.family} adapter's {adapter.blocks!r}")
         if not seq_len:
             raise ConfigError("pipeline parallelism needs seq_len")
-    if not seq_len and any(l.recompute is Recompute.SELECTIVE for l in plan.layers):
-        raise ConfigError("selective recompute needs seq_len (it finds the attention core "
-                          "by its two sequence dimensions)")
+    records = {r.name: r for r in graph.layers}
+    coreless = [l.name for l in plan.layers if l.recompute is Recompute.SELECTIVE
+                and l.name in records and records[l.name].kind is LayerKind.BLOCK
+                and records[l.name].attention_core is None]
+    if coreless:
+        raise ConfigError(f"selective recompute re-runs the attention core the capture records "
+                          f"for each block; the graph has none for {coreless[:3]} (captured by "
+                          "an older autoplan?): re-capture it with autoplan.trace, or use "
+                          "recompute='full'")
     if loss_fn is None and not token_model:
         raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
 
@@ -537,7 +543,7 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
     for x in blocks:
         rc = placement[x].recompute
         if rc is not Recompute.NONE:
-            _replace(part, x, apply_ac(part.get_submodule(x), rc, seq_len=seq_len))
+            _replace(part, x, apply_ac(part.get_submodule(x), rc, layer=graph.layer(x)))
     if dp * plan.cp == 1:
         return part
     # parameters are replicated over the context-parallel ranks too: their gradients
