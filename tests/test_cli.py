@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ GPT = ["gpt", "--model-arg", "vocab_size=256", "--model-arg", "seq_len=64", "--m
        "--model-arg", "heads=4", "--model-arg", "layers=4", "--seq-len", "64"]
 
 
-def run(*args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess:
+def run(*args: str, check_rc: int | None = 0, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "autoplan.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env})
     if check_rc is not None:
         assert proc.returncode == check_rc, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc
@@ -78,13 +81,18 @@ def test_report_html(tmp_path: Path):
     assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
 
 
-def test_profile_quick_writes_a_loadable_profile(tmp_path: Path):
-    dest = tmp_path / "local-cli.yaml"
-    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--out", str(dest), "--json")
+def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Path, monkeypatch):
+    # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
+    home = tmp_path / "home"
+    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--name", "local-cli", "--json",
+              env={"AUTOPLAN_HOME": str(home)}, cwd=tmp_path)
     report = json.loads(out.stdout)
-    assert report["path"] == str(dest)
+    dest = home / "profiles" / "local-cli.yaml"
+    assert report["path"] == str(dest) and dest.is_file()
+    assert [p.name for p in dest.parent.iterdir()] == ["local-cli.yaml"]  # no temp file left
+    monkeypatch.setenv("AUTOPLAN_HOME", str(home))
     import autoplan
-    cluster = autoplan.load_cluster(str(dest))
+    cluster = autoplan.load_cluster("local-cli")
     assert cluster.num_devices >= 1 and cluster.device_types[0].memory_bytes > 0
     assert "--quick" in run("profile", "--help").stdout
 
