@@ -334,9 +334,7 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     overrides = parse_model_args(args.model_arg)
     build_model(args.model, overrides)          # fail now, not on the cluster, for a bad spec
     name = os.path.basename(args.out)
-    cluster = _load_cluster(args) if args.cluster else None
-    if cluster is not None:
-        _check_plan_cluster(plan, cluster, args)
+    cluster = _load_cluster(args) if args.cluster else None   # emit_script checks it is the plan's
     elastic = dict(min_nodes=args.min_nodes, max_restarts=args.max_restarts)
     atomic_write_text(args.out, emit_script(plan, args.model, overrides, name, cluster=cluster,
                                             **elastic))
