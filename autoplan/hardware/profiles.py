@@ -1045,6 +1045,8 @@ def _load_file(path: str, mtime_ns: int, size: int) -> Profile | CompositeProfil
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError(f"cannot read the file ({exc.strerror})", file=path) from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"not a YAML profile: byte {exc.start} is not UTF-8 text", file=path) from None
     try:
         data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
