@@ -8,7 +8,6 @@ time and memory of a layout; :func:`plan` searches the layouts;
 
 from __future__ import annotations
 
-from .capture import trace
 from .errors import AutoplanError
 from .graph import LayerRecord, ModelGraph
 from .hardware import Cluster, available_profiles, compose_cluster, load_cluster
@@ -16,6 +15,7 @@ from .strategy import Strategy
 from .cost import Estimate, estimate, estimate_plan
 from .plan import Plan
 from .search import plan, plan_diff, replan
+from .zoo import trace  # capture.trace, also taking "zoo:<name>" / "hf:<type>" specs as whatif does
 
 __all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster", "compose_cluster",
            "available_profiles", "Cluster", "Strategy", "estimate", "estimate_plan", "Estimate",

@@ -72,9 +72,11 @@ def _emit(args: argparse.Namespace, payload: Any, text: str) -> None:
 def _cmd_trace(args: argparse.Namespace) -> int:
     from .capture import trace
     from .records import atomic_write_text
+    if args.micro_batch < 1:
+        raise _UsageError(f"--micro-batch must be at least 1, got {args.micro_batch}")
     model, seq = _load_model(args)
     if seq is None:
-        raise AutoplanError(f"{args.model} needs --seq-len")
+        raise _UsageError(f"{args.model} needs --seq-len")
     graph = trace(model, seq_len=seq, micro_batch=args.micro_batch)
     if args.out:
         atomic_write_text(args.out, graph.to_json())
@@ -135,6 +137,23 @@ class _UsageError(AutoplanError, ValueError):
     """Bad command-line usage found after parsing (exit code 2)."""
 
 
+def _check_fraction(value: float) -> None:
+    if not 0 < value <= 1:
+        raise _UsageError(f"--memory-fraction must be in (0, 1], got {value} (default 0.9)")
+
+
+def _check_search_args(args: argparse.Namespace) -> None:
+    """The search's numbers, checked before the (slow) capture."""
+    if args.global_batch < 1:
+        raise _UsageError(f"--global-batch must be a positive number of sequences per step, "
+                          f"got {args.global_batch}")
+    if args.top_k < 1:
+        raise _UsageError(f"--top-k must be at least 1, got {args.top_k} (default 3)")
+    if getattr(args, "time_limit", 1.0) <= 0:
+        raise _UsageError(f"--time-limit must be positive seconds, got {args.time_limit} (default 60)")
+    _check_fraction(getattr(args, "memory_fraction", 0.9))
+
+
 def _estimate_text(est) -> str:
     return est.report() if hasattr(est, "report") else str(est)
 
@@ -142,12 +161,15 @@ def _estimate_text(est) -> str:
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from .cost import estimate
     from .strategy import Strategy
-    graph = _trace_cached(args, args.json)
+    # names and batch arithmetic first: the capture takes seconds
     cluster = _load_cluster(args)
     strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, micro_batch=args.micro_batch,
                         global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
                         sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, precision=args.precision)
+    strategy.check_world(cluster.num_devices)
+    _check_fraction(args.memory_fraction)
+    graph = _trace_cached(args, args.json)
     est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction)
     text = f"{strategy.describe()} on {cluster.num_devices} devices of {cluster.name}\n" + \
         _estimate_text(est) + "\n\n" + est.stage_table().to_string(index=False)
@@ -193,8 +215,9 @@ def _plan_text(plan, cluster) -> str:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .records import atomic_write_text
     from .search import plan as make_plan
+    cluster = _load_cluster(args)           # names and numbers first: capture takes seconds
+    _check_search_args(args)
     graph = _trace_cached(args, args.json)
-    cluster = _load_cluster(args)
     with _Step(f"searching layouts for {cluster.num_devices} devices of {cluster.name}", args.json):
         best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
                          memory_fraction=args.memory_fraction, time_limit_s=args.time_limit,
@@ -255,14 +278,51 @@ def _build_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+_MAKE_PLAN = "write one with: autoplan plan MODEL --cluster ... --global-batch N --out plan.json"
+
+
 def _read_plan(path: str):
+    from .errors import RecordError
     from .plan import Plan
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as exc:
         raise _UsageError(f"cannot read plan file {path!r}: {exc.strerror}") from None
-    return Plan.from_json(text)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _UsageError(f"plan file {path!r} is not a plan JSON file (byte {exc.start} is not "
+                          f"UTF-8 text); {_MAKE_PLAN}") from None
+    try:
+        return Plan.from_json(text)
+    except RecordError as exc:
+        raise _UsageError(f"plan file {path!r}: {exc}; {_MAKE_PLAN}") from None
+
+
+def _check_plan_cluster(plan, cluster, args: argparse.Namespace) -> None:
+    """Refuse a cluster other than the one ``plan`` was made for, naming the plan's."""
+    from .errors import PlanMismatchError
+    from .plan import ClusterSummary
+    mine, given = plan.cluster, ClusterSummary.from_cluster(cluster)
+    if (mine.name, mine.num_devices, tuple(mine.device_types)) == \
+            (given.name, given.num_devices, tuple(given.device_types)):
+        return
+    nodes = f" --nodes {mine.num_nodes}" if _is_node_profile(mine.name) else ""
+    raise PlanMismatchError(
+        f"the plan {args.plan} was made for {mine.name} ({mine.num_devices} devices on "
+        f"{mine.num_nodes} nodes), not {given.name} ({given.num_devices} devices on "
+        f"{given.num_nodes} nodes); pass --cluster {mine.name}{nodes}, or plan again for "
+        f"{given.name}")
+
+
+def _is_node_profile(name: str) -> bool:
+    """Whether ``name`` is a one-node-kind profile (it takes --nodes), not a composite one."""
+    from .hardware import Profile, load_profile
+    try:
+        return isinstance(load_profile(name), Profile)
+    except AutoplanError:
+        return True
 
 
 def _cmd_emit(args: argparse.Namespace) -> int:
@@ -274,7 +334,7 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     overrides = parse_model_args(args.model_arg)
     build_model(args.model, overrides)          # fail now, not on the cluster, for a bad spec
     name = os.path.basename(args.out)
-    cluster = _load_cluster(args) if args.cluster else None
+    cluster = _load_cluster(args) if args.cluster else None   # emit_script checks it is the plan's
     elastic = dict(min_nodes=args.min_nodes, max_restarts=args.max_restarts)
     atomic_write_text(args.out, emit_script(plan, args.model, overrides, name, cluster=cluster,
                                             **elastic))
@@ -302,33 +362,56 @@ def _build_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _price(text: str, item: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise _UsageError(f"--price takes a price per GPU-hour (a number >= 0) or TYPE=PRICE pairs, "
+                          f"got {item!r}; e.g. --price 2.5 or --price A100-SXM4-80GB=2.5")
+    return value
+
+
 def _parse_price(items: list[str] | None):
     if not items:
         return None
     if len(items) == 1 and "=" not in items[0]:
-        return float(items[0])
+        return _price(items[0], items[0])
     prices = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise _UsageError(f"--price takes one number or TYPE=PRICE pairs, got {item!r}")
-        prices[key] = float(value)
+        prices[key] = _price(value, item)
     return prices
 
 
 def _cmd_whatif(args: argparse.Namespace) -> int:
     from .records import atomic_write_text
     from .report import whatif
+    from .hardware import load_cluster
     from .zoo import build_model, parse_model_args
+    # names and numbers first: building and capturing the model takes seconds
+    nodes = args.nodes or [None]
+    for n in nodes:
+        load_cluster(args.cluster, nodes=n)
+    for flag, values in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len or [])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise _UsageError(f"{flag} values must be positive, got {bad[0]}")
+    if args.top_k < 1:
+        raise _UsageError(f"--top-k must be at least 1, got {args.top_k} (default 1)")
+    _check_fraction(args.memory_fraction)
+    price = _parse_price(args.price)
     model, default_seq = build_model(args.model, parse_model_args(args.model_arg))
     seqs = args.seq_len or ([default_seq] if default_seq else None)
     if not seqs:
         raise _UsageError(f"{args.model} needs --seq-len")
-    nodes = args.nodes or [None]
     clusters = [(args.cluster, n) if n is not None else args.cluster for n in nodes]
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     df = whatif(model, clusters=clusters, global_batch=args.global_batch, seq_len=seqs,
-                price_per_gpu_hour=_parse_price(args.price), memory_fraction=args.memory_fraction,
+                price_per_gpu_hour=price, memory_fraction=args.memory_fraction,
                 top_k=args.top_k, progress=progress)
     if args.csv:
         atomic_write_text(args.csv, df.to_csv(index=False))
@@ -359,12 +442,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     cluster = _load_cluster(args)
     if args.plan:
         best = _read_plan(args.plan)
+        _check_plan_cluster(best, cluster, args)
         graph = None
     else:
         if not args.model:
             raise _UsageError("report needs a MODEL (to plan) or --plan PLAN.json")
         if args.global_batch is None:
             raise _UsageError("report MODEL needs --global-batch")
+        _check_search_args(args)
         graph = _trace_cached(args, args.json)
         with _Step("searching layouts", args.json):
             best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k)

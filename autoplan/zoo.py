@@ -13,18 +13,20 @@ A model spec is one of
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
 
-__all__ = ["ZOO", "ZooEntry", "build_model", "parse_model_args"]
+__all__ = ["ZOO", "ZooEntry", "build_model", "parse_model_args", "trace"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,108 @@ def _closest(name: str, names: list[str]) -> str:
     return f"; did you mean {', '.join(near)}?" if near else ""
 
 
+#: Value kinds named in annotations that ``--model-arg`` values are checked against.
+_KINDS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
+_KIND_NOUNS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               list: "a list", tuple: "a list", dict: "a dict"}
+
+
+def _annotated_kinds(annotation: Any) -> set[type] | None:
+    """The plain kinds an annotation admits (``"int | None"`` -> {int, NoneType}); ``None``
+    when it names anything else (then the value is not checked here)."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    kinds: set[type] = set()
+    for part in (t.strip() for t in text.replace("Optional[", "").rstrip("]").split("|")):
+        if part == "None":
+            kinds.add(type(None))
+        elif part in _KINDS:
+            kinds.add(_KINDS[part])
+        else:
+            return None
+    return kinds
+
+
+def _typed_value(what: str, key: str, value: Any, default: Any, kinds: set[type] | None) -> Any:
+    """``value`` as the kind the field holds (its default's, else its annotation's).
+
+    An int is taken for a float field; a whole float (``4096.0``) for an int field.
+    Raises :class:`ConfigError` naming the field, the expected kind and the default.
+    """
+    if default is not None:
+        kinds = {type(default)} | ({type(None)} if kinds and type(None) in kinds else set())
+    if not kinds or isinstance(value, type(None)) and type(None) in kinds:
+        return value
+    plain = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if float in kinds and plain:
+        return float(value) if int not in kinds or isinstance(value, float) else value
+    if int in kinds and plain and float(value).is_integer():
+        return int(value)
+    if isinstance(value, (list, tuple)) and kinds & {list, tuple}:
+        return type(default)(value) if default is not None else value
+    if any(isinstance(value, k) and not (k is int and isinstance(value, bool)) for k in kinds):
+        return value
+    expected = " or ".join(dict.fromkeys(_KIND_NOUNS.get(k, k.__name__) for k in kinds
+                                         if k is not type(None)))
+    hint = f" (default {key}={default!r})" if default is not None else ""
+    raise ConfigError(f"--model-arg {key}={value!r}: {what} expects {expected}{hint}")
+
+
+def check_overrides(what: str, overrides: Mapping[str, Any], fields: Mapping[str, Any],
+                    annotations: Mapping[str, Any] | None = None,
+                    aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``overrides`` checked against a config's ``fields`` (name -> default value).
+
+    Unknown keys are refused with the closest field names; values are typed from the
+    field's default (or, for a ``None`` default, its annotation).  ``aliases`` maps
+    alternative names to fields (Hugging Face's ``attribute_map``: ``hidden_size`` for
+    GPT-2's ``n_embd``).
+
+    Examples
+    --------
+    >>> check_overrides("gpt", {"layers": "4"}, {"layers": 12})
+    Traceback (most recent call last):
+    ...
+    autoplan.errors.ConfigError: --model-arg layers='4': gpt expects an integer (default layers=12)
+    """
+    aliases = aliases or {}
+    annotations = annotations or {}
+    out: dict[str, Any] = {}
+    for key, value in overrides.items():
+        name = aliases.get(key, key)
+        if name not in fields:
+            near = difflib.get_close_matches(key, [*fields, *aliases], n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(near)}?" if near else \
+                f"; its fields are {', '.join(sorted(k for k in fields if not k.startswith('_')))}"
+            raise ConfigError(f"--model-arg {key}: {what} has no field {key!r}{hint}")
+        kinds = _annotated_kinds(annotations[name]) if name in annotations else None
+        out[key] = _typed_value(what, key, value, fields[name], kinds)
+    return out
+
+
+def _hf_fields(cfg_cls: type) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """A Hugging Face config class's fields with their defaults, annotations and aliases."""
+    fields: dict[str, Any] = {}
+    annotations: dict[str, Any] = {}
+    if dataclasses.is_dataclass(cfg_cls):        # transformers >= 5: strict dataclasses
+        for f in dataclasses.fields(cfg_cls):
+            annotations[f.name] = f.type
+            fields[f.name] = None
+    for name, param in inspect.signature(cfg_cls.__init__).parameters.items():
+        if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            fields.setdefault(name, None)
+            if param.annotation is not param.empty:
+                annotations.setdefault(name, param.annotation)
+    try:
+        defaults = cfg_cls().to_dict()
+    except Exception:  # noqa: BLE001 - a config that cannot be built bare: names only
+        defaults = {}
+    fields.update({k: v for k, v in defaults.items() if not k.startswith("_")})
+    aliases = dict(getattr(cfg_cls, "attribute_map", {}) or {})
+    return fields, annotations, aliases
+
+
 def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtype: torch.dtype,
-              device: str = "meta") -> nn.Module:
+              device: str = "meta", preset: Mapping[str, Any] | None = None) -> nn.Module:
     try:
         import transformers as tf
     except ImportError:
@@ -106,14 +208,14 @@ def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtyp
         raise ConfigError(f"unknown Hugging Face model type {model_type!r}"
                           f"{_closest(model_type, list(CONFIG_MAPPING.keys()))}")
     cfg_cls = CONFIG_MAPPING[model_type]
+    # checked here: the config class keeps unknown keys as attributes (a typo is silently
+    # ignored) and reports a bad value with a multi-line validation traceback
+    overrides = check_overrides(f"{model_type} ({cfg_cls.__name__})", overrides, *_hf_fields(cfg_cls))
     try:
-        config = cfg_cls(**overrides)
-    except TypeError as exc:
-        raise ConfigError(f"bad --model-arg for {model_type}: {exc}") from None
-    for key in overrides:
-        if not hasattr(config, key):
-            known = sorted(k for k in config.to_dict() if not k.startswith("_"))
-            raise ConfigError(f"{model_type} config has no field {key!r}{_closest(key, known)}")
+        config = cfg_cls(**{**(preset or {}), **overrides})
+    except Exception as exc:  # noqa: BLE001 - the config's own validation, as one line
+        reason = " ".join(str(exc).split())
+        raise ConfigError(f"bad --model-arg for {model_type}: {reason}") from None
     if head is None:
         head = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
     auto = {"causal": tf.AutoModelForCausalLM, "masked": tf.AutoModelForMaskedLM,
@@ -128,11 +230,13 @@ def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtyp
 
 def _gpt_model(overrides: dict[str, Any], dtype: torch.dtype, device: str = "meta") -> nn.Module:
     from .models import GPT, GPTConfig
+    fields = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    annotations = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+    overrides = check_overrides("gpt (GPTConfig)", overrides, fields, annotations)
     try:
         cfg = GPTConfig(**overrides)
-    except TypeError as exc:
-        fields = list(GPTConfig.__dataclass_fields__)
-        raise ConfigError(f"bad --model-arg for gpt: {exc}; fields are {fields}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"bad --model-arg for gpt: {exc}") from None
     with torch.device(device):
         return GPT(cfg).to(dtype)
 
@@ -176,8 +280,8 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None,
             raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO))}; "
                               f"available: {', '.join(sorted(ZOO))}")
         entry = ZOO[name]
-        return _hf_model(entry.model_type, {**entry.config, **overrides}, entry.head, dtype,
-                         device), entry.seq_len
+        return _hf_model(entry.model_type, overrides, entry.head, dtype, device,
+                         preset=entry.config), entry.seq_len
     if spec.startswith("hf:"):
         return _hf_model(spec[3:], overrides, None, dtype, device), None
     if spec == "gpt" or spec.startswith("gpt:"):
@@ -189,3 +293,23 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None,
     raise ConfigError(f"cannot understand model spec {spec!r}: use zoo:<name> "
                       f"({', '.join(sorted(ZOO))}), hf:<model_type>, gpt, or path/to/file.py:factory"
                       f"{_closest('zoo:' + spec, ['zoo:' + z for z in ZOO])}")
+
+
+def trace(model: Any, *, seq_len: int | None = None, **kwargs: Any):
+    """:func:`autoplan.capture.trace` that also takes a model spec, as ``whatif`` does.
+
+    ``model`` is an ``nn.Module`` or a spec for :func:`build_model` (``"zoo:llama3-8b"``,
+    ``"hf:llama"``, ``"gpt"``, ``"path/to/file.py:factory"``), built on the meta device;
+    ``seq_len`` defaults to the zoo entry's.  Other arguments go to the capture.
+
+    Examples
+    --------
+    >>> g = trace("gpt", seq_len=16)
+    >>> g.layers[1].name
+    'blocks.0'
+    """
+    from .capture import trace as capture
+    if isinstance(model, str):
+        model, default_seq = build_model(model)
+        seq_len = seq_len or default_seq
+    return capture(model, seq_len=seq_len, **kwargs)

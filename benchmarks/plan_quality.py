@@ -1,6 +1,6 @@
 """Plan quality against what experts ran (issue: search).
 
-For every published run with a measured step time (../shared/validation/published_public.csv,
+For every published run with a measured step time (validation/published_public.csv,
 built into model, cluster, layout and implementation options exactly as
 benchmarks/published_runs.py does), plan the same model on the same cluster and global
 batch with the implementation options of the row's software, and compare predicted step

@@ -1,4 +1,4 @@
-"""The cost model against published training runs (../shared/validation/published_public.csv).
+"""The cost model against published training runs (validation/published_public.csv).
 
 For every row with a measured step time: build the model (Hugging Face GPT-2
 with ``n_inner`` = FFN for GPT rows, Hugging Face MPT for MPT rows; meta device,
@@ -72,10 +72,11 @@ from autoplan.cost.calibration import (  # noqa: E402
 )
 from autoplan.cost.constants import cost_profiles_dir  # noqa: E402
 from autoplan.graph import ModelGraph  # noqa: E402
+from autoplan.records import atomic_write_text  # noqa: E402
 from autoplan.hardware import CollectiveEfficiency, EfficiencyTable, load_cluster  # noqa: E402
 from autoplan.strategy import Recompute, Schedule, Strategy  # noqa: E402
 
-CSV = REPO.parent / "shared" / "validation" / "published_public.csv"
+CSV = REPO / "validation" / "published_public.csv"
 TARGET_MAPE = 0.10
 TARGET_MAX_ERROR = 0.25
 
@@ -535,14 +536,14 @@ def write_calibration(cal: Calibration, path: Path | None = None) -> Path:
         "# Fitted device figures (autoplan.cost.calibration), per GPU type: one matmul-efficiency\n"
         "# curve, one fused-attention (FlashAttention) efficiency curve where the runs used it,\n"
         "# and one collective efficiency per link kind (intra-node, inter-node).  Fitted to the\n"
-        "# published runs in ../shared/validation/published_public.csv by\n"
+        "# published runs in validation/published_public.csv by\n"
         "# `python benchmarks/published_runs.py --fit` (written by that command; do not edit by\n"
         "# hand).  Curves: [FLOPs of one matmul (attention: of one QK^T product) on one device,\n"
         "# achieved fraction of the dtype's dense peak].  They belong in the device profiles\n"
         "# (profiles/<gpu>.yaml) and are applied from here (autoplan.cost's default calibration)\n"
         "# until moved there.\n")
     data = cal.to_dict()
-    path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
+    atomic_write_text(path, header + yaml.safe_dump(data, sort_keys=False, width=100))
     return path
 
 

@@ -10,6 +10,19 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_autoplan_home(tmp_path_factory: pytest.TempPathFactory):
+    """Tests (and the CLI processes they start) neither read nor write the user's
+    ``~/.autoplan``: ``$AUTOPLAN_HOME`` points at an empty folder for the session."""
+    saved = os.environ.get("AUTOPLAN_HOME")
+    os.environ["AUTOPLAN_HOME"] = str(tmp_path_factory.mktemp("autoplan-home"))
+    yield
+    if saved is None:
+        os.environ.pop("AUTOPLAN_HOME", None)
+    else:
+        os.environ["AUTOPLAN_HOME"] = saved
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite tests/golden/*.json from today's plans instead of comparing")

@@ -12,7 +12,7 @@ from torch import nn
 
 import autoplan
 from autoplan.capture import find_stacks
-from autoplan.errors import InputError, RecordError, TraceError
+from autoplan.errors import ConfigError, InputError, RecordError, TraceError
 from autoplan.graph import LayerKind, ModelGraph
 from autoplan.models import GPT, GPTConfig, SmallCNN, SmallMLP
 
@@ -325,6 +325,9 @@ def test_missing_and_mismatched_inputs():
     with pytest.raises(InputError, match="integer token ids"):
         autoplan.trace(_gpt(), example_inputs=(torch.randn(2, 16),))
     with pytest.raises(InputError, match="nn.Module"):
+        autoplan.trace(3)
+    # a string is a model spec (as whatif takes): an unknown one names the valid forms
+    with pytest.raises(ConfigError, match="cannot understand model spec 'gpt2': use zoo:<name>"):
         autoplan.trace("gpt2")
 
 

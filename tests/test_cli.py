@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,11 @@ GPT = ["gpt", "--model-arg", "vocab_size=256", "--model-arg", "seq_len=64", "--m
        "--model-arg", "heads=4", "--model-arg", "layers=4", "--seq-len", "64"]
 
 
-def run(*args: str, check_rc: int | None = 0) -> subprocess.CompletedProcess:
+def run(*args: str, check_rc: int | None = 0, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "autoplan.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env})
     if check_rc is not None:
         assert proc.returncode == check_rc, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc
@@ -78,13 +81,18 @@ def test_report_html(tmp_path: Path):
     assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
 
 
-def test_profile_quick_writes_a_loadable_profile(tmp_path: Path):
-    dest = tmp_path / "local-cli.yaml"
-    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--out", str(dest), "--json")
+def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Path, monkeypatch):
+    # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
+    home = tmp_path / "home"
+    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--name", "local-cli", "--json",
+              env={"AUTOPLAN_HOME": str(home)}, cwd=tmp_path)
     report = json.loads(out.stdout)
-    assert report["path"] == str(dest)
+    dest = home / "profiles" / "local-cli.yaml"
+    assert report["path"] == str(dest) and dest.is_file()
+    assert [p.name for p in dest.parent.iterdir()] == ["local-cli.yaml"]  # no temp file left
+    monkeypatch.setenv("AUTOPLAN_HOME", str(home))
     import autoplan
-    cluster = autoplan.load_cluster(str(dest))
+    cluster = autoplan.load_cluster("local-cli")
     assert cluster.num_devices >= 1 and cluster.device_types[0].memory_bytes > 0
     assert "--quick" in run("profile", "--help").stdout
 
@@ -107,3 +115,112 @@ def test_bad_input_gets_a_clear_message_and_code_2(args, expect):
 def test_debug_shows_the_traceback():
     out = run("--debug", "trace", "zoo:llama9", "--seq-len", "8", check_rc=None)
     assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+# ------------------------------------------------------------ no traceback reaches a user
+@pytest.fixture(scope="module")
+def small_plan_file(tmp_path_factory) -> Path:
+    """A plan of the small GPT for one a100-sxm4-80gb node, written as `plan --out` would."""
+    import autoplan
+    from autoplan.models import GPT, GPTConfig
+    graph = autoplan.trace(GPT(GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4)),
+                           seq_len=64)
+    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=16)
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+def _one_line_error(out: subprocess.CompletedProcess, command: str) -> str:
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"autoplan {command}: error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("content,expect", [
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a plan JSON file (byte 0 is not UTF-8 text)"),
+    (b'{"model": ', "not valid JSON"),
+    (b"[1, 2]", "expected an object"),
+])
+@pytest.mark.parametrize("command", ["report", "emit"])
+def test_a_corrupt_plan_file_is_one_line_naming_the_file(tmp_path, command, content, expect):
+    bad = tmp_path / "plan.json"
+    bad.write_bytes(content)
+    args = (("report", "--plan", str(bad), "--cluster", "a100-sxm4-80gb") if command == "report"
+            else ("emit", str(bad), "--model", "gpt", "--out", str(tmp_path / "train.py")))
+    line = _one_line_error(run(*args, check_rc=2), command)
+    assert expect in line and str(bad) in line and "autoplan plan" in line  # how to get a good one
+    assert not (tmp_path / "train.py").exists()
+
+
+def test_report_on_another_cluster_names_the_plans(small_plan_file: Path, tmp_path: Path):
+    out = run("report", "--plan", str(small_plan_file), "--cluster", "h100-sxm5-80gb", "--nodes", "2",
+              check_rc=2)
+    line = _one_line_error(out, "report")
+    assert "made for a100-sxm4-80gb (8 devices on 1 nodes), not h100-sxm5-80gb (16 devices" in line
+    assert "pass --cluster a100-sxm4-80gb --nodes 1" in line
+    # the same cluster, more nodes: still another cluster; a composite profile takes no --nodes
+    assert "pass --cluster a100-sxm4-80gb --nodes 1" in run(
+        "report", "--plan", str(small_plan_file), "--cluster", "a100-sxm4-80gb", "--nodes", "2",
+        check_rc=2).stderr
+    html = tmp_path / "r.html"
+    ok = run("report", "--plan", str(small_plan_file), "--cluster", "a100-sxm4-80gb", "--out", str(html))
+    assert "dp" in ok.stdout and html.read_text().startswith("<!DOCTYPE html>")
+
+
+LLAMA = ("trace", "hf:llama", "--seq-len", "8", "--model-arg", "hidden_size=64", "--model-arg",
+         "intermediate_size=128", "--model-arg", "num_attention_heads=4", "--model-arg",
+         "num_key_value_heads=4", "--model-arg", "vocab_size=128")
+
+
+@pytest.mark.parametrize("arg,expect", [
+    ("num_hidden_layers=abc", "--model-arg num_hidden_layers='abc': llama (LlamaConfig) expects an "
+                              "integer (default num_hidden_layers=32)"),
+    ("hidden_sise=4096", "llama (LlamaConfig) has no field 'hidden_sise'; did you mean hidden_size"),
+    ("tie_word_embeddings=1", "expects true or false"),
+])
+def test_model_args_are_checked_against_the_config_class(arg, expect):
+    line = _one_line_error(run(*LLAMA, "--model-arg", arg, check_rc=2), "trace")
+    assert expect in line
+
+
+def test_cheap_checks_run_before_the_model_is_built(tmp_path: Path):
+    # the model factory leaves a mark when called: a bad cluster name or batch must be
+    # refused before the model is built, let alone captured
+    mark = tmp_path / "built"
+    model = tmp_path / "m.py"
+    model.write_text("from pathlib import Path\nfrom autoplan.models import GPT, GPTConfig\n"
+                     f"def make():\n    Path({str(mark)!r}).touch()\n"
+                     "    return GPT(GPTConfig(vocab_size=64, seq_len=8, hidden=32, heads=4, layers=2))\n")
+    spec = f"{model}:make"
+    for args, expect in [
+        (("plan", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80g", "--global-batch", "8"),
+         "Did you mean 'h100-sxm5-80gb'"),
+        (("plan", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--global-batch", "0"),
+         "--global-batch must be a positive number"),
+        (("estimate", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--dp", "3",
+          "--global-batch", "9"), "dp=3 x tp=1 x pp=1 x cp=1 = 3, but the world has 8 devices"),
+        (("estimate", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--dp", "8",
+          "--global-batch", "12"), "global_batch=12 is not divisible by dp=8"),
+        (("report", spec, "--seq-len", "8", "--cluster", "nope", "--global-batch", "8"),
+         "unknown profile 'nope'"),
+        (("whatif", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--nodes", "1", "0",
+          "--global-batch", "8"), "nodes must be an integer >= 1, got 0"),
+        (("whatif", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--global-batch", "8",
+          "--price", "cheap"), "--price takes a price per GPU-hour"),
+    ]:
+        assert expect in _one_line_error(run(*args, check_rc=2), args[0])
+        assert not mark.exists(), args
+    run("plan", spec, "--seq-len", "8", "--cluster", "h100-sxm5-80gb", "--global-batch", "8")
+    assert mark.exists()      # the factory does leave its mark when the arguments are good
+
+
+def test_trace_takes_a_zoo_name_as_whatif_does():
+    import autoplan
+    from autoplan.zoo import build_model
+    graph = autoplan.trace("zoo:llama3-8b")
+    assert graph.seq_len == 8192 and len(graph.blocks) == 32
+    assert graph.num_params == sum(p.numel() for p in build_model("zoo:llama3-8b")[0].parameters())
+    with pytest.raises(autoplan.AutoplanError, match="did you mean llama3-8b"):
+        autoplan.trace("zoo:llama9")

@@ -24,7 +24,14 @@ from autoplan.hardware import (
     load_profile,
     profile_to_yaml,
 )
-from autoplan.hardware.profiles import find_profile_file, parse_profile, shipped_profiles_dir
+from autoplan.cost.constants import cost_profiles_dir
+from autoplan.hardware.profiles import (
+    find_profile_file,
+    parse_profile,
+    profile_dirs,
+    shipped_profiles_dir,
+    user_profiles_dir,
+)
 
 REQUIRED = ("a100-sxm4-80gb", "a100-sxm4-40gb", "h100-sxm5-80gb", "h200-sxm-141gb",
             "v100-sxm2-32gb", "mixed-a100-v100", "two-sites")
@@ -172,6 +179,7 @@ def _a100_yaml() -> dict:
 
 
 def _write(tmp_path: Path, data: dict | str, name: str = "bad.yaml") -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / name
     path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
     return path
@@ -302,6 +310,38 @@ def test_extra_profile_dirs_and_name_check(tmp_path, monkeypatch):
     assert load_cluster("my-a100", nodes=2).num_devices == 16
     with pytest.raises(ProfileError, match="declares name 'other-name'"):
         load_profile("mismatch")
+
+
+def test_user_profiles_dir_is_searched_before_the_shipped_one(tmp_path, monkeypatch):
+    # $AUTOPLAN_HOME/profiles (where `autoplan profile` writes) is found by name, and a
+    # profile there overrides a shipped one of the same name; $AUTOPLAN_PROFILES comes first
+    monkeypatch.delenv("AUTOPLAN_PROFILES", raising=False)
+    monkeypatch.setenv("AUTOPLAN_HOME", str(tmp_path / "home"))
+    assert user_profiles_dir() == tmp_path / "home" / "profiles"
+    assert profile_dirs() == [tmp_path / "home" / "profiles", shipped_profiles_dir()]
+    data = _a100_yaml()
+    data["name"] = "my-box"
+    _write(tmp_path / "home" / "profiles", data, "my-box.yaml")
+    assert "my-box" in available_profiles()
+    assert load_cluster("my-box", nodes=1).num_devices == 8
+    data["name"] = "a100-sxm4-80gb"
+    data["device"]["memory_GiB"] = 40
+    _write(tmp_path / "home" / "profiles", data, "a100-sxm4-80gb.yaml")
+    assert load_profile("a100-sxm4-80gb").device.memory_bytes == 40 * 2**30
+    monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path / "extra"))
+    assert profile_dirs()[0] == tmp_path / "extra"
+
+
+def test_default_user_dir_is_under_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("AUTOPLAN_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert user_profiles_dir() == tmp_path / ".autoplan" / "profiles"
+
+
+def test_shipped_profiles_dir_holds_the_cost_data():
+    # the checkout's profiles/ here; autoplan/_profiles in a wheel (the CI's wheel step)
+    assert (shipped_profiles_dir() / "cost" / "cost-model.yaml").is_file()
+    assert cost_profiles_dir() == shipped_profiles_dir() / "cost"
 
 
 def test_composite_schema_errors(tmp_path):

@@ -34,7 +34,8 @@ from .constants import cost_profiles_dir, read_yaml_record
 __all__ = ["DeviceCalibration", "Calibration", "load_calibration", "apply_calibration",
            "resolve_calibration", "DEFAULT_CALIBRATION"]
 
-#: The calibration fitted to ``../shared/validation/published_public.csv``.
+#: The calibration fitted to the published runs in the repository's
+#: ``validation/published_public.csv`` (``benchmarks/published_runs.py --fit``).
 DEFAULT_CALIBRATION = "published-fit"
 
 

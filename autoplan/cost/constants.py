@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import ConfigError, RecordError
+from ..hardware.profiles import shipped_profiles_dir
 from ..records import Record
 
 __all__ = [
@@ -171,8 +172,9 @@ class CostOptions(Record):
 
 
 def cost_profiles_dir() -> Path:
-    """``profiles/cost/`` beside the package: the cost model's constants and fits."""
-    return Path(__file__).resolve().parent.parent.parent / "profiles" / "cost"
+    """``profiles/cost/``: the cost model's constants and fits, shipped with the profiles
+    (``autoplan/_profiles/cost`` in a wheel; see ``shipped_profiles_dir``)."""
+    return shipped_profiles_dir() / "cost"
 
 
 @lru_cache(maxsize=32)

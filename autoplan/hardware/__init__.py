@@ -31,10 +31,12 @@ from .profiles import (
     load_profile,
     profile_dirs,
     profile_to_yaml,
+    user_profiles_dir,
 )
 
 __all__ = [
     "available_profiles",
+    "user_profiles_dir",
     "load_profile",
     "load_cluster",
     "compose_cluster",

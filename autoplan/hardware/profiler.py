@@ -34,7 +34,10 @@ Examples
 .. code-block:: console
 
     $ autoplan profile --quick          # about 10-20 s on 2 CPU cores
-    $ autoplan profile --nproc 4 --out profiles/my-box.yaml --json
+    $ autoplan profile --nproc 4 --out my-box.yaml --json
+
+Without ``--out`` the profile goes to ``$AUTOPLAN_HOME/profiles/local-<host>.yaml``
+(default ``~/.autoplan/profiles``), a folder ``load_cluster`` searches by name.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from .profiles import (
     Profile,
     load_profile,
     profile_to_yaml,
-    shipped_profiles_dir,
+    user_profiles_dir,
 )
 
 __all__ = ["main", "MeasurementPlan", "fit_alpha_beta"]
@@ -502,8 +505,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="what to profile (default: CUDA when available)")
     p.add_argument("--out", type=Path, default=None,
-                   help="profile file to write (default: profiles/local-<hostname>.yaml, "
-                        "loadable by name)")
+                   help="profile file to write (default: $AUTOPLAN_HOME/profiles/local-<hostname>"
+                        ".yaml, i.e. ~/.autoplan/profiles/..., loadable by name)")
     p.add_argument("--name", default=None,
                    help="profile name (default: the --out file name, or local-<hostname>)")
     p.add_argument("--json", action="store_true",
@@ -540,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         name = _profile_name(args.name or out.stem)
     else:
         name = _profile_name(args.name or f"local-{socket.gethostname()}")
-        out = shipped_profiles_dir() / f"{name}.yaml"
+        out = user_profiles_dir() / f"{name}.yaml"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

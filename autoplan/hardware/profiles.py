@@ -13,10 +13,14 @@ unit.  Loading rejects missing and unknown keys, wrong types and physically
 impossible values with a :class:`~autoplan.errors.ProfileError` that names the
 file, the field path and what was expected.
 
-Profiles are found by name in the ``profiles/`` folder next to the package and
-in the folders listed in the ``AUTOPLAN_PROFILES`` environment variable
-(separated by ``os.pathsep``; searched first, so they can override a shipped
-profile).  The file ``<name>.yaml`` must declare ``name: <name>``.
+Profiles are found by name, searched in this order: the folders listed in the
+``AUTOPLAN_PROFILES`` environment variable (separated by ``os.pathsep``), the
+user's folder ``$AUTOPLAN_HOME/profiles`` (default ``~/.autoplan/profiles``,
+where ``autoplan profile`` writes), then the shipped profiles.  An earlier folder
+overrides a later one.  The file ``<name>.yaml`` must declare ``name: <name>``.
+
+The shipped profiles are the repository's top-level ``profiles/`` folder; a wheel
+carries it as ``autoplan/_profiles`` (see ``setup.py``).
 
 Examples
 --------
@@ -63,7 +67,9 @@ __all__ = [
     "SiteLink",
     "CompositeProfile",
     "PROFILES_ENV",
+    "HOME_ENV",
     "shipped_profiles_dir",
+    "user_profiles_dir",
     "profile_dirs",
     "available_profiles",
     "find_profile_file",
@@ -86,6 +92,10 @@ COLLECTIVE_OPS: tuple[str, ...] = (
 
 #: Environment variable naming extra profile folders (``os.pathsep``-separated).
 PROFILES_ENV = "AUTOPLAN_PROFILES"
+
+#: Environment variable naming the user's autoplan folder (default ``~/.autoplan``);
+#: its ``profiles/`` subfolder holds the profiles the user wrote or measured.
+HOME_ENV = "AUTOPLAN_HOME"
 
 _DEFAULT_TABLE_KEY = "default"
 
@@ -956,14 +966,28 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
 
 
 def shipped_profiles_dir() -> Path:
-    """The ``profiles/`` folder beside the ``autoplan`` package."""
-    return Path(__file__).resolve().parent.parent.parent / "profiles"
+    """The shipped profiles: ``autoplan/_profiles`` in an installed wheel, else the
+    checkout's top-level ``profiles/`` folder (an editable install or ``PYTHONPATH``).
+
+    The wheel's folder is built from ``profiles/`` (``setup.py`` maps it), so the
+    two are never separate copies to keep in step.
+    """
+    package = Path(__file__).resolve().parent.parent
+    packaged = package / "_profiles"
+    return packaged if packaged.is_dir() else package.parent / "profiles"
+
+
+def user_profiles_dir() -> Path:
+    """``$AUTOPLAN_HOME/profiles`` (default ``~/.autoplan/profiles``): the user's own profiles."""
+    home = os.environ.get(HOME_ENV, "").strip()
+    return (Path(home).expanduser() if home else Path.home() / ".autoplan") / "profiles"
 
 
 def profile_dirs() -> list[Path]:
-    """Folders searched for profiles: ``$AUTOPLAN_PROFILES`` entries first, then the shipped one."""
+    """Folders searched for profiles, first match wins: ``$AUTOPLAN_PROFILES`` entries,
+    the user's folder (:func:`user_profiles_dir`), then the shipped one."""
     extra = [Path(p) for p in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if p.strip()]
-    return [*extra, shipped_profiles_dir()]
+    return [*extra, user_profiles_dir(), shipped_profiles_dir()]
 
 
 def _profile_files() -> dict[str, Path]:
@@ -1021,6 +1045,8 @@ def _load_file(path: str, mtime_ns: int, size: int) -> Profile | CompositeProfil
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ProfileError(f"cannot read the file ({exc.strerror})", file=path) from None
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"not a YAML profile: byte {exc.start} is not UTF-8 text", file=path) from None
     try:
         data = yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
