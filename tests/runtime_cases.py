@@ -416,7 +416,7 @@ def zero_bubble_safety(pm) -> list[str]:
 
 
 # ---------------------------------------------------------------------- searched plans
-def synthetic_measurements(world: int = 2, bf16: bool = False) -> dict:
+def synthetic_measurements(world: int = 2, bf16: bool = False, memory_gib: float = 8) -> dict:
     """What ``autoplan profile --device cpu`` measures, made up to known values: matmul n^3
     at 1e10 FLOP/s for n >= 128, half that below (``bf16``: also a bf16 table at half the
     fp32 speed); every collective exactly on the ring model with bus bandwidth B_op and
@@ -426,7 +426,8 @@ def synthetic_measurements(world: int = 2, bf16: bool = False) -> dict:
     if bf16:
         matmul["bf16"] = [[n, t * 2] for n, t in fp32]
     ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
-              "info": {"name": "Test CPU", "memory_bytes": 8 * 2**30}} for r in range(world)]
+              "info": {"name": "Test CPU", "memory_bytes": int(memory_gib * 2**30)}}
+             for r in range(world)]
     bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
            "broadcast": 2e9, "p2p": 2e9}
     n = world
@@ -439,25 +440,27 @@ def synthetic_measurements(world: int = 2, bf16: bool = False) -> dict:
     return {"ranks": ranks, "comm": comm, "world": world}
 
 
-def cpu_cluster(world: int = 4):
+def cpu_cluster(world: int = 4, memory_gib: float = 8):
     """A one-node cluster of ``world`` CPU processes from :func:`synthetic_measurements`
-    (with bf16 at half the fp32 speed): the shape of what ``autoplan profile --device cpu
-    --nproc 4`` writes."""
+    (with bf16 at half the fp32 speed; ``memory_gib`` of memory shared by the processes):
+    the shape of what ``autoplan profile --device cpu --nproc 4`` writes."""
     from autoplan.hardware import NodeGroup, compose_cluster
     from autoplan.hardware.profiler import _build_profile
 
-    profile, _ = _build_profile(f"cpu-{world}", synthetic_measurements(world, bf16=True),
+    profile, _ = _build_profile(f"cpu-{world}", synthetic_measurements(world, bf16=True,
+                                                                       memory_gib=memory_gib),
                                 cuda=False, nproc=world, threads=1, devices_per_node=world,
                                 quick=True, copy_bytes=2**20)
     return compose_cluster([NodeGroup(profile, 1)], name=f"cpu-{world}")
 
 
-def searched_plans(graph: str, world: int = 4, top_k: int = 3) -> list[str]:
+def searched_plans(graph: str, world: int = 4, top_k: int = 3,
+                   memory_gib: float = 8) -> list[str]:
     """The ``top_k`` plans autoplan.plan finds for the graph on :func:`cpu_cluster` (JSON)."""
     import autoplan
 
     g = _graph(graph)
-    best = autoplan.plan(g, cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ,
+    best = autoplan.plan(g, cpu_cluster(world, memory_gib), global_batch=GLOBAL_BATCH, seq_len=SEQ,
                          precision="fp32", top_k=top_k, time_limit_s=30)
     return [p.to_json() for p in (best, *getattr(best, "runners_up", ()))][:top_k]
 
