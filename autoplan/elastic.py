@@ -31,15 +31,16 @@ Layout policy (elastic re-planning)
 On the world size the plan was made for, the plan runs as it is.  On another,
 rank 0 calls :func:`autoplan.replan` (warm-started from the plan) for the
 devices of that world (:func:`cluster_for_world`: the first devices of the
-plan's cluster, or more nodes like its last one), restricted to the layouts the
-runtime runs (:meth:`SearchSpace.runnable`: equal replica batches, no context
-parallelism), and broadcasts the plan.  When no such layout uses every device
+plan's cluster, or more nodes like its last one), first with equal replica
+batches, and broadcasts the plan.  When no such layout uses every device
 because the global batch splits evenly over none of their data-parallel
-degrees (losing one node of 128 leaves 1016 = 8 x 127 GPUs), it tries fewer
-whole nodes: the plan then uses the first ranks, and the others wait idle
-(their process group is re-formed among the active ranks on a store rank 0
-hosts; all rejoin one group at the end, and a failure of an active rank ends
-the idle ones' wait with an error).  When nothing fits (the model does not fit
+degrees (losing one node of 128 leaves 1016 = 8 x 127 GPUs), it prices two
+ways on: equal batches on fewer whole nodes, and every device with the batch
+split unevenly over the replicas (ZeRO <= 1, :data:`autoplan.plan.UNEVEN_ZERO`),
+and takes the faster.  With fewer nodes the plan uses the first ranks, and the
+others wait idle (their process group is re-formed among the active ranks on a
+store rank 0 hosts; all rejoin one group at the end, and a failure of an
+active rank ends the idle ones' wait with an error).  When nothing fits (the model does not fit
 the memory of the devices left, or no device count splits the batch evenly)
 every rank raises
 :class:`NoLayoutFits`, whose message gives the memory needed and available,
@@ -54,6 +55,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -269,7 +271,7 @@ def save_verified(program: Any, root: str | os.PathLike[str], step: int, *,
 
 # ---------------------------------------------------------------------- policy
 class NoLayoutFits(InfeasiblePlan):
-    """No runnable layout fits the processes there are (the message says why and what
+    """No layout fits the processes there are (the message says why and what
     would; ``required_bytes``/``available_bytes`` when memory binds)."""
 
 
@@ -306,19 +308,20 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
 
     ``plan`` itself when it was made for ``world_size`` devices; otherwise
     :func:`autoplan.replan` of it, warm-started, for :func:`cluster_for_world`
-    of ``cluster`` (the cluster ``plan`` was made for), within the layouts the
-    runtime runs (:meth:`SearchSpace.runnable`).  When no such layout uses all
-    ``world_size`` devices because the global batch splits evenly over none of
-    their data-parallel degrees (1016 = 8 x 127 GPUs and a batch of 1536),
-    ``allow_idle`` tries fewer whole nodes (of the plan's devices per node), and
-    the plan returned uses fewer devices than there are processes.
+    of ``cluster`` (the cluster ``plan`` was made for), with equal replica
+    batches.  When no such layout uses all ``world_size`` devices because the
+    global batch splits evenly over none of their data-parallel degrees
+    (1016 = 8 x 127 GPUs and a batch of 1536), the faster of: every device with
+    uneven replica batches, and (``allow_idle``) equal batches on fewer whole
+    nodes (of the plan's devices per node), a plan that uses fewer devices than
+    there are processes.
 
     Raises
     ------
     NoLayoutFits
-        When no runnable layout fits: the model does not fit the devices' memory
-        (the message gives the memory needed and there), or the global batch
-        splits evenly over no data-parallel degree of any device count tried.
+        When no layout fits: the model does not fit the devices' memory (the
+        message gives the memory needed and there), or the global batch splits
+        over no data-parallel degree of any device count tried.
     ConfigError
         When the world differs from the plan's and there is no ``cluster`` to replan for.
     """
@@ -338,18 +341,37 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
     if allow_idle:
         sizes += [k * per_node for k in range(world_size // per_node, 0, -1)
                   if k * per_node < world_size]
-    first: ConfigError | None = None
-    for n in sizes:
+
+    def search(n: int, even: bool) -> Plan:
         try:
             return replan(plan, cluster_for_world(cluster, n), graph=graph,
-                          space=SearchSpace.runnable(), time_limit_s=time_limit_s)
+                          space=SearchSpace(even_batches=even), time_limit_s=time_limit_s)
         except InfeasiblePlan as e:     # memory binds: fewer devices will not fit either
             raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were "
                                "left untouched; restart with more devices.",
                                required_bytes=e.required_bytes,
                                available_bytes=e.available_bytes, binding=e.binding) from None
+
+    # equal replica batches on as many whole nodes as split the batch evenly ...
+    first: ConfigError | None = None
+    even: Plan | None = None
+    for n in sizes:
+        try:
+            even = search(n, even=True)
+            break
         except ConfigError as e:        # the batch does not split evenly: try fewer nodes
             first = first or e
+    if even is not None and even.num_devices == world_size:
+        return even
+    # ... or every process, the batch split unevenly: the faster of the two
+    try:
+        uneven: Plan | None = search(world_size, even=False)
+    except ConfigError as e:
+        uneven, first = None, first or e
+    options = [p for p in (even, uneven) if p is not None and (allow_idle or p is uneven)]
+    if options:
+        return min(options, key=lambda p: (p.estimate.step_time_s if p.estimate else math.inf,
+                                           -p.num_devices))
     tried = f" (nor on {sizes[1]}..{sizes[-1]} of them)" if len(sizes) > 1 else ""
     raise NoLayoutFits(f"no layout fits {world_size} processes{tried}: {first}. Checkpoints were "
                        "left untouched; restart with another number of processes or change "
@@ -517,8 +539,8 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         if rank >= chosen.num_devices:
             if rank == chosen.num_devices:
                 print(f"elastic: {world - chosen.num_devices} of {world} processes stay idle "
-                      f"(ranks {chosen.num_devices}..{world - 1}): no runnable layout uses all "
-                      f"{world}", flush=True)
+                      f"(ranks {chosen.num_devices}..{world - 1}): equal batches on fewer nodes "
+                      f"price faster than any layout of all {world}", flush=True)
             side.wait_done()
             side.rejoin(backend, rank, world, timeout)
             return ElasticResult(world_size=world, plan=chosen, replanned=replanned,

@@ -60,7 +60,7 @@ from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
 from .records import Record
-from .strategy import (ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, schedule_problem,
+from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, schedule_problem,
                        stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -255,8 +255,11 @@ class Plan(Record):
             problem = schedule_problem(self.schedule, pp, v_chunks, r // self.micro_batch)
             if problem:
                 raise StrategyError(f"a replica with {r} sequences per step: {problem}")
-        if pp > 1 and self.schedule is Schedule.ZERO_BUBBLE and any(lp.zero == 3 for lp in self.layers):
-            raise StrategyError(ZBV_ZERO3)
+        if pp > 1 and self.schedule is Schedule.ZERO_BUBBLE:
+            if any(lp.zero == 3 for lp in self.layers):
+                raise StrategyError(ZBV_ZERO3)
+            if any(lp.recompute is Recompute.SELECTIVE for lp in self.layers):
+                raise StrategyError(ZBV_SELECTIVE)
         if len(set(self.replica_batch)) > 1 and any(lp.zero >= 2 for lp in self.layers):
             raise StrategyError(UNEVEN_ZERO)
 

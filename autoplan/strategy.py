@@ -33,6 +33,13 @@ ZBV_ZERO3 = ("zero=3 with schedule='zero_bubble': ZeRO-3 reshards parameters aft
              "use zero <= 2 with zero_bubble, or another schedule with zero=3")
 
 
+#: Why zero-bubble schedules and selective recompute are never combined.
+ZBV_SELECTIVE = ("recompute='selective' with schedule='zero_bubble': the schedule runs each "
+                 "block's backward twice (input, then weight gradients), and torch 2.13's "
+                 "selective checkpointing allows one backward per region; use recompute='full' "
+                 "or 'none' with zero_bubble, or another schedule")
+
+
 class Recompute(str, enum.Enum):
     NONE = "none"
     SELECTIVE = "selective"   # attention core only (Korthikanti et al. 2022)
@@ -152,6 +159,9 @@ class Strategy(Record):
                 f"{self.micro_batch}) = {self.num_micro_batches} micro-batches: {problem}")
         if self.pp > 1 and self.schedule is Schedule.ZERO_BUBBLE and self.zero == 3:
             raise StrategyError(ZBV_ZERO3)
+        if (self.pp > 1 and self.schedule is Schedule.ZERO_BUBBLE
+                and self.recompute is Recompute.SELECTIVE):
+            raise StrategyError(ZBV_SELECTIVE)
 
     @property
     def world_size(self) -> int:

@@ -51,7 +51,9 @@ def layouts(draw) -> Strategy:
     assume(schedule_problem(schedule, pp, v, m) is None)
     zbv = schedule is Schedule.ZERO_BUBBLE and pp > 1
     return Strategy(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=mb, global_batch=dp * mb * m,
-                    zero=draw(st.integers(0, 2 if zbv else 3)), recompute=draw(st.sampled_from(list(Recompute))),
+                    zero=draw(st.integers(0, 2 if zbv else 3)),
+                    recompute=draw(st.sampled_from([r for r in Recompute
+                                                    if not (zbv and r is Recompute.SELECTIVE)])),
                     sequence_parallel=tp > 1 and draw(st.booleans()), schedule=schedule,
                     virtual_stages=v)
 

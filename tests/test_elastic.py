@@ -39,7 +39,6 @@ from autoplan.elastic import (EXIT_NO_LAYOUT, MANIFEST_FILE, NoLayoutFits, batch
 from autoplan.errors import CheckpointError, ConfigError
 from autoplan.hardware.cluster import Cluster
 from autoplan.plan import Plan
-from autoplan.search import SearchSpace
 from dist_harness import run
 
 #: tiny fp32 GPT; the global batch divides by 4 and by 3 (the world before and after the kill)
@@ -50,10 +49,10 @@ SEED = 7
 ATOL = 1e-5
 
 
-#: a 2-block GPT and a batch of 8: on 3 single-device nodes no runnable layout exists
-#: (8 does not split over dp=3, 2 blocks do not make 3 stages), on 2 one does
+#: a 2-block, 2-head GPT and a batch of 2: on 3 single-device nodes no layout exists (dp=3
+#: needs 3 sequences, pp=3 three blocks, tp=3 three heads), on 2 one does
 IDLE_ARGS = dict(GPT_ARGS, layers=2)
-IDLE_BATCH = 8
+IDLE_BATCH = 2
 
 
 def _gpt(args: tuple | None = None) -> torch.nn.Module:
@@ -78,7 +77,7 @@ def _cluster(nodes: int) -> Cluster:
 @functools.lru_cache(maxsize=None)
 def _plan(nodes: int, args: tuple | None = None, global_batch: int = GLOBAL_BATCH) -> Plan:
     return autoplan.plan(_graph(args), _cluster(nodes), global_batch=global_batch,
-                         precision="fp32", space=SearchSpace.runnable())
+                         precision="fp32")
 
 
 def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
@@ -207,10 +206,20 @@ def test_choose_plan_replans_within_what_the_runtime_runs():
         check_plan(new, world, graph)              # the runtime accepts it
         assert choose_plan(plan, world, graph=graph, cluster=cluster).to_json() == new.to_json()
     # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes: the
-    # plan leaves one idle, or, without that, nothing fits
-    assert choose_plan(plan, 5, graph=graph, cluster=cluster).num_devices == 4
-    with pytest.raises(NoLayoutFits, match="no layout fits 5 processes.*equal replica batches"):
-        choose_plan(plan, 5, graph=graph, cluster=cluster, allow_idle=False)
+    # cost model prefers 4 nodes with equal batches (one idle) to all 5 with uneven ones;
+    # without idle nodes, the batch is split unevenly over all 5
+    idle = choose_plan(plan, 5, graph=graph, cluster=cluster)
+    all5 = choose_plan(plan, 5, graph=graph, cluster=cluster, allow_idle=False)
+    assert idle.num_devices == 4 and all5.num_devices == 5
+    assert len(set(all5.replica_batch)) > 1 and sum(all5.replica_batch) == GLOBAL_BATCH
+    assert idle.estimate.step_time_s <= all5.estimate.step_time_s
+    check_plan(all5, 5, graph)
+    # 2 sequences, 2 blocks and 2 heads on 3 processes: no layout at all (dp=3 needs 3
+    # sequences, pp=3 three blocks, tp=3 three heads), and idle nodes not allowed
+    args = tuple(IDLE_ARGS.items())
+    with pytest.raises(NoLayoutFits, match="no layout fits 3 processes"):
+        choose_plan(_plan(4, args, IDLE_BATCH), 3, graph=_graph(args), cluster=cluster,
+                    allow_idle=False)
     with pytest.raises(ConfigError, match="replanning needs the cluster"):
         choose_plan(plan, 3, graph=graph)
 
@@ -261,8 +270,7 @@ def _big():
     args = dict(vocab_size=50304, seq_len=1024, hidden=4096, heads=32, layers=32)
     graph = autoplan.trace(build_model("gpt", args, dtype=torch.float32)[0], seq_len=1024)
     cluster = autoplan.load_cluster("a100-sxm4-80gb")
-    plan = autoplan.plan(graph, cluster, global_batch=8, precision="fp32",
-                         space=SearchSpace.runnable())
+    plan = autoplan.plan(graph, cluster, global_batch=8, precision="fp32")
     return graph, cluster, plan
 
 

@@ -89,6 +89,9 @@ def test_plans_refuse_schedules_torch_cannot_run_with_the_reason(gpt_graph):
     # ZeRO-3 reshards after forward: wrong gradients under zero-bubble, so never planned
     with pytest.raises(StrategyError, match="zero_bubble"):
         _S(pp=2, dp=2, zero=3, schedule="zero_bubble")
+    # the zero-bubble schedule runs two backwards per block; selective checkpointing allows one
+    with pytest.raises(StrategyError, match="backward twice"):
+        _S(pp=2, recompute="selective", schedule="zero_bubble")
     plan = plan_of(_S(pp=2, dp=2, zero=2, schedule="zero_bubble"), gpt_graph, world_size=4)
     with pytest.raises(StrategyError, match="zero_bubble"):
         dataclasses.replace(plan, layers=tuple(dataclasses.replace(lp, zero=3)

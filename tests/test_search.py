@@ -192,11 +192,12 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     assert len(set(free.replica_batch)) > 1
     check_plan(free, free.num_devices, graph)
     assert all(lp.zero <= 1 for lp in free.layers)    # per-micro-batch collectives must match
-    ran = autoplan.plan(graph, mixed, global_batch=60, space=SearchSpace.runnable())
-    assert len(set(ran.replica_batch)) == 1 and ran.mesh.degree("cp") == 1
-    check_plan(ran, ran.num_devices, graph)
+    even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True))
+    assert len(set(even.replica_batch)) == 1
+    check_plan(even, even.num_devices, graph)
     # a batch no replica count divides evenly: a clear error, not an uneven plan
     one_node = autoplan.load_cluster("a100-sxm4-80gb")
     with pytest.raises(ConfigError, match="equal replica batches"):
         autoplan.plan(graph, one_node.subset(range(7)), global_batch=9,
-                      space=SearchSpace.runnable(tensor_parallel=(1,), pipeline_parallel=(1, 1)))
+                      space=SearchSpace(even_batches=True, tensor_parallel=(1,),
+                                        pipeline_parallel=(1, 1), context_parallel=(1,)))

@@ -110,12 +110,10 @@ def resolve_plan(model: nn.Module, target: Any, graph: ModelGraph, *, world_size
 def _plan_on_rank0(graph: ModelGraph, cluster: Cluster, global_batch: int) -> Plan:
     """Rank 0 searches (a time-bounded search need not agree across ranks) and every
     rank gets its plan, or its error, by broadcast: the one collective before validation."""
-    from ..search import SearchSpace
     from ..search import plan as search
 
     return Plan.from_json(on_rank0(lambda: search(
-        graph, cluster, global_batch=global_batch, seq_len=graph.seq_len,
-        space=SearchSpace.runnable()).to_json()))
+        graph, cluster, global_batch=global_batch, seq_len=graph.seq_len).to_json()))
 
 
 # ---------------------------------------------------------------------- the program
@@ -255,8 +253,9 @@ class ParallelModel:
             self.schedule.step(*args, **kwargs)
             if self.tied is not None:
                 self.tied()
-            # the schedule's losses are weighted (see _attach_pipeline)
-            local = (torch.stack([l.detach().double() for l in losses]).mean() / weight
+            # the schedule's losses are scaled by weight / m (see _attach_pipeline)
+            m = plan.micro_batches_of(self.replica)
+            local = (torch.stack([l.detach().double() for l in losses]).mean() * (m / weight)
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
         for opt in self.optimizers:
             opt.step()
@@ -565,16 +564,17 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
 def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
                      device: torch.device) -> None:
     """torch pipeline stages and schedule over this rank's parts, and the gradient sum of
-    tied parameters split over stages.  The schedule's loss is weighted by the replica's
-    share of the global batch (:attr:`ParallelModel.replica_weight`)."""
+    tied parameters split over stages.  The schedule's loss is divided by the replica's
+    micro-batches and weighted by its share of the global batch
+    (:attr:`ParallelModel.replica_weight`)."""
     plan, mesh = pm.plan, pm.mesh
     group = mesh["pp"].get_group()
     n = len(plan.stages)
     pm.stages = [make_stage(p, s, n, device, group) for p, s in zip(pm.parts, stage_ids)]
-    weight = pm.replica_weight
-    loss_fn = pm.loss_fn if weight == 1.0 else (lambda out, y: pm.loss_fn(out, y) * weight)
-    pm.schedule = build_schedule(plan.schedule, pm.stages, plan.micro_batches_of(pm.replica),
-                                 loss_fn)
+    m = plan.micro_batches_of(pm.replica)
+    scale = pm.replica_weight / m
+    pm.schedule = build_schedule(plan.schedule, pm.stages, m,
+                                 lambda out, y: pm.loss_fn(out, y) * scale)
     if ties:
         coords = mesh_coordinates(plan)
         others = [d for d in plan.mesh.dims if d != "pp"]

@@ -11,9 +11,10 @@ schedules.
 
 torch's schedules are the pipeline runtime: GPipe (Huang et al. 2019), 1F1B
 (Narayanan et al. 2019), interleaved 1F1B (Narayanan et al. 2021) and ZBV
-zero-bubble (Qi et al. 2024).  Each micro-batch loss is a mean over its tokens
-and ``scale_grads=True`` divides the accumulated gradients by the number of
-micro-batches, so the gradient is that of the mean over the local batch.
+zero-bubble (Qi et al. 2024).  Each micro-batch loss is a mean over its tokens,
+divided by the replica's micro-batches and weighted by its share of the global
+batch before backward (``scale_grads=False``), so the data-parallel mean of the
+accumulated gradients is that of the mean loss over the global batch.
 """
 
 from __future__ import annotations
@@ -222,15 +223,20 @@ class TiedGrads:
 
 def build_schedule(schedule: Schedule, stages: list[PipelineStage], num_micro_batches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """torch's schedule object for ``schedule`` over this rank's ``stages``."""
+    """torch's schedule object for ``schedule`` over this rank's ``stages``.
+
+    ``loss_fn`` must already divide by the micro-batches (and weight the replica's share):
+    torch's ``scale_grads`` would divide each rank's gradients by its own micro-batch count
+    *after* the data-parallel reduction, wrong when replicas run different counts."""
+    kw = dict(loss_fn=loss_fn, scale_grads=False)
     if schedule is Schedule.GPIPE:
-        return ScheduleGPipe(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleGPipe(stages[0], num_micro_batches, **kw)
     if schedule is Schedule.ONE_F_ONE_B:
-        return Schedule1F1B(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return Schedule1F1B(stages[0], num_micro_batches, **kw)
     if schedule is Schedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleInterleaved1F1B(stages, num_micro_batches, **kw)
     if schedule is Schedule.ZERO_BUBBLE:
-        return ScheduleZBVZeroBubble(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleZBVZeroBubble(stages, num_micro_batches, **kw)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 

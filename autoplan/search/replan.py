@@ -59,9 +59,8 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     memory_fraction : float, optional
         Default: the fraction the previous plan was made with.
     space : SearchSpace, optional
-        What the new plan may use (default: everything; the elastic entry point
-        passes ``SearchSpace.runnable()``).  The warm start searches the previous
-        plan's neighbourhood within it.
+        What the new plan may use (default: everything).  The warm start searches
+        the previous plan's neighbourhood within it.
 
     Raises
     ------

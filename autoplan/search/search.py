@@ -3,8 +3,9 @@
 Method
 ------
 1. **Degrees.** Enumerate ``tp`` (dividing the devices of a node and the
-   model's heads: tensor parallelism stays inside a node), ``cp`` (long
-   sequences only), ``pp`` (dividing what is left, at most the number of
+   model's heads: tensor parallelism stays inside a node), ``cp`` (wherever the
+   sequence splits into the ``2 cp`` load-balanced chunks the runtime uses, with
+   ``tp x cp`` inside a node; whether it pays is the cost model's call), ``pp`` (dividing what is left, at most the number of
    blocks) and ``dp`` (the rest, dividing the global batch, or split unevenly
    over replicas of different speeds), micro-batch sizes and schedules.
    Ranks are laid out with ``tp`` innermost and ``pp`` outermost over the
@@ -56,8 +57,13 @@ _MiB = float(2**20)
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose from (defaults: everything the cost model prices; see
-    :meth:`runnable` for what the runtime runs)."""
+    """What the search may choose from (defaults: everything the cost model prices, all of
+    which :func:`autoplan.parallelize` runs).
+
+    ``context_parallel`` degrees are tried wherever the sequence splits into ``2 cp``
+    chunks (the load-balanced split the runtime uses); whether they pay is the cost
+    model's call (memory of long sequences against the key/value all-gather).
+    ``even_batches`` keeps every replica's batch equal (no speed-proportional split)."""
 
     schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
                                        Schedule.ZERO_BUBBLE, Schedule.GPIPE)
@@ -68,18 +74,10 @@ class SearchSpace:
     recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     sequence_parallel: tuple[bool, ...] = (True, False)
     context_parallel: tuple[int, ...] = (1, 2, 4)
-    context_parallel_min_seq: int = 16384
-    refine: int = 4                # candidates refined with CP-SAT
+    refine: int = 8                # candidates refined with CP-SAT
     tensor_parallel: tuple[int, ...] | None = None    # None: every degree that fits a node
     pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
     even_batches: bool = False     # True: every replica gets the same batch (no speed split)
-
-    @classmethod
-    def runnable(cls, **overrides: Any) -> "SearchSpace":
-        """The layouts :func:`autoplan.parallelize` can run: no context parallelism and the
-        same batch on every replica (plans of the default space may split the batch
-        unevenly over replicas of different speeds, or use ``cp > 1`` at long sequences)."""
-        return cls(**{"context_parallel": (1,), "even_batches": True, **overrides})
 
 
 @dataclass(frozen=True)
@@ -315,73 +313,78 @@ class _Builder:
 
 
 # ------------------------------------------------------------------ enumeration
-def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -> Iterable[_Combo]:
+def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
+            attention: bool = True) -> Iterable[_Combo]:
+    """Degree combinations, context-parallel degree outermost with cp = 1 first (its plans
+    bound the step time that prunes the others).  ``attention``: the model's key/value
+    size is known, so context parallelism can be priced."""
     n = cluster.num_devices
     per_node = _devices_per_node(cluster)
     tp_limit = _blocks_tp_limit(graph)
     blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
     seq = graph.seq_len or 0
-    for tp in _divisors(per_node):
+    # the runtime splits each sequence into 2 cp load-balanced chunks
+    cps = sorted(cp for cp in set(space.context_parallel)
+                 if cp == 1 or (attention and seq and seq % (2 * cp) == 0))
+    for cp, tp in ((cp, tp) for cp in cps for tp in _divisors(per_node)):
         if tp_limit % tp or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
             continue
-        cps = [cp for cp in space.context_parallel
-               if cp == 1 or (seq >= space.context_parallel_min_seq and seq % (2 * cp) == 0)]
-        for cp in cps:
-            if (n // tp) % cp:
+        if (n // tp) % cp or per_node % (tp * cp):
+            continue   # the key/value all-gather stays inside a node, as tp's collectives do
+        rest = n // (tp * cp)
+        for pp in _divisors(rest):
+            if pp > blocks:
                 continue
-            rest = n // (tp * cp)
-            for pp in _divisors(rest):
-                if pp > blocks:
+            if space.pipeline_parallel is not None and \
+                    not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
+                continue
+            dp = rest // pp
+            if dp > global_batch:
+                continue
+            per_replica = global_batch // dp
+            if space.micro_batches is not None:
+                mbs = [mb for mb in space.micro_batches if mb <= per_replica]
+            else:   # every divisor (what an expert would try), plus powers of two for
+                # batches that split unevenly over the replicas
+                mbs = sorted({d for d in _divisors(per_replica) if d <= space.max_micro_batch}
+                             | {2 ** i for i in range(7) if 2 ** i <= min(per_replica,
+                                                                         space.max_micro_batch)})
+            for mb in mbs:
+                if dp * mb > global_batch:
                     continue
-                if space.pipeline_parallel is not None and \
-                        not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
-                    continue
-                dp = rest // pp
-                if dp > global_batch:
-                    continue
-                per_replica = global_batch // dp
-                if space.micro_batches is not None:
-                    mbs = [mb for mb in space.micro_batches if mb <= per_replica]
-                else:   # every divisor (what an expert would try), plus powers of two for
-                    # batches that split unevenly over the replicas
-                    mbs = sorted({d for d in _divisors(per_replica) if d <= space.max_micro_batch}
-                                 | {2 ** i for i in range(7) if 2 ** i <= min(per_replica,
-                                                                             space.max_micro_batch)})
-                for mb in mbs:
-                    if dp * mb > global_batch:
-                        continue
-                    m = global_batch // (dp * mb)
-                    scheds: list[tuple[Schedule, int]] = []
-                    if pp == 1:
-                        scheds = [(Schedule.ONE_F_ONE_B, 1)]
-                    else:
-                        for s in space.schedules:
-                            if s is Schedule.INTERLEAVED:
-                                scheds += [(s, v) for v in space.virtual_stages
-                                           if blocks >= pp * v and m >= pp and m % pp == 0]
-                            elif s is Schedule.ZERO_BUBBLE:
-                                if blocks >= 2 * pp and m >= 2 * pp:
-                                    scheds.append((s, 2))
-                            elif s is Schedule.ONE_F_ONE_B:
-                                if m >= pp:
-                                    scheds.append((s, 1))
-                            else:
+                m = global_batch // (dp * mb)
+                scheds: list[tuple[Schedule, int]] = []
+                if pp == 1:
+                    scheds = [(Schedule.ONE_F_ONE_B, 1)]
+                else:
+                    for s in space.schedules:
+                        if s is Schedule.INTERLEAVED:
+                            scheds += [(s, v) for v in space.virtual_stages
+                                       if blocks >= pp * v and m >= pp and m % pp == 0]
+                        elif s is Schedule.ZERO_BUBBLE:
+                            if blocks >= 2 * pp and m >= 2 * pp:
+                                scheds.append((s, 2))
+                        elif s is Schedule.ONE_F_ONE_B:
+                            if m >= pp:
                                 scheds.append((s, 1))
-                    sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
-                    if tp > 1 and True in sps and False in sps:
-                        sps = [True, False]
-                    for sched, v in scheds:
-                        for sp in sps:
-                            yield _Combo(tp, cp, pp, dp, mb, sched, v, sp)
+                        else:
+                            scheds.append((s, 1))
+                sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
+                if tp > 1 and True in sps and False in sps:
+                    sps = [True, False]
+                for sched, v in scheds:
+                    for sp in sps:
+                        yield _Combo(tp, cp, pp, dp, mb, sched, v, sp)
 
 
 def _ladder(space: SearchSpace, schedule: Schedule) -> list[list[tuple[int, Recompute]]]:
     """Rungs of (ZeRO stage, recompute), cheapest first; a rung is tried only when the
     rungs below hold nothing that fits."""
-    rc = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL) if r in space.recompute]
-    zs = [z for z in space.zero if not (schedule is Schedule.ZERO_BUBBLE and z == 3)]
-    # ZeRO-3 reshards after forward: with zero-bubble schedules that gives wrong gradients
-    # in torch (see shared notes), so the search never proposes it.
+    zbv = schedule is Schedule.ZERO_BUBBLE
+    # what torch cannot run under zero-bubble schedules (strategy.ZBV_ZERO3, ZBV_SELECTIVE)
+    rc = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+          if r in space.recompute and not (zbv and r is Recompute.SELECTIVE)]
+    zs = [z for z in space.zero if not (zbv and z == 3)]
     rungs = [
         [(z, Recompute.NONE) for z in zs if z in (0, 1)],
         [(z, r) for z in zs for r in rc if (z, r) in ((0, Recompute.SELECTIVE),
@@ -467,6 +470,34 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
     return best
 
 
+#: A refined layout takes at least this fraction of its candidate's step time: refinement
+#: removes at most the recompute, and full recompute re-runs a forward, which is at most a
+#: third of forward plus backward (the backward runs two matmuls per forward matmul,
+#: Narayanan et al. 2021, Sec. 3.5), so at most a quarter of the step.
+REFINE_FLOOR = 3 / 4
+
+
+def _refine_order(ranked: list[_Candidate], engine: CostEngine, budget: int) -> list[_Candidate]:
+    """The candidates worth refining, best first: those whose step time could drop below
+    the best candidate's (``REFINE_FLOOR``), ordered by what refinement could reach at
+    best, the step time without the candidate's recompute (CP-SAT chooses recompute per
+    block and blocks per stage), one per degree combination."""
+    if not ranked:
+        return []
+    limit = ranked[0].step_time_s / REFINE_FLOOR
+    pool, seen = [], set()
+    for cand in ranked:
+        if cand.step_time_s > limit:
+            break
+        if cand.combo.v != 1 or cand.combo.key() in seen:
+            continue   # only single-chunk pipelines are refined (see _refine)
+        seen.add(cand.combo.key())
+        pool.append(cand)
+    bound = {id(c): c.step_time_s - engine.estimate(c.layout).breakdown["recompute_s"]
+             for c in pool}
+    return sorted(pool, key=lambda c: (bound[id(c)], c.step_time_s, c.key))
+
+
 # ------------------------------------------------------------------ search
 def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: float = 0.9,
            time_limit_s: float = 60.0, top_k: int = 1, precision: Precision | str = Precision.BF16,
@@ -491,7 +522,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     engine = CostEngine(graph, cluster, options=options)
     builder = _Builder(graph, engine, cluster, precision)
 
-    combos = list(_combos(graph, cluster, global_batch, space))
+    combos = list(_combos(graph, cluster, global_batch, space,
+                          attention=engine.summary.kv_bytes_per_token is not None))
     if not combos:
         dps = sorted({cluster.num_devices // (tp * pp) for tp in _divisors(_devices_per_node(cluster))
                       for pp in _divisors(cluster.num_devices // tp)
@@ -572,7 +604,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     ranked.sort()
     refined = 0
     seen_keys = set()
-    for cand in list(ranked[:space.refine * 3]):
+    for cand in _refine_order(ranked, engine, space.refine):
         if refined >= space.refine:
             break
         if cand.combo.key() in seen_keys:
