@@ -66,6 +66,9 @@ MODELS: dict[str, Callable] = {
     # input embedding and output head share one weight
     "gpt-tied": lambda seed=0: make_gpt(seed, tie=True),
     "llama-tied": lambda seed=0: make_llama(seed, tie=True),
+    # 8 blocks: pp=2 with 4 chunks per rank (interleaved v=4) needs a block per chunk
+    "gpt-8": lambda seed=0: make_gpt(seed, layers=8),
+    "llama-8": lambda seed=0: make_llama(seed, layers=8),
 }
 
 
@@ -79,14 +82,21 @@ def _logits(model, ids):
     return out.logits if hasattr(out, "logits") else out
 
 
-def reference(model_name: str, steps: int = 3, seed: int = 0) -> dict[str, Any]:
-    """Single-process training on the whole global batch: losses and parameters per step."""
+def reference(model_name: str, steps: int = 3, seed: int = 0, *, bf16: bool = False,
+              rows: slice | None = None) -> dict[str, Any]:
+    """Single-process training on the whole global batch: losses and parameters per step.
+
+    ``bf16``: forward and loss under bf16 autocast with fp32 weights and optimizer, as
+    the runtime trains at ``precision="bf16"``.  ``rows``: train on these rows of the
+    batch only (what a replica that skipped the gradient reduction would learn).
+    """
     model = MODELS[model_name](seed)
     opt = make_optimizer(model.parameters())
-    ids = make_batch()
+    ids = make_batch() if rows is None else make_batch()[rows]
     losses, params = [], {}
     for step in range(1, steps + 1):
-        loss = token_cross_entropy(_logits(model, ids), ids, shift=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = token_cross_entropy(_logits(model, ids), ids, shift=True)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -185,6 +195,143 @@ def uneven_plan(graph: str, *, dp: int = 1, tp: int = 1, zero: int = 0,
     s = Strategy(dp=dp, tp=tp, pp=2, zero=zero, micro_batch=micro_batch,
                  global_batch=GLOBAL_BATCH, schedule=schedule, precision="fp32")
     return plan_of(s, _graph(graph), world_size=s.world_size, blocks_per_stage=(1, 3))
+
+
+def mixed_recompute(plan, options: tuple[str, ...] = ("full", "selective", "none")):
+    """``plan`` with per-block recompute as the search emits it: CP-SAT picks how many of
+    each pipeline rank's blocks take each option and lays them out most-saving first,
+    since the earliest blocks keep their activations longest
+    (``autoplan.search.search._refine``).  Here each rank's blocks, in execution order,
+    are split as evenly as possible over ``options`` in that order; embeddings and
+    head keep theirs.
+
+    The search only refines one-chunk schedules; on interleaved and zero-bubble plans
+    this is a hand-made plan of the same shape.
+    """
+    import dataclasses
+
+    from autoplan.plan import even_block_counts
+
+    blocks = {lp.name for lp in plan.layers if lp.name.rsplit(".", 1)[-1].isdigit()}
+    choice: dict[str, str] = {}
+    for rank in range(plan.pp):
+        mine = [n for k in plan.local_stages(rank) for n in plan.stages[k].layers if n in blocks]
+        counts = even_block_counts(len(mine), len(options)) if len(mine) >= len(options) \
+            else [1] * len(mine)
+        it = iter(mine)
+        for option, count in zip(options, counts):
+            for _ in range(count):
+                choice[next(it)] = option
+    layers = tuple(dataclasses.replace(lp, recompute=choice.get(lp.name, lp.recompute))
+                   for lp in plan.layers)
+    return dataclasses.replace(plan, layers=layers)
+
+
+def uneven_batches(plan, replica_batch: tuple[int, ...]):
+    """``plan`` with replica ``r`` taking ``replica_batch[r]`` sequences per step (as the
+    search splits the batch over replicas of different speeds); Plan validates it."""
+    import dataclasses
+
+    return dataclasses.replace(plan, replica_batch=tuple(replica_batch),
+                               num_micro_batches=max(replica_batch) // plan.micro_batch)
+
+
+def plan_for(strategy, graph: str, **kw):
+    """:func:`autoplan.runtime.plan_of` of ``strategy`` on its world (``graph``: JSON)."""
+    from autoplan.runtime import plan_of
+
+    return plan_of(strategy, _graph(graph), world_size=strategy.world_size, **kw)
+
+
+# ---------------------------------------------------------------------- bf16
+#: How far a bf16 run may be from the fp32 reference, as a multiple of how far the
+#: single-process bf16 run is from it (see :func:`bf16_bounds`).
+BF16_FACTOR = 3.0
+
+
+def _deviation(got: dict, want: dict, start: dict) -> tuple[float, float]:
+    """Max abs difference of two state dicts, and their L2 distance relative to the
+    distance training moved ``want`` from ``start`` (the update's size)."""
+    worst = max(_max_err(got[k], v) for k, v in want.items())
+    num = sum(float((got[k].double() - v.double()).pow(2).sum()) for k, v in want.items())
+    den = sum(float((v.double() - start[k].double()).pow(2).sum()) for k, v in want.items())
+    return worst, (num / den) ** 0.5
+
+
+def bf16_bounds(model_name: str, steps: int = 10, factor: float = BF16_FACTOR) -> dict[str, Any]:
+    """The fp32 single-process reference and the bf16 tolerances derived from it.
+
+    bf16 autocast rounds every matmul input to 8 mantissa bits; where and in what order
+    a parallel layout sums (tensor-parallel partial sums, gradient reductions,
+    micro-batch accumulation, pipeline splits) changes which roundings happen, not
+    their size.  So the single-process bf16 run's distance from fp32 after ``steps``
+    steps, ``d``, measures the precision itself, and a correct parallel bf16 run is
+    another draw of that error: it must stay within ``factor * d`` of fp32, for the
+    loss at every step, for the largest parameter entry, and for the L2 distance of
+    all parameters relative to the size of the update (the entry-wise maximum is
+    dominated by a few entries whose tiny gradients Adam's normalisation amplifies).
+
+    ``factor`` = 3: on one process, bf16 runs that differ only in rounding (2 and 4
+    micro-batches of gradient accumulation) landed within 1.6x ``d`` on the tiny GPT
+    and Llama (measured: loss 1.75e-4 / 2.8e-4, max entry 1.8e-3 / 1.8e-3, relative
+    1.26e-2 / 1.35e-2), so 3x leaves about 2x margin.  The bound must still catch a
+    real bug: training on half of the batch (a replica whose gradients were never
+    reduced) is ``bug`` away from fp32, returned too; it is checked here to be
+    several times every bound (measured: loss 0.1, max entry 2e-2, relative 0.9).
+    """
+    fp32 = reference(model_name, steps)
+    bf16 = reference(model_name, steps, bf16=True)
+    half = reference(model_name, steps, rows=slice(0, GLOBAL_BATCH // 2))
+    start = MODELS[model_name](0).state_dict()
+    final = fp32["params"][steps]
+
+    def distance(run: dict) -> dict[str, float]:
+        worst, rel = _deviation(run["params"][steps], final, start)
+        loss = max(abs(a - b) for a, b in zip(run["losses"], fp32["losses"]))
+        return {"loss": loss, "param": worst, "rel": rel}
+
+    d, bug = distance(bf16), distance(half)
+    tol = {k: factor * v for k, v in d.items()}
+    for k in tol:
+        # the loss tolerance is ~200x below the bug, the relative one ~20x, the entry-wise
+        # maximum ~3.5x (its only role is to catch a single broken tensor)
+        if not 0 < tol[k] < bug[k] / 3:
+            raise AssertionError(f"bf16 {k} tolerance {tol[k]:.3g} (= {factor} x {d[k]:.3g}) is "
+                                 f"not well below the error of a missing reduction {bug[k]:.3g}")
+    return {"losses": fp32["losses"], "params": final, "start": start, "steps": steps,
+            "single_bf16": d, "tol": tol, "bug": bug}
+
+
+def bf16_parity(rank: int, world: int, targets: list[tuple], bounds: dict[str, dict],
+                graph: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Train each ``(label, target, model)`` in bf16 for ``bounds[model]["steps"]`` steps
+    and compare with the fp32 single-process reference within the bounds of
+    :func:`bf16_bounds`.  Returns per label the errors and the seconds taken."""
+    from autoplan.runtime import parallelize
+
+    ids = make_batch()
+    out: dict[str, dict[str, float]] = {}
+    for label, target, name in targets:
+        t0 = time.perf_counter()
+        b = bounds[name]
+        pm = parallelize(MODELS[name](0), target, seq_len=SEQ, optimizer=make_optimizer,
+                         graph=_graph(graph.get(name)))
+        if pm.plan.precision.value != "bf16":
+            raise AssertionError(f"{label}: runs {pm.plan.precision.value}, not bf16")
+        loss_err = max(abs(pm.step(ids) - want) for want in b["losses"])
+        sd = pm.full_state_dict()
+        err = {"loss": loss_err, "param": 0.0, "rel": 0.0}
+        if rank == 0:
+            err["param"], err["rel"] = _deviation(sd, b["params"], b["start"])
+        for k, e in err.items():
+            if not e <= b["tol"][k]:
+                raise AssertionError(f"{label} ({pm.plan.label()}): bf16 {k} error {e:.3g} > "
+                                     f"{b['tol'][k]:.3g} ({BF16_FACTOR} x the single-process "
+                                     f"bf16 error {b['single_bf16'][k]:.3g})")
+        out[label] = {"loss_err": err["loss"], "param_err": err["param"], "rel_err": err["rel"],
+                      "seconds": time.perf_counter() - t0}
+        del pm
+    return out
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -416,18 +563,22 @@ def zero_bubble_safety(pm) -> list[str]:
 
 
 # ---------------------------------------------------------------------- searched plans
-def synthetic_measurements(world: int = 2, bf16: bool = False, memory_gib: float = 8) -> dict:
+def synthetic_measurements(world: int = 2, bf16: bool = False,
+                           memory_bytes: int | None = None) -> dict:
     """What ``autoplan profile --device cpu`` measures, made up to known values: matmul n^3
     at 1e10 FLOP/s for n >= 128, half that below (``bf16``: also a bf16 table at half the
     fp32 speed); every collective exactly on the ring model with bus bandwidth B_op and
-    100 us per step."""
+    100 us per step.  ``memory_bytes``: the RAM the ranks share (the profile gives each
+    rank ``memory_bytes / world``), by default 8 GiB, or 2 GiB per rank beyond 4 ranks (the
+    cost model reserves 1 GiB per rank for the runtime, so 8 ranks in 8 GiB fit nothing)."""
+    if memory_bytes is None:
+        memory_bytes = max(8, 2 * world) * 2**30
     fp32 = [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]
     matmul = {"fp32": fp32}
     if bf16:
         matmul["bf16"] = [[n, t * 2] for n, t in fp32]
     ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
-              "info": {"name": "Test CPU", "memory_bytes": int(memory_gib * 2**30)}}
-             for r in range(world)]
+              "info": {"name": "Test CPU", "memory_bytes": memory_bytes}} for r in range(world)]
     bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
            "broadcast": 2e9, "p2p": 2e9}
     n = world
@@ -440,27 +591,25 @@ def synthetic_measurements(world: int = 2, bf16: bool = False, memory_gib: float
     return {"ranks": ranks, "comm": comm, "world": world}
 
 
-def cpu_cluster(world: int = 4, memory_gib: float = 8):
+def cpu_cluster(world: int = 4, memory_bytes: int | None = None):
     """A one-node cluster of ``world`` CPU processes from :func:`synthetic_measurements`
-    (with bf16 at half the fp32 speed; ``memory_gib`` of memory shared by the processes):
+    (with bf16 at half the fp32 speed; ``memory_bytes`` as there):
     the shape of what ``autoplan profile --device cpu --nproc 4`` writes."""
     from autoplan.hardware import NodeGroup, compose_cluster
     from autoplan.hardware.profiler import _build_profile
 
-    profile, _ = _build_profile(f"cpu-{world}", synthetic_measurements(world, bf16=True,
-                                                                       memory_gib=memory_gib),
-                                cuda=False, nproc=world, threads=1, devices_per_node=world,
-                                quick=True, copy_bytes=2**20)
+    measured = synthetic_measurements(world, bf16=True, memory_bytes=memory_bytes)
+    profile, _ = _build_profile(f"cpu-{world}", measured, cuda=False, nproc=world, threads=1,
+                                devices_per_node=world, quick=True, copy_bytes=2**20)
     return compose_cluster([NodeGroup(profile, 1)], name=f"cpu-{world}")
 
 
-def searched_plans(graph: str, world: int = 4, top_k: int = 3,
-                   memory_gib: float = 8) -> list[str]:
+def searched_plans(graph: str, world: int = 4, top_k: int = 3) -> list[str]:
     """The ``top_k`` plans autoplan.plan finds for the graph on :func:`cpu_cluster` (JSON)."""
     import autoplan
 
     g = _graph(graph)
-    best = autoplan.plan(g, cpu_cluster(world, memory_gib), global_batch=GLOBAL_BATCH, seq_len=SEQ,
+    best = autoplan.plan(g, cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ,
                          precision="fp32", top_k=top_k, time_limit_s=30)
     return [p.to_json() for p in (best, *getattr(best, "runners_up", ()))][:top_k]
 

@@ -85,7 +85,7 @@ def _plans(graph) -> dict[str, Plan]:
             plan_of(Strategy(dp=4, tp=2, global_batch=16, precision="fp32", zero=1), graph,
                     world_size=8), (6, 4, 4, 2)),
     }
-    for i, p in enumerate(rc.searched_plans(graph.to_json(), world=8, top_k=3, memory_gib=64)):
+    for i, p in enumerate(rc.searched_plans(graph.to_json(), world=8, top_k=3)):
         plans[f"searched #{i + 1}"] = Plan.from_json(p)
     return plans
 
@@ -187,7 +187,7 @@ def _per_layer(summary, lay) -> list[tuple]:
 
 
 def test_the_cost_engine_prices_the_plans_layout(gpt_graph):
-    engine = CostEngine(gpt_graph, rc.cpu_cluster(8, memory_gib=64))
+    engine = CostEngine(gpt_graph, rc.cpu_cluster(8))
     for label, plan in _plans(gpt_graph).items():
         lay = layout_from_plan(engine.summary, plan)
         want = [(lp.stage, plan.stages[lp.stage].rank, lp.tp, lp.sequence_parallel, lp.zero,
@@ -211,7 +211,7 @@ def test_the_searchs_winners_compile_back_to_the_layouts_it_ranked(gpt_graph, mo
         return plan
 
     monkeypatch.setattr(search_module._Builder, "plan", record)
-    for cluster, batch in ((rc.cpu_cluster(8, memory_gib=64), 8), (autoplan.load_cluster("mixed-a100-v100"), 60),
+    for cluster, batch in ((rc.cpu_cluster(8), 8), (autoplan.load_cluster("mixed-a100-v100"), 60),
                            (autoplan.load_cluster("a100-sxm4-80gb", nodes=2), 64)):
         search_module.search(gpt_graph, cluster, global_batch=batch, top_k=3)
     assert len(seen) >= 6
