@@ -255,8 +255,9 @@ class ParallelModel:
             self.schedule.step(*args, **kwargs)
             if self.tied is not None:
                 self.tied()
-            # the schedule's losses are weighted (see _attach_pipeline)
-            local = (torch.stack([l.detach().double() for l in losses]).mean() / weight
+            # the schedule's losses are scaled by weight / m (see _attach_pipeline)
+            m = plan.micro_batches_of(self.replica)
+            local = (torch.stack([l.detach().double() for l in losses]).mean() * (m / weight)
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
         for opt in self.optimizers:
             opt.step()
@@ -565,16 +566,23 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
 def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
                      device: torch.device) -> None:
     """torch pipeline stages and schedule over this rank's parts, and the gradient sum of
-    tied parameters split over stages.  The schedule's loss is weighted by the replica's
-    share of the global batch (:attr:`ParallelModel.replica_weight`)."""
+    tied parameters split over stages.  Each micro-batch's loss is scaled by the replica's
+    weight (:attr:`ParallelModel.replica_weight`) over its number of micro-batches ``m``,
+    and the schedule does not scale gradients: torch's ``scale_grads`` divides by ``m``
+    *after* the data-parallel reduction (``perform_reduce_grad``), which is right only when
+    every replica runs the same ``m``; with uneven replica batches each replica would
+    divide the averaged gradient by its own ``m``."""
     plan, mesh = pm.plan, pm.mesh
     group = mesh["pp"].get_group()
     n = len(plan.stages)
     pm.stages = [make_stage(p, s, n, device, group) for p, s in zip(pm.parts, stage_ids)]
-    weight = pm.replica_weight
-    loss_fn = pm.loss_fn if weight == 1.0 else (lambda out, y: pm.loss_fn(out, y) * weight)
-    pm.schedule = build_schedule(plan.schedule, pm.stages, plan.micro_batches_of(pm.replica),
-                                 loss_fn)
+    m = plan.micro_batches_of(pm.replica)
+    scale = pm.replica_weight / m
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return pm.loss_fn(out, y) * scale
+
+    pm.schedule = build_schedule(plan.schedule, pm.stages, m, loss_fn, scale_grads=False)
     if ties:
         coords = mesh_coordinates(plan)
         others = [d for d in plan.mesh.dims if d != "pp"]

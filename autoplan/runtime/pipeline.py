@@ -11,9 +11,12 @@ schedules.
 
 torch's schedules are the pipeline runtime: GPipe (Huang et al. 2019), 1F1B
 (Narayanan et al. 2019), interleaved 1F1B (Narayanan et al. 2021) and ZBV
-zero-bubble (Qi et al. 2024).  Each micro-batch loss is a mean over its tokens
-and ``scale_grads=True`` divides the accumulated gradients by the number of
-micro-batches, so the gradient is that of the mean over the local batch.
+zero-bubble (Qi et al. 2024).  Each micro-batch loss is a mean over its tokens;
+the runtime scales it by ``1 / micro-batches`` (and the replica's batch weight)
+itself and runs the schedules with ``scale_grads=False``, so the gradient is that
+of the mean over the local batch before the data-parallel reduction averages the
+replicas (torch's ``scale_grads=True`` divides after that reduction, by the local
+count, which is wrong when replicas run different numbers of micro-batches).
 """
 
 from __future__ import annotations
@@ -221,16 +224,23 @@ class TiedGrads:
 
 
 def build_schedule(schedule: Schedule, stages: list[PipelineStage], num_micro_batches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-    """torch's schedule object for ``schedule`` over this rank's ``stages``."""
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   scale_grads: bool = True):
+    """torch's schedule object for ``schedule`` over this rank's ``stages``.
+
+    ``scale_grads``: torch divides the gradients by ``num_micro_batches`` after the
+    backward passes *and after the data-parallel reduction*; pass False when the loss
+    is scaled already (replicas with different numbers of micro-batches must).
+    """
+    kw = {"loss_fn": loss_fn, "scale_grads": scale_grads}
     if schedule is Schedule.GPIPE:
-        return ScheduleGPipe(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleGPipe(stages[0], num_micro_batches, **kw)
     if schedule is Schedule.ONE_F_ONE_B:
-        return Schedule1F1B(stages[0], num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return Schedule1F1B(stages[0], num_micro_batches, **kw)
     if schedule is Schedule.INTERLEAVED:
-        return ScheduleInterleaved1F1B(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleInterleaved1F1B(stages, num_micro_batches, **kw)
     if schedule is Schedule.ZERO_BUBBLE:
-        return ScheduleZBVZeroBubble(stages, num_micro_batches, loss_fn=loss_fn, scale_grads=True)
+        return ScheduleZBVZeroBubble(stages, num_micro_batches, **kw)
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
