@@ -283,6 +283,17 @@ def main(argv: list[str] | None = None) -> int:
     measured = run(_measure, world, cores, timeout=300)
     cluster = build_cluster(measured)
     t_profile = time.perf_counter() - t0
+    kinds = {}
+    for d in range(cluster.num_devices):
+        t = cluster.device_type_of(d)
+        kinds[KINDS[d]] = {"peak_gflops": t.peak("fp32") / 1e9,
+                           "copy_gb_per_s": t.memory_bw_bytes_per_s / 1e9}
+    if not args.json:
+        print("processes: " + ", ".join(f"{r} {k} (core {cores[k]})" for r, k in enumerate(KINDS)))
+        print("measured all at once: " + "; ".join(
+            f"{k} fp32 matmul {v['peak_gflops']:.2f} GFLOP/s (best size), copy "
+            f"{v['copy_gb_per_s']:.2f} GB/s" for k, v in kinds.items())
+              + f"  (profiled in {t_profile:.0f} s)")
 
     import torch
     torch.manual_seed(0)
@@ -310,11 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         load = float("nan")
 
-    kinds = {}
-    for d in range(cluster.num_devices):
-        t = cluster.device_type_of(d)
-        kinds[KINDS[d]] = {"peak_gflops": t.peak("fp32") / 1e9,
-                           "copy_gb_per_s": t.memory_bw_bytes_per_s / 1e9}
     if args.json:
         print(json.dumps({"cores": cores, "device_types": kinds,
                           "plans": {k: p.to_json() for k, p in plans.items()},
@@ -322,11 +328,6 @@ def main(argv: list[str] | None = None) -> int:
                           "measured_s": measured_s, "predicted_gain": gain_pred,
                           "measured_gain": gain_meas, "passed": passed}, indent=1))
         return 0 if passed else 1
-    print("processes: " + ", ".join(f"{r} {k} (core {cores[k]})" for r, k in enumerate(KINDS)))
-    print("measured all at once: " + "; ".join(
-        f"{k} fp32 matmul {v['peak_gflops']:.2f} GFLOP/s (best size), copy "
-        f"{v['copy_gb_per_s']:.2f} GB/s" for k, v in kinds.items())
-          + f"  (profiled in {t_profile:.0f} s)")
     print(f"model: GPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {CONFIG.seq_len}, "
           f"vocab {CONFIG.vocab_size}; global batch {GLOBAL_BATCH}, fp32; "
           f"plan {proportional.label()}")
