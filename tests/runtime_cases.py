@@ -766,3 +766,71 @@ def mlp_parity(rank: int, world: int, targets: list[tuple[str, Any]], steps: int
         out[label] = {"loss_err": loss_err, "param_err": param_err,
                       "seconds": time.perf_counter() - t0}
     return out
+
+
+# ---------------------------------------------------------------------- heterogeneous plans
+def stage_placement(pm) -> dict:
+    """Where the runtime put this rank's work, against the plan's record of it.
+
+    Returns this rank's virtual stages, the layers each local part holds (a
+    layer is held when the part has any parameter under one of its modules),
+    the ranks of its pipeline group and its data-parallel replica; raises
+    AssertionError naming the first disagreement with ``plan.stages[k].devices``
+    (the devices, i.e. processes, of stage ``k``), ``plan.stage_ranks`` and
+    ``plan.stages[k].layers``.
+    """
+    plan, rank = pm.plan, dist.get_rank()
+    label = plan.label()
+    mine = tuple(st.index for st in plan.stages if rank in st.devices)
+    held = tuple(s.stage_index for s in pm.stages) if plan.pp > 1 else (0,)
+    if held != mine:
+        raise AssertionError(f"{label}: rank {rank} runs stages {held}; the plan puts it in "
+                             f"the devices of stages {mine}")
+    if len({plan.stage_ranks[k] for k in mine}) != 1:
+        raise AssertionError(f"{label}: rank {rank} holds stages {mine} of pipeline ranks "
+                             f"{[plan.stage_ranks[k] for k in mine]}")
+    layers = {l.name: l.modules for l in pm.graph.layers if l.param_count > 0}
+    parts = []
+    for k, part in zip(mine, pm.parts):
+        names = [n.removeprefix("module.") for n, _ in part.named_parameters()]
+        have = tuple(l for l, mods in layers.items()
+                     if any(n.startswith(m + ".") for m in mods for n in names))
+        want = tuple(x for x in plan.stages[k].layers if x in layers)
+        if sorted(have) != sorted(want):
+            raise AssertionError(f"{label}: rank {rank}'s stage {k} holds layers {have}; the "
+                                 f"plan lists {want}")
+        parts.append(have)
+    pos = plan.stages[mine[0]].devices.index(rank)   # same position in every stage's devices
+    per_replica = plan.cp * plan.stages[mine[0]].tp
+    if pm.replica != pos // per_replica:
+        raise AssertionError(f"{label}: rank {rank} computes as replica {pm.replica}, but is "
+                             f"device {pos} of its stage (replica {pos // per_replica})")
+    peers = None
+    if plan.pp > 1:
+        peers = dist.get_process_group_ranks(pm.mesh["pp"].get_group())
+        by_rank = {st.rank: st.devices[pos] for st in plan.stages}
+        want_peers = [by_rank[r] for r in range(plan.pp)]
+        if peers != want_peers:
+            raise AssertionError(f"{label}: rank {rank}'s pipeline group is {peers}; the plan's "
+                                 f"stages put its replica on {want_peers}")
+    return {"stages": mine, "layers": parts, "replica": pm.replica,
+            "replica_batch": plan.replica_batch[pm.replica], "pipeline": peers}
+
+
+def hetero_parity(rank: int, world: int, model_name: str, plans: list[tuple[str, str]],
+                  graph: str | None = None) -> dict:
+    """Per plan (JSON, e.g. searched on a heterogeneous cluster): the stage placement
+    check of :func:`stage_placement`, then :func:`parity`.  Returns per label the parity
+    errors and this rank's placement."""
+    from autoplan.plan import Plan
+    from autoplan.runtime import parallelize
+
+    targets = [(label, Plan.from_json(text)) for label, text in plans]
+    placement = {}
+    for label, plan in targets:
+        pm = parallelize(MODELS[model_name](0), plan, seq_len=SEQ, optimizer=make_optimizer,
+                         graph=_graph(graph))
+        placement[label] = stage_placement(pm)
+        del pm
+    out = parity(rank, world, model_name, targets, graph=graph)
+    return {label: {**r, "placement": placement[label]} for label, r in out.items()}

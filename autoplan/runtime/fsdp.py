@@ -57,6 +57,10 @@ def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     replicate(root, mesh=dp_mesh)
+    # ZeRO-0 for set_micro_batch_sync: accumulate locally, all-reduce at the last
+    # micro-batch only (once per step, as priced; replicas running different numbers of
+    # micro-batches then issue the same collectives)
+    root._autoplan_zero = 0  # type: ignore[attr-defined]
     return root
 
 
