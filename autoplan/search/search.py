@@ -144,26 +144,24 @@ def _devices_per_node(cluster) -> int:
 
 
 def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) -> tuple[int, ...] | None:
-    """Sequences per replica in proportion to ``weights``, in multiples of ``micro_batch``.
+    """Sequences per replica in proportion to ``weights`` (speeds), in multiples of
+    ``micro_batch``, minimising the busiest replica's time ``max_r b_r / w_r``.
 
-    Largest-remainder rounding; every replica gets at least one micro-batch.
+    Every replica gets one micro-batch, then each further one goes to the replica that
+    would finish it first (greedy list scheduling of identical jobs on machines of
+    different speeds, optimal for the makespan); replicas of equal speed end within
+    one micro-batch of each other.  None when there are fewer micro-batches than replicas.
+
+    >>> _split_batch(24, [1.0, 1.0, 2.0], 2)
+    (6, 6, 12)
     """
     units = global_batch // micro_batch
     if units * micro_batch != global_batch or units < len(weights):
         return None
-    total = sum(weights)
-    raw = [units * w / total for w in weights]
-    base = [max(1, int(math.floor(x))) for x in raw]
-    while sum(base) > units:
-        i = max(range(len(base)), key=lambda j: (base[j] - raw[j], j))
-        if base[i] == 1:
-            return None
-        base[i] -= 1
-    order = sorted(range(len(base)), key=lambda j: (-(raw[j] - base[j]), j))
-    k = 0
-    while sum(base) < units:
-        base[order[k % len(order)]] += 1
-        k += 1
+    base = [1] * len(weights)
+    for _ in range(units - len(weights)):
+        r = min(range(len(base)), key=lambda j: ((base[j] + 1) / weights[j], j))
+        base[r] += 1
     return tuple(b * micro_batch for b in base)
 
 
@@ -216,6 +214,21 @@ class _Builder:
             hit = min(self.cluster.device_type_of(d).peak(dtype) for d in devices)
             self._speed[devices] = hit
         return hit
+
+    def replica_splits(self, c: _Combo, global_batch: int,
+                       even: bool = False) -> list[tuple[int, ...]]:
+        """The replica splits worth pricing: :meth:`replica_batches`, and the even split
+        too when that one is uneven (speed is the devices' peak; the cost model, which
+        also sees memory-bound work and communication, decides which is faster)."""
+        split = self.replica_batches(c, global_batch, even)
+        if split is None:
+            return []
+        out = [split]
+        if len(set(split)) > 1:
+            equal = self.replica_batches(c, global_batch, even=True)
+            if equal is not None:
+                out.append(equal)
+        return out
 
     def replica_batches(self, c: _Combo, global_batch: int,
                         even: bool = False) -> tuple[int, ...] | None:
@@ -539,17 +552,12 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     evaluated = pruned = 0
     limit_hit = False
     unsplit: set[int] = set()      # dp degrees whose replicas cannot get equal batches
-    for c in combos:
-        if time.perf_counter() - t0 > time_limit_s:
-            limit_hit = True
-            break
-        mbs = builder.replica_batches(c, global_batch, even=space.even_batches)
-        if mbs is None:
-            unsplit.add(c.dp)
-            continue
+
+    def _climb(c: _Combo, mbs: tuple[int, ...]) -> None:
+        """Climb the memory ladder of one combination and replica split."""
+        nonlocal best_time, least_memory, evaluated, pruned
         if any(schedule_problem(c.schedule, c.pp, c.v, m) for m in set(mbs)):
-            continue   # a replica's micro-batches do not fit the schedule (uneven splits)
-        found_rung = False
+            return   # a replica's micro-batches do not fit the schedule (uneven splits)
         for rung_i, rung in enumerate(_ladder(space, c.schedule)):
             rung_cands = []
             for zero, rc in rung:
@@ -562,7 +570,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                     continue
                 evaluated += 1
                 cand = _Candidate(q.step_time_s, q.peak_memory_bytes,
-                                  c.key() + (zero, rc.value), c, zero, rc, lay, q.fits)
+                                  c.key() + (zero, rc.value, mbs), c, zero, rc, lay, q.fits)
                 if least_memory is None or q.peak_memory_bytes < least_memory.peak_bytes:
                     least_memory = cand
                 if not q.fits and c.v == 1:
@@ -577,13 +585,22 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             if fitting:
                 ranked.extend(fitting)
                 best_time = min(best_time, min(x.step_time_s for x in fitting))
-                found_rung = True
                 break
             # the lowest rung's time bounds every higher rung: prune dominated combos
             if rung_i == 0 and min(x.step_time_s for x in rung_cands) > best_time:
                 pruned += 1
                 break
-        del found_rung
+
+    for c in combos:
+        if time.perf_counter() - t0 > time_limit_s:
+            limit_hit = True
+            break
+        splits = builder.replica_splits(c, global_batch, even=space.even_batches)
+        if not splits:
+            unsplit.add(c.dp)
+            continue
+        for mbs in splits:
+            _climb(c, mbs)
 
     if not ranked:
         # nothing fits evenly: let CP-SAT rebalance the least-memory candidates (e.g. fewer
