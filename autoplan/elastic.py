@@ -36,8 +36,8 @@ batches, and broadcasts the plan.  When no such layout uses every device
 because the global batch splits evenly over none of their data-parallel
 degrees (losing one node of 128 leaves 1016 = 8 x 127 GPUs), it prices two
 ways on: equal batches on fewer whole nodes, and every device with the batch
-split unevenly over the replicas (ZeRO <= 1, :data:`autoplan.plan.UNEVEN_ZERO`),
-and takes the faster.  With fewer nodes the plan uses the first ranks, and the
+split unevenly over the replicas (:attr:`autoplan.Plan.pads_micro_batches` under
+ZeRO-2/3), and takes the faster.  With fewer nodes the plan uses the first ranks, and the
 others wait idle (their process group is re-formed among the active ranks on a
 store rank 0 hosts; all rejoin one group at the end, and a failure of an
 active rank ends the idle ones' wait with an error).  When nothing fits (the model does not fit

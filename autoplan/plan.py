@@ -70,11 +70,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS",
            "even_block_counts", "chunk_bounds", "split_layers"]
 
-#: Why uneven replica batches and ZeRO-2/3 are never combined.
-UNEVEN_ZERO = ("replicas with different numbers of micro-batches cannot use ZeRO-2/3: those "
-               "gather parameters or reduce-scatter gradients every micro-batch, and the "
-               "replicas' collectives would not match; use zero <= 1, or equal replica batches")
-
 #: Mesh dimensions, outermost first.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 
@@ -250,18 +245,16 @@ class Plan(Record):
                 raise StrategyError(f"stage {st.index} lists layers that are placed elsewhere")
         if sum(len(st.layers) for st in self.stages) != len(self.layers):
             raise StrategyError("the stages' layer lists and the layer placements disagree")
-        v_chunks = 2 if self.schedule is Schedule.ZERO_BUBBLE else v
-        for r in sorted(set(self.replica_batch)):
-            problem = schedule_problem(self.schedule, pp, v_chunks, r // self.micro_batch)
+        for r in range(dp):
+            problem = schedule_problem(self.schedule, pp, v, self.micro_batches_run(r))
             if problem:
-                raise StrategyError(f"a replica with {r} sequences per step: {problem}")
+                raise StrategyError(f"replica {r} with {self.replica_batch[r]} sequences per "
+                                    f"step: {problem}")
         if pp > 1 and self.schedule is Schedule.ZERO_BUBBLE:
             if any(lp.zero == 3 for lp in self.layers):
                 raise StrategyError(ZBV_ZERO3)
             if any(lp.recompute is Recompute.SELECTIVE for lp in self.layers):
                 raise StrategyError(ZBV_SELECTIVE)
-        if len(set(self.replica_batch)) > 1 and any(lp.zero >= 2 for lp in self.layers):
-            raise StrategyError(UNEVEN_ZERO)
 
     # ------------------------------------------------------------------ views
     @property
@@ -279,6 +272,21 @@ class Plan(Record):
     def micro_batches_of(self, replica: int) -> int:
         """Micro-batches replica ``replica`` runs per step."""
         return self.replica_batch[replica] // self.micro_batch
+
+    @property
+    def pads_micro_batches(self) -> bool:
+        """Whether replicas with fewer micro-batches run extra ones of zero weight.
+
+        Under ZeRO-2/3 every micro-batch gathers parameters or reduce-scatters
+        gradients over the data-parallel group, so replicas of uneven batches must run
+        the same number of micro-batches for their collectives to match: each runs the
+        largest replica's count, those beyond its own with zero loss weight.  The cost
+        model prices what runs (:meth:`micro_batches_run`)."""
+        return len(set(self.replica_batch)) > 1 and any(lp.zero >= 2 for lp in self.layers)
+
+    def micro_batches_run(self, replica: int) -> int:
+        """Micro-batches replica ``replica`` runs per step, zero-weight padding included."""
+        return self.num_micro_batches if self.pads_micro_batches else self.micro_batches_of(replica)
 
     @property
     def cp(self) -> int:

@@ -169,3 +169,27 @@ def test_context_parallel_parity(gpt_graph, llama_graph):
     graphs = {"gpt": gpt_graph["gpt"], "llama": llama_graph["llama"]}
     _report("context parallel, 4 ranks",
             run(functools.partial(rc.parity, graph=graphs), 4, "gpt", targets)[0])
+
+
+def test_uneven_replicas_under_zero2_and_zero3_run_padded(gpt_graph, llama_graph):
+    """Replicas of uneven batches under ZeRO-2/3 all run the largest replica's number of
+    micro-batches, the extra ones with zero weight (Plan.pads_micro_batches): their
+    per-micro-batch gathers and reduce-scatters match, and the gradient is still that of
+    the mean loss over the global batch."""
+    g, l = gpt_graph["gpt"], llama_graph["llama"]
+    targets = [
+        ("zero3 dp2 x tp2 6|2", rc.uneven_batches(rc.plan_for(S(dp=2, tp=2, zero=3), g), (6, 2))),
+        ("zero2 dp4 3|1|2|2", rc.uneven_batches(rc.plan_for(S(dp=4, zero=2), g), (3, 1, 2, 2))),
+        ("zero3 pp2 x dp2 1f1b 5|3", rc.uneven_batches(
+            rc.plan_for(S(pp=2, dp=2, zero=3, micro_batch=1), g), (5, 3))),
+        ("zero2 pp2 x dp2 zbv 5|3", rc.uneven_batches(
+            rc.plan_for(S(pp=2, dp=2, zero=2, micro_batch=1, schedule="zero_bubble"), g), (5, 3))),
+        ("llama zero3 dp2 x tp2 sp 2|6", rc.uneven_batches(
+            rc.plan_for(S(dp=2, tp=2, zero=3, sequence_parallel=True), l), (2, 6)), "llama"),
+        ("llama zero3 cp2 x dp2 3|5", rc.uneven_batches(
+            rc.plan_for(S(dp=2, cp=2, zero=3), l), (3, 5)), "llama"),
+    ]
+    assert all(t[1].pads_micro_batches for t in targets)
+    graphs = {"gpt": g, "llama": l}
+    _report("uneven replicas under ZeRO-2/3 (padded), 4 ranks",
+            run(functools.partial(rc.parity, graph=graphs), 4, "gpt", targets)[0])

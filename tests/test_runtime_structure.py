@@ -80,10 +80,14 @@ def _plans(graph) -> dict[str, Plan]:
         "cp2 pp2 dp2 zero3": w8(S(dp=2, cp=2, pp=2, micro_batch=2, zero=3)),
         "dp8 mixed recompute": _mixed_recompute(w8(S(dp=8, micro_batch=1))),
         "pp2 x dp4 mixed recompute": _mixed_recompute(w8(S(dp=4, pp=2, micro_batch=1))),
-        # 16 sequences: replicas of 6, 4, 4, 2 (zero <= 1 with uneven batches)
+        # 16 sequences: replicas of 6, 4, 4, 2
         "dp4 tp2 uneven replicas": _uneven_replicas(
             plan_of(Strategy(dp=4, tp=2, global_batch=16, precision="fp32", zero=1), graph,
                     world_size=8), (6, 4, 4, 2)),
+        # under ZeRO-3 every replica runs 3 micro-batches (padding), as priced
+        "pp2 x dp4 zero3 uneven replicas": _uneven_replicas(
+            plan_of(Strategy(dp=4, pp=2, global_batch=16, micro_batch=2, precision="fp32",
+                             zero=3), graph, world_size=8), (6, 4, 4, 2)),
     }
     for i, p in enumerate(rc.searched_plans(graph.to_json(), world=8, top_k=3)):
         plans[f"searched #{i + 1}"] = Plan.from_json(p)
@@ -138,7 +142,7 @@ def _inspect(plan: Plan, graph, rank: int) -> None:
         local = plan.local_stages(c["pp"])
         if plan.pp > 1:
             assert [s.stage_index for s in pm.stages] == list(local)
-            assert pm.schedule._n_microbatches == plan.micro_batches_of(c["dp"])
+            assert pm.schedule._n_microbatches == plan.micro_batches_run(c["dp"])
         assert len(pm.parts) == len(local)
         for wrapped, k in zip(pm.parts, local):
             part = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
@@ -194,6 +198,8 @@ def test_the_cost_engine_prices_the_plans_layout(gpt_graph):
                  lp.recompute) for lp in sorted(plan.layers, key=lambda lp: engine.summary.index[lp.name])]
         assert _per_layer(engine.summary, lay) == want, label
         assert lay.replica_micro_batches == tuple(plan.micro_batches_of(r) for r in range(plan.dp))
+        assert [lay.micro_batches_run(r) for r in range(plan.dp)] == \
+            [plan.micro_batches_run(r) for r in range(plan.dp)]
         assert lay.stage_ranks == plan.stage_ranks
 
 
@@ -218,3 +224,4 @@ def test_the_searchs_winners_compile_back_to_the_layouts_it_ranked(gpt_graph, mo
     for summary, lay, plan in seen:
         assert _per_layer(summary, layout_from_plan(summary, plan)) == _per_layer(summary, lay)
         assert layout_from_plan(summary, plan).replica_micro_batches == lay.replica_micro_batches
+        assert layout_from_plan(summary, plan).padded == lay.padded

@@ -191,7 +191,6 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     free = autoplan.plan(graph, mixed, global_batch=60)
     assert len(set(free.replica_batch)) > 1
     check_plan(free, free.num_devices, graph)
-    assert all(lp.zero <= 1 for lp in free.layers)    # per-micro-batch collectives must match
     even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True))
     assert len(set(even.replica_batch)) == 1
     check_plan(even, even.num_devices, graph)

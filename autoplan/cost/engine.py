@@ -145,6 +145,12 @@ class Layout:
     rank_devices: tuple[tuple[int, ...], ...]
     rank_tp: tuple[int, ...]
     stage_ranks: tuple[int, ...] = ()
+    padded: bool = False    # uneven replicas all run the largest count (Plan.pads_micro_batches)
+
+    def micro_batches_run(self, replica: int) -> int:
+        """Micro-batches replica ``replica`` runs, zero-weight padding included."""
+        return (max(self.replica_micro_batches) if self.padded
+                else self.replica_micro_batches[replica])
 
     def __post_init__(self) -> None:
         if not self.stage_ranks:
@@ -180,7 +186,8 @@ def layout_from_plan(summary: GraphSummary, plan) -> Layout:
     cp = plan.stages[0].cp
     return Layout(pp, plan.virtual_stages, plan.dp, cp, plan.micro_batch, plan.global_batch,
                   tuple(plan.micro_batches_of(r) for r in range(plan.dp)), plan.schedule,
-                  plan.precision, tuple(chunks), rank_devices, rank_tp, plan.stage_ranks)
+                  plan.precision, tuple(chunks), rank_devices, rank_tp, plan.stage_ranks,
+                  plan.pads_micro_batches)
 
 
 # --------------------------------------------------------------------------- results
@@ -421,17 +428,19 @@ class CostEngine:
 
         # replicas with the same device types and micro-batch count cost the same
         signatures: dict[tuple, int] = {}
-        if self._homogeneous and len(set(lay.replica_micro_batches)) == 1:
+        runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
+                else lay.replica_micro_batches)
+        if self._homogeneous and len(set(runs)) == 1:
             signatures[()] = 0
         else:
             for r in range(lay.dp):
                 sig = (tuple(self._device(self._replica_devices(lay, p, r)).name
-                             for p in range(pp)), lay.replica_micro_batches[r])
+                             for p in range(pp)), runs[r])
                 signatures.setdefault(sig, r)
 
         best = None
         for sig, r in signatures.items():
-            m = lay.replica_micro_batches[r]
+            m = runs[r]
             ranks = [self._rank(lay, p, r, m, dtype, pb, gb, ob, opt_bytes, act_scale, b, full)
                      for p in range(pp)]
             times = [rk.per_micro_batch for rk in ranks]
@@ -464,7 +473,7 @@ class CostEngine:
             fits &= total <= rk.capacity * opts.memory_fraction
         if len(signatures) > 1:
             for sig, r in signatures.items():
-                rm = lay.replica_micro_batches[r]
+                rm = runs[r]
                 for p in range(pp):
                     rk = self._rank(lay, p, r, rm, dtype, pb, gb, ob, opt_bytes, act_scale, b, False)
                     assert rk.memory is not None

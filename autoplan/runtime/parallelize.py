@@ -228,23 +228,33 @@ class ParallelModel:
         inputs, targets = self._local(batch)
         plan = self.plan
         weight = self.replica_weight
+        m, runs = plan.micro_batches_of(self.replica), plan.micro_batches_run(self.replica)
         if plan.pp == 1:
             part = self.parts[0]
-            m = plan.micro_batches_of(self.replica)
             total = torch.zeros((), dtype=torch.float64)
             xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
-            for i, (x, y) in enumerate(zip(xs, ys)):
-                last = i == m - 1
+            for i in range(runs):
+                # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
+                # its data with zero weight: their collectives match the other replicas'
+                x, y = xs[i % m], ys[i % m]
+                last = i == runs - 1
                 set_micro_batch_sync(part, last)
                 sync = (part.no_sync() if isinstance(part, nn.parallel.DistributedDataParallel)
                         and not last else contextlib.nullcontext())
                 with sync:
                     with self._autocast():
                         loss = self.loss_fn(self._forward(part, x), y)
-                    (loss * (weight / m)).backward()
-                total += loss.detach().double()
+                    (loss * (weight / m if i < m else 0.0)).backward()
+                if i < m:
+                    total += loss.detach().double()
             local = total / m
         else:
+            if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
+                # targets marked (torch's schedules do not compute losses in micro-batch order)
+                extra = (runs - m) * plan.micro_batch
+                pad = torch.arange(extra) % inputs.shape[0]
+                inputs = torch.cat([inputs, inputs[pad]])
+                targets = torch.cat([targets, targets[pad] - _PAD_OFFSET])
             losses: list[torch.Tensor] = []
             kwargs: dict[str, Any] = {}
             if self.holds_loss:
@@ -253,9 +263,8 @@ class ParallelModel:
             self.schedule.step(*args, **kwargs)
             if self.tied is not None:
                 self.tied()
-            # the schedule's losses are scaled by weight / m (see _attach_pipeline)
-            m = plan.micro_batches_of(self.replica)
-            local = (torch.stack([l.detach().double() for l in losses]).mean() * (m / weight)
+            # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
+            local = (torch.stack([l.detach().double() for l in losses]).sum() / weight
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
         for opt in self.optimizers:
             opt.step()
@@ -571,10 +580,15 @@ def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
     group = mesh["pp"].get_group()
     n = len(plan.stages)
     pm.stages = [make_stage(p, s, n, device, group) for p, s in zip(pm.parts, stage_ids)]
-    m = plan.micro_batches_of(pm.replica)
+    m, runs = plan.micro_batches_of(pm.replica), plan.micro_batches_run(pm.replica)
     scale = pm.replica_weight / m
-    pm.schedule = build_schedule(plan.schedule, pm.stages, m,
-                                 lambda out, y: pm.loss_fn(out, y) * scale)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if runs > m and int(y.max()) < -_PAD_OFFSET // 2:   # padding: runs, weighs nothing
+            return pm.loss_fn(out, y + _PAD_OFFSET) * 0.0
+        return pm.loss_fn(out, y) * scale
+
+    pm.schedule = build_schedule(plan.schedule, pm.stages, runs, loss_fn)
     if ties:
         coords = mesh_coordinates(plan)
         others = [d for d in plan.mesh.dims if d != "pp"]
@@ -590,6 +604,12 @@ def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
                                    for idx in itertools.product(*(range(sizes[d])
                                                                   for d in others))])
         pm.aliases = {n: tie.canonical for tie in ties for n in tie.names[1:]}
+
+
+#: Subtracted from the targets of zero-weight padding micro-batches under pipelining
+#: (Plan.pads_micro_batches), which the loss recognises; far below any token id or
+#: ignore index.
+_PAD_OFFSET = 2**40
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

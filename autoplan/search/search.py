@@ -36,6 +36,7 @@ enumeration; should it bind, the best plan so far is returned.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -159,9 +160,12 @@ def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) 
     if units * micro_batch != global_batch or units < len(weights):
         return None
     base = [1] * len(weights)
+    heap = [(2 / w, j) for j, w in enumerate(weights)]   # finish time of one more, replica
+    heapq.heapify(heap)
     for _ in range(units - len(weights)):
-        r = min(range(len(base)), key=lambda j: ((base[j] + 1) / weights[j], j))
-        base[r] += 1
+        _, j = heapq.heappop(heap)
+        base[j] += 1
+        heapq.heappush(heap, ((base[j] + 1) / weights[j], j))
     return tuple(b * micro_batch for b in base)
 
 
@@ -295,7 +299,8 @@ class _Builder:
         per_rank = c.dp * c.cp * c.tp
         rank_devices = tuple(self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
         return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
-                      c.schedule, self.precision, tuple(chunks), rank_devices, (c.tp,) * c.pp)
+                      c.schedule, self.precision, tuple(chunks), rank_devices, (c.tp,) * c.pp,
+                      padded=len(set(replica_mbs)) > 1 and zero >= 2)
 
     def plan(self, lay: Layout, global_batch: int) -> Plan:
         """The :class:`Plan` record of a layout (the engine prices both the same)."""
@@ -561,8 +566,6 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         for rung_i, rung in enumerate(_ladder(space, c.schedule)):
             rung_cands = []
             for zero, rc in rung:
-                if zero >= 2 and len(set(mbs)) > 1:
-                    continue   # per-micro-batch dp collectives cannot match (plan.UNEVEN_ZERO)
                 try:
                     lay = builder.layout(c, zero, rc, mbs, global_batch)
                     q = engine.quick(lay)
