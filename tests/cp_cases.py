@@ -17,15 +17,8 @@ import torch.distributed as dist
 
 import runtime_cases as rc
 
-def _llama_sdpa(seed: int = 0):
-    model = rc.make_llama(seed)
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
-#: What a job may name as its model: runtime_cases' models plus SDPA-attention variants.
-MODELS = {**rc.MODELS, "gpt-sdpa": lambda seed=0: rc.make_gpt(seed, attention="sdpa"),
-          "llama-sdpa": _llama_sdpa}
+#: What a job may name as its model (runtime_cases' models, SDPA-attention variants too).
+MODELS = rc.MODELS
 
 
 def cp_errors(rank: int, world: int) -> dict[str, str]:
@@ -55,23 +48,6 @@ def cp_errors(rank: int, world: int) -> dict[str, str]:
     expect("flash attention", lambda: apply_cp(flash, group, seq_len=rc.SEQ))
     expect("family", lambda: apply_cp(torch.nn.Linear(2, 2), group, seq_len=rc.SEQ))
     return out
-
-
-def _reference(model_name: str, steps: int) -> dict[str, Any]:
-    model = MODELS[model_name](0)
-    opt = rc.make_optimizer(model.parameters())
-    ids = rc.make_batch()
-    from autoplan.capture import token_cross_entropy
-
-    losses, params = [], {}
-    for step in range(1, steps + 1):
-        loss = token_cross_entropy(rc._logits(model, ids), ids, shift=True)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        params[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params}
 
 
 def _mesh(cp: int):
@@ -130,7 +106,7 @@ def cp_parity(rank: int, world: int, jobs: list[tuple], steps: int = 3,
     for label, model_name, cp, wrap in jobs:
         t0 = time.perf_counter()
         if model_name not in refs:
-            refs[model_name] = _reference(model_name, steps)
+            refs[model_name] = rc.reference(model_name, steps)
         ref = refs[model_name]
         if cp not in meshes:
             meshes[cp] = _mesh(cp)

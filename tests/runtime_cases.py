@@ -60,6 +60,12 @@ def make_llama(seed: int = 0, layers: int = 4, tie: bool = False):
     return LlamaForCausalLM(cfg)
 
 
+def _llama_sdpa(seed: int = 0):
+    model = make_llama(seed)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
 MODELS: dict[str, Callable] = {
     "gpt": make_gpt,
     "llama": make_llama,
@@ -69,6 +75,9 @@ MODELS: dict[str, Callable] = {
     # 8 blocks: pp=2 with 4 chunks per rank (interleaved v=4) needs a block per chunk
     "gpt-8": lambda seed=0: make_gpt(seed, layers=8),
     "llama-8": lambda seed=0: make_llama(seed, layers=8),
+    # fused (SDPA) attention instead of eager
+    "gpt-sdpa": lambda seed=0: make_gpt(seed, attention="sdpa"),
+    "llama-sdpa": _llama_sdpa,
 }
 
 

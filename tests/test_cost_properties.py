@@ -80,7 +80,8 @@ def test_more_bandwidth_is_never_slower(s, factor, overlap):
 @given(layouts())
 def test_recompute_never_raises_activation_memory(s):
     none = _est(dataclasses.replace(s, recompute=Recompute.NONE))
-    for rc in (Recompute.SELECTIVE, Recompute.FULL):
+    zbv = s.pp > 1 and s.schedule is Schedule.ZERO_BUBBLE     # never with selective
+    for rc in (Recompute.FULL,) if zbv else (Recompute.SELECTIVE, Recompute.FULL):
         other = _est(dataclasses.replace(s, recompute=rc))
         assert _max_activations(other) <= _max_activations(none) * (1 + 1e-12)
         for a, b in zip(other.stages, none.stages):

@@ -76,9 +76,13 @@ def gpt_graph() -> str:
 
 
 def _searched(graph: str, nodes: str, devices_per_node: int = 1, **space) -> Plan:
+    """The best plan the search ranks with uneven replica batches (it prices the even split
+    beside the speed-proportional one and may rank the even one first), else its best."""
     cluster = hetero_cluster(nodes, devices_per_node)
-    plan = autoplan.plan(ModelGraph.from_json(graph), cluster, global_batch=rc.GLOBAL_BATCH,
-                         precision="fp32", time_limit_s=30, space=SearchSpace(**space))
+    best = autoplan.plan(ModelGraph.from_json(graph), cluster, global_batch=rc.GLOBAL_BATCH,
+                         precision="fp32", time_limit_s=30, space=SearchSpace(**space), top_k=8)
+    ranked = [best, *getattr(best, "runners_up", ())]
+    plan = next((p for p in ranked if len(set(p.replica_batch)) > 1), best)
     return Plan.from_json(plan.to_json())
 
 

@@ -101,8 +101,9 @@ def test_infeasible_scenario_is_a_row_with_its_reason(graph):
 
 
 def test_unsplittable_batch_is_a_row_not_an_exception(graph):
-    # 1 sequence on 32 GPUs: dp=1, and tp x pp = 32 is more than 4 heads x 4 blocks allow
-    df = whatif(graph, ("a100-sxm4-80gb", 4), global_batch=[32, 1])
+    # 1 sequence on 64 GPUs: dp=1, and tp x cp x pp = 64 is more than 4 heads x 2 (tp x cp
+    # within a node of 8) x 4 blocks allow
+    df = whatif(graph, ("a100-sxm4-80gb", 8), global_batch=[32, 1])
     assert df["fits"].tolist() == [True, False]
     assert df["reason"].iloc[1].startswith("ConfigError: global_batch=1 cannot be split")
 

@@ -155,17 +155,21 @@ def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) 
 
     >>> _split_batch(24, [1.0, 1.0, 2.0], 2)
     (6, 6, 12)
+    >>> _split_batch(8, [2.0, 1.0], 1)     # (6, 2) finishes as early; the more even wins
+    (5, 3)
     """
     units = global_batch // micro_batch
     if units * micro_batch != global_batch or units < len(weights):
         return None
     base = [1] * len(weights)
-    heap = [(2 / w, j) for j, w in enumerate(weights)]   # finish time of one more, replica
+    # (finish time with one more, micro-batches now, replica): on a tie the replica with
+    # fewer takes it, so the split stays as even as the speeds allow
+    heap = [(2 / w, 1, j) for j, w in enumerate(weights)]
     heapq.heapify(heap)
     for _ in range(units - len(weights)):
-        _, j = heapq.heappop(heap)
+        _, _, j = heapq.heappop(heap)
         base[j] += 1
-        heapq.heappush(heap, ((base[j] + 1) / weights[j], j))
+        heapq.heappush(heap, ((base[j] + 1) / weights[j], base[j], j))
     return tuple(b * micro_batch for b in base)
 
 
