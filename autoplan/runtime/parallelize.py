@@ -33,7 +33,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
-from ..strategy import Precision, Recompute, Schedule, Strategy
+from ..strategy import Precision, Recompute, Strategy
 from .ac import apply_ac
 from .agree import on_rank0
 from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
