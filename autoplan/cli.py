@@ -163,7 +163,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from .strategy import Strategy
     # names and batch arithmetic first: the capture takes seconds
     cluster = _load_cluster(args)
-    strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, micro_batch=args.micro_batch,
+    strategy = Strategy(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, micro_batch=args.micro_batch,
                         global_batch=args.global_batch, zero=args.zero, recompute=args.recompute,
                         sequence_parallel=args.sequence_parallel, schedule=args.schedule,
                         virtual_stages=args.virtual_stages, precision=args.precision)
@@ -180,7 +180,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
 def _build_estimate(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     _add_cluster_args(p)
-    for name in ("dp", "tp", "pp", "cp", "micro-batch", "virtual-stages"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "micro-batch", "virtual-stages"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3))

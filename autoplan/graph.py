@@ -208,6 +208,12 @@ class LayerRecord(Record):
     def flops(self) -> int:
         return self.fwd_flops + self.bwd_flops
 
+    @property
+    def num_experts(self) -> int:
+        """The experts of this layer's expert bank (1 for a dense layer)."""
+        return max((lin.num_experts for lin in self.tp.linears
+                    if lin.role in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW)), default=1)
+
 
 @dataclass(frozen=True)
 class ModelGraph(Record):

@@ -60,15 +60,15 @@ from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
 from .records import Record
-from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, schedule_problem,
-                       stage_ranks)
+from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, ep_problem,
+                       schedule_problem, stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .cost.summary import GraphSummary
     from .hardware import Cluster
 
 __all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS",
-           "even_block_counts", "chunk_bounds", "split_layers"]
+           "even_block_counts", "chunk_bounds", "expert_counts", "split_layers"]
 
 #: Mesh dimensions, outermost first.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -97,6 +97,9 @@ class MeshPlan(Record):
     dims: tuple[str, ...]
     degrees: tuple[int, ...]
     devices: tuple[int, ...]
+    #: Expert parallel degree: a sub-dimension of ``dp x cp`` (the ``ep`` innermost
+    #: consecutive ranks of the flattened ``dp x cp`` index share one MoE layer's experts).
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if len(self.dims) != len(self.degrees):
@@ -113,9 +116,15 @@ class MeshPlan(Record):
                                 "are mapped; the product of the degrees must equal the devices")
         if len(set(self.devices)) != len(self.devices):
             raise StrategyError("a device appears twice in the mesh's rank -> device map")
+        problem = ep_problem(self.ep, self.degree("dp"), self.degree("cp"))
+        if problem:
+            raise StrategyError(problem)
 
     def degree(self, dim: str) -> int:
-        """The degree of ``dim`` (1 for a dimension the mesh does not have)."""
+        """The degree of ``dim`` (1 for a dimension the mesh does not have); ``"ep"`` is
+        the expert parallel sub-dimension of ``dp x cp``."""
+        if dim == "ep":
+            return self.ep
         return self.degrees[self.dims.index(dim)] if dim in self.dims else 1
 
 
@@ -280,9 +289,10 @@ class Plan(Record):
         Under ZeRO-2/3 every micro-batch gathers parameters or reduce-scatters
         gradients over the data-parallel group, so replicas of uneven batches must run
         the same number of micro-batches for their collectives to match: each runs the
-        largest replica's count, those beyond its own with zero loss weight.  The cost
+        largest replica's count, those beyond its own with zero loss weight.  So must
+        they under expert parallelism, whose token all-to-all spans replicas.  The cost
         model prices what runs (:meth:`micro_batches_run`)."""
-        return len(set(self.replica_batch)) > 1 and any(lp.zero >= 2 for lp in self.layers)
+        return len(set(self.replica_batch)) > 1 and (self.ep > 1 or any(lp.zero >= 2 for lp in self.layers))
 
     def micro_batches_run(self, replica: int) -> int:
         """Micro-batches replica ``replica`` runs per step, zero-weight padding included."""
@@ -291,6 +301,11 @@ class Plan(Record):
     @property
     def cp(self) -> int:
         return self.mesh.degree("cp")
+
+    @property
+    def ep(self) -> int:
+        """Expert parallel degree (a sub-dimension of ``dp x cp``; 1 without it)."""
+        return self.mesh.ep
 
     @property
     def stage_ranks(self) -> tuple[int, ...]:
@@ -343,6 +358,7 @@ class Plan(Record):
         pp, dp, cp, tp, v = (strategy.pp, strategy.dp, strategy.cp, strategy.tp,
                              strategy.chunks_per_rank)
         _check_tp(graph, tp)
+        _check_ep(graph, strategy.ep, dp, cp)
         chunks = split_layers(graph, pp * v, blocks_per_stage)
         per_rank = dp * cp * tp
         kinds = {l.name: l.kind for l in graph.layers}
@@ -362,7 +378,7 @@ class Plan(Record):
                 rc = strategy.recompute if kinds[n] is LayerKind.BLOCK else Recompute.NONE
                 placements.append(LayerPlacement(n, k, tp, strategy.sequence_parallel,
                                                  strategy.zero, rc))
-        mesh = MeshPlan(MESH_DIMS, (pp, dp, cp, tp), devices)
+        mesh = MeshPlan(MESH_DIMS, (pp, dp, cp, tp), devices, ep=strategy.ep)
         per_replica = strategy.global_batch // dp
         summary = (ClusterSummary("processes", num_devices, 1, (_PROCESS,), ())
                    if isinstance(cluster, int) else ClusterSummary.from_cluster(cluster))
@@ -384,6 +400,7 @@ class Plan(Record):
             extra = sorted(set(mine) - set(names))[:5]
             raise PlanMismatchError(f"the plan's layers do not match the model {graph.model!r}: "
                                     f"missing {missing}, unknown {extra}")
+        _check_ep(graph, self.ep, self.dp, self.cp)
         bad = [d for d in self.mesh.devices if not 0 <= d < cluster.num_devices]
         if bad:
             raise PlanMismatchError(f"the plan uses devices {bad[:5]} but the cluster "
@@ -400,6 +417,8 @@ class Plan(Record):
         cp = self.mesh.degree("cp")
         if cp > 1:
             parts.append(f"cp{cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"mb{self.micro_batch}" if compact
                      else f"mb{self.micro_batch}x{self.num_micro_batches}")
         zeros = sorted({lp.zero for lp in self.layers})
@@ -432,7 +451,8 @@ class Plan(Record):
             span = f"{devs[0]}..{devs[-1]}" if len(devs) > 1 else str(devs[0])
             lines.append(f"  stage {st.index} (rank {st.rank}, chunk {st.chunk}): "
                          f"{len(st.layers)} layers {first} .. {last}; devices {span} "
-                         f"[{st.device_type}] dp{st.dp} cp{st.cp} tp{st.tp}")
+                         f"[{st.device_type}] dp{st.dp} cp{st.cp} tp{st.tp}"
+                         + (f" ep{self.ep}" if self.ep > 1 else ""))
         if len(set(self.replica_batch)) > 1:
             lines.append(f"  replica batch: {list(self.replica_batch)}")
         return "\n".join(lines)
@@ -464,6 +484,26 @@ def _check_tp(graph, tp: int) -> None:
             raise StrategyError(
                 f"tp={tp} does not divide layer {layer.name!r} (heads/features "
                 f"{list(layer.tp.divisors)}); valid degrees are {list(layer.tp.valid_degrees())}")
+
+
+def expert_counts(graph) -> tuple[int, ...]:
+    """The distinct expert counts of ``graph``'s MoE layers (empty for a dense model);
+    ``graph`` is a ModelGraph or the cost model's GraphSummary."""
+    return tuple(sorted({l.num_experts for l in graph.layers if l.num_experts > 1}))
+
+
+def _check_ep(graph, ep: int, dp: int, cp: int) -> None:
+    """Raise unless ``ep`` splits every expert bank of ``graph`` over ``dp x cp`` ranks."""
+    if ep == 1:
+        return
+    counts = expert_counts(graph)
+    if not counts:
+        raise StrategyError(f"ep={ep} needs a model with expert layers (mixture of experts); "
+                            f"{graph.model!r} has none: use ep=1")
+    for n in counts:
+        problem = ep_problem(ep, dp, cp, n)
+        if problem:
+            raise StrategyError(problem)
 
 
 #: The device type of a plan made for a number of processes rather than a cluster.

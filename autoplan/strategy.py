@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .errors import StrategyError
 from .records import Record
 
-__all__ = ["Recompute", "Schedule", "Precision", "Strategy", "schedule_problem", "stage_ranks"]
+__all__ = ["Recompute", "Schedule", "Precision", "Strategy", "ep_problem", "schedule_problem", "stage_ranks"]
 
 
 #: Why zero-bubble schedules and ZeRO-3 are never combined.
@@ -78,6 +78,29 @@ def stage_ranks(schedule: "Schedule", pp: int, num_stages: int) -> tuple[int, ..
     return tuple(k % pp for k in range(num_stages))
 
 
+def ep_problem(ep: int, dp: int, cp: int, num_experts: int | None = None) -> str | None:
+    """Why expert parallel degree ``ep`` cannot split the experts over ``dp x cp`` ranks
+    (and ``num_experts`` experts, when given), or None.  The message names what does not
+    divide and the degrees that would.
+
+    >>> ep_problem(4, 2, 1)
+    'ep=4 must divide dp=2 x cp=1 = 2 (expert parallel ranks are carved out of the data and context parallel ranks); ep in [1, 2] would'
+    """
+    if ep == 1:
+        return None
+    ranks = dp * cp
+    if ranks % ep:
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0
+                and (num_experts is None or num_experts % d == 0)]
+        return (f"ep={ep} must divide dp={dp} x cp={cp} = {ranks} (expert parallel ranks are "
+                f"carved out of the data and context parallel ranks); ep in {fits} would")
+    if num_experts is not None and num_experts % ep:
+        fits = [d for d in range(1, ranks + 1) if ranks % d == 0 and num_experts % d == 0]
+        return (f"ep={ep} must divide the model's {num_experts} experts (each rank holds "
+                f"experts / ep of them); ep in {fits} would")
+    return None
+
+
 def schedule_problem(schedule: "Schedule", pp: int, chunks_per_rank: int, m: int) -> str | None:
     """Why ``m`` micro-batches per replica cannot run ``schedule`` on ``pp`` ranks with
     ``chunks_per_rank`` chunks each (as torch 2.13's schedules require), or None."""
@@ -113,6 +136,10 @@ class Strategy(Record):
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     precision: Precision = Precision.BF16
+    #: Expert parallel degree: each MoE layer's experts are split over ``ep`` ranks carved
+    #: out of the ``dp x cp`` ranks (as Megatron-Core and torchtitan do), so ``ep`` divides
+    #: ``dp x cp`` and adds no devices; dense layers keep ``dp x cp``.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         # accept plain strings for the enums (Strategy(recompute="full"))
@@ -125,7 +152,7 @@ class Strategy(Record):
                 except ValueError:
                     raise StrategyError(f"{name}={value!r} is not one of "
                                         f"{[m.value for m in enum_type]}") from None
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "global_batch", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "global_batch", "virtual_stages", "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise StrategyError(f"{name} must be a positive integer, got {value!r}")
@@ -137,6 +164,9 @@ class Strategy(Record):
                 f"global_batch={self.global_batch} is not divisible by dp={self.dp} x "
                 f"micro_batch={self.micro_batch} = {per_step}; choose a global batch that is a "
                 f"multiple of {per_step} or change dp/micro_batch")
+        problem = ep_problem(self.ep, self.dp, self.cp)
+        if problem:
+            raise StrategyError(problem)
         if self.sequence_parallel and self.tp == 1:
             raise StrategyError("sequence_parallel=True needs tp > 1 (it shards the activations "
                                 "outside the tensor-parallel regions over the tp group)")
@@ -190,6 +220,8 @@ class Strategy(Record):
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"mb{self.micro_batch}")
         if self.zero:
             parts.append(f"zero{self.zero}")

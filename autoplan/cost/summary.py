@@ -93,6 +93,7 @@ class LayerCost:
     max_tp: int
     largest_module_params: int = 0
     largest_module_sharded: bool = False
+    num_experts: int = 1
 
     @property
     def is_block(self) -> bool:
@@ -263,6 +264,7 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         tp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.tp_collectives),
         sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.sp_collectives),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
+        num_experts=rec.num_experts,
         **_largest_module(rec),
     )
 

@@ -30,13 +30,13 @@ _GiB = float(2**30)
 #: Columns of a :func:`whatif` table, in order (the cost columns only with a price).
 WHATIF_COLUMNS: tuple[str, ...] = (
     "model", "cluster", "device_types", "nodes", "gpus", "global_batch", "seq_len", "rank",
-    "plan", "dp", "tp", "pp", "cp", "micro_batch", "num_micro_batches", "schedule",
+    "plan", "dp", "tp", "pp", "cp", "ep", "micro_batch", "num_micro_batches", "schedule",
     "virtual_stages", "zero", "recompute", "sequence_parallel",
     "step_time_s", "tokens_per_s", "mfu", "model_tflops_per_gpu", "peak_memory_GiB", "fits",
     "reason", "cost_per_hour", "cost_per_step", "cost_per_million_tokens")
 
 _COST_COLUMNS = ("cost_per_hour", "cost_per_step", "cost_per_million_tokens")
-_INT_COLUMNS = ("dp", "tp", "pp", "cp", "micro_batch", "num_micro_batches", "virtual_stages",
+_INT_COLUMNS = ("dp", "tp", "pp", "cp", "ep", "micro_batch", "num_micro_batches", "virtual_stages",
                 "zero")
 _FLOAT_COLUMNS = ("step_time_s", "tokens_per_s", "mfu", "model_tflops_per_gpu",
                   "peak_memory_GiB") + _COST_COLUMNS
@@ -160,7 +160,7 @@ def _plan_row(p, rank: int) -> dict[str, Any]:
     rcs = sorted({lp.recompute.value for lp in p.layers if lp.recompute.value != "none"})
     return {
         "rank": rank, "plan": plan_label(p),
-        "dp": p.dp, "tp": p.mesh.degree("tp"), "pp": p.pp, "cp": p.mesh.degree("cp"),
+        "dp": p.dp, "tp": p.mesh.degree("tp"), "pp": p.pp, "cp": p.mesh.degree("cp"), "ep": p.ep,
         "micro_batch": p.micro_batch, "num_micro_batches": p.num_micro_batches,
         "schedule": p.schedule.value if p.pp > 1 else "none",
         "virtual_stages": p.virtual_stages, "zero": max(zeros),

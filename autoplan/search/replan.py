@@ -130,7 +130,7 @@ def plan_diff(old: Plan, new: Plan) -> str:
     def fact(p: Plan) -> dict[str, Any]:
         return {
             "devices": p.num_devices, "dp": p.dp, "tp": "/".join(map(str, sorted({s.tp for s in p.stages}))),
-            "pp": p.pp, "cp": p.mesh.degree("cp"), "micro_batch": p.micro_batch,
+            "pp": p.pp, "cp": p.mesh.degree("cp"), "ep": p.ep, "micro_batch": p.micro_batch,
             "micro_batches": p.num_micro_batches, "schedule": p.schedule.value,
             "virtual_stages": p.virtual_stages,
             "zero": "/".join(map(str, sorted({lp.zero for lp in p.layers}))),
