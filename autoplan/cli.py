@@ -172,7 +172,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     graph = _trace_cached(args, args.json)
     est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction)
     text = f"{strategy.describe()} on {cluster.num_devices} devices of {cluster.name}\n" + \
-        _estimate_text(est) + "\n\n" + est.stage_table().to_string(index=False)
+        _estimate_text(est)
     _emit(args, {"strategy": strategy.to_dict(), "estimate": est.to_dict()}, text)
     return 0
 
@@ -198,12 +198,12 @@ def _plan_text(plan, cluster) -> str:
         lines.append(plan.estimate.report())
     alts = getattr(plan, "runners_up", ())
     if alts:
-        lines += ["", "why it won: the next best plans", ""]
-        best = plan.estimate.step_time_s
-        rows = [(1, plan)] + [(i + 2, p) for i, p in enumerate(alts)]
-        for rank, p in rows:
-            t = p.estimate.step_time_s
-            lines.append(f"  #{rank}  {t:9.3f} s  ({(t / best - 1) * 100:+6.1f}%)  {p.summary().split(': ')[0]}")
+        from .report import plan_differences
+        lines += ["", f"why it won: what the next best plans change, and what it costs"]
+        for rank, p in enumerate(alts, start=2):
+            diffs = plan_differences(plan, p) or ["the same layout (another device order)"]
+            lines.append(f"  #{rank} {p.label()}")
+            lines += [f"      {d}" for d in diffs]
     stats = getattr(plan, "search_stats", None)
     if stats is not None:
         lines += ["", f"searched {stats.evaluated} layouts ({stats.pruned} degree combinations pruned "
@@ -226,7 +226,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, best.to_json())
     payload = {"plan": best.to_dict(),
                "runners_up": [p.to_dict() for p in getattr(best, "runners_up", ())]}
-    _emit(args, payload, _plan_text(best, cluster) + (f"\n\nplan written to {args.out}" if args.out else ""))
+    text = _plan_text(best, cluster) + (f"\n\nplan written to {args.out}" if args.out else "")
+    if args.explain:
+        from .report import legend_text
+        text += "\n\n" + legend_text()
+    _emit(args, payload, text)
     return 0
 
 
@@ -239,6 +243,8 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--out", help="write the best plan's JSON here")
+    p.add_argument("--explain", action="store_true",
+                   help="add a legend of the layout terms (dp, tp, mb, zero, rc-, ...)")
     p.add_argument("--json", action="store_true")
 
 
@@ -341,7 +347,10 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     os.chmod(args.out, 0o755)
     cmds = launch_commands(plan, name, **elastic)
     _emit(args, {"script": args.out, "commands": cmds},
-          f"wrote {args.out} for {plan.summary()}\nlaunch it with (one line per node):\n"
+          f"wrote {args.out} for {plan.summary()}\n"
+          + ("launch it on every node with this line"
+             + ("" if args.min_nodes is not None or plan.cluster.num_nodes <= 1
+                else f" (NODE_RANK=0..{plan.cluster.num_nodes - 1} on each node)") + ":\n")
           + "\n".join(f"  {c}" for c in cmds))
     return 0
 
@@ -418,7 +427,8 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(df.to_json(orient="records") + "\n")
     else:
-        sys.stdout.write(df.to_string(index=False) + "\n")
+        from .report.whatif import whatif_text
+        sys.stdout.write(whatif_text(df) + "\n")
     return 0
 
 

@@ -68,6 +68,8 @@ def main():
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     parser.add_argument("--keep", type=int, default=3, help="good checkpoints to keep")
     parser.add_argument("--timeout-min", type=float, default=10.0, help="collective timeout")
+    parser.add_argument("--log-every", type=int, default=1,
+                        help="print loss, step time, tokens/s and the prediction every N steps")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -94,7 +96,7 @@ def main():
                       seq_len=plan.seq_len)
         run_elastic(model, plan, cluster=cluster, graph=graph, steps=args.steps, seed=args.seed,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    keep=args.keep, data=data)
+                    keep=args.keep, data=data, log_every=args.log_every)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -130,10 +132,11 @@ def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$M
                     args: str = "", min_nodes: int | None = None, max_nodes: int | None = None,
                     max_restarts: int = 0, last_call_timeout_s: int = 5,
                     keep_alive_s: int = 2) -> list[str]:
-    """One torchrun command per node of the plan's cluster.
+    """The torchrun command of every role of the plan's cluster: one line for all nodes.
 
     Every node runs ``devices / nodes`` processes and meets the others at ``endpoint``
-    (the c10d rendezvous on node 0's address).  With ``min_nodes`` (elastic) every
+    (the c10d rendezvous on node 0's address), with its node rank from ``$NODE_RANK``
+    (``0 .. nodes - 1``, set in each node's environment).  With ``min_nodes`` (elastic) every
     node runs the same line, ``--nnodes=min_nodes:max_nodes`` (default: the plan's
     nodes), node ranks come from the rendezvous, torchrun restarts the workers up to
     ``max_restarts`` times, a rendezvous that has its minimum waits
@@ -160,13 +163,14 @@ def launch_commands(plan: Plan, script: str = "train.py", *, endpoint: str = "$M
                 f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=autoplan "
                 f"--rdzv-conf=last_call_timeout={int(last_call_timeout_s)},"
                 f"keep_alive_interval={int(keep_alive_s)} {script}{tail}")
-        return [line] * nodes
+        return [line]
     if nodes == 1:
         return [f"{torchrun} --standalone --nnodes=1 --nproc-per-node={per_node}{restarts} "
                 f"{script}{tail}"]
-    return [f"{torchrun} --nnodes={nodes} --nproc-per-node={per_node}{restarts} --node-rank={i} "
-            f"--rdzv-backend=c10d --rdzv-endpoint={endpoint} --rdzv-id=autoplan {script}{tail}"
-            for i in range(nodes)]
+    # one line for every node: each sets NODE_RANK (0 .. nodes-1) in its environment
+    return [f"{torchrun} --nnodes={nodes} --nproc-per-node={per_node}{restarts} "
+            f"--node-rank=$NODE_RANK --rdzv-backend=c10d --rdzv-endpoint={endpoint} "
+            f"--rdzv-id=autoplan {script}{tail}"]
 
 
 def _cluster_of(plan: Plan) -> Cluster | None:

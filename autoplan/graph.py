@@ -208,6 +208,11 @@ class LayerRecord(Record):
     def flops(self) -> int:
         return self.fwd_flops + self.bwd_flops
 
+    def __repr__(self) -> str:
+        return (f"<LayerRecord {self.name} ({self.kind.value}, template {self.template}): "
+                f"{self.param_count:,} params, {self.flops:,} FLOPs, "
+                f"{self.saved_bytes:,} saved bytes per micro-batch>")
+
     @property
     def num_experts(self) -> int:
         """The experts of this layer's expert bank (1 for a dense layer)."""
@@ -236,6 +241,12 @@ class ModelGraph(Record):
         missing = sorted({l.template for l in self.layers} - set(self.templates))
         if missing:
             raise ValueError(f"layers name templates that are not stored: {missing}")
+
+    def __repr__(self) -> str:
+        blocks = sum(1 for l in self.layers if l.kind is LayerKind.BLOCK)
+        return (f"<ModelGraph {self.model}: {len(self.layers)} layers ({blocks} blocks), "
+                f"{self.num_params:,} params ({self.param_dtype}), seq_len {self.seq_len}, "
+                f"micro-batch {self.micro_batch}, {self.capture}>")
 
     # ------------------------------------------------------------------ views
     @property

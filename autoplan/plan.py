@@ -407,6 +407,10 @@ class Plan(Record):
                                     f"{cluster.name!r} has {cluster.num_devices}")
 
     # ------------------------------------------------------------------ text
+    def __repr__(self) -> str:
+        extra = len(getattr(self, "runners_up", ()))
+        return f"<Plan {self.summary()}" + (f"; {extra} runners-up>" if extra else ">")
+
     def label(self, *, compact: bool = False) -> str:
         """The layout in a few words: degrees, micro-batching, ZeRO stages, recompute,
         sequence parallelism, schedule.  Every stage's ``tp`` and every option some layer

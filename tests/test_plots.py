@@ -331,3 +331,30 @@ def test_html_escapes_and_needs_an_estimate(graph, cluster):
     est = autoplan.estimate_plan(graph, cluster, p)
     page = plan_report_html(p.with_estimate(est), title="<b>&</b>", figures=False)
     assert "<title>&lt;b&gt;&amp;&lt;/b&gt;</title>" in page
+
+
+def _tick_boxes(fig):
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    return [t.get_window_extent(renderer) for t in fig.axes[0].get_xticklabels() if t.get_text()]
+
+
+@pytest.mark.parametrize("pp", [4, 16, 64])
+def test_plot_memory_labels_never_overlap(cluster, pp):
+    g = autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=pp)),
+                       seq_len=16)
+    big = autoplan.load_cluster("a100-sxm4-80gb", nodes=8).subset(range(pp))
+    p = _plan(g, big, dp=1, pp=pp, global_batch=pp)
+    boxes = _tick_boxes(plot_memory(p))
+    assert len(boxes) == pp
+    for a, b in zip(boxes, boxes[1:]):
+        assert a.x1 <= b.x0 + 0.5, (a, b)       # left to right, no overlap (half a pixel)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe", "interleaved", "zero_bubble"])
+def test_schedule_bars_end_by_the_predicted_step(plans, name):
+    fig = plot_schedule(plans[name])
+    ax = fig.axes[0]
+    line = [l.get_xdata()[0] for l in ax.lines][0]
+    ends = [path.get_extents().x1 for c in _collections(fig) for path in c.get_paths()]
+    assert ends and max(ends) <= line * (1 + 1e-9)

@@ -28,3 +28,10 @@ def test_ci_runs_the_readme_test_command():
     sed = re.search(r"test_command=\$\((sed .*)\)", script).group(1)
     out = subprocess.run(["bash", "-c", sed], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == _commands()[1]
+
+
+def test_readme_shows_the_legend_the_cli_prints():
+    from autoplan.report import legend_text
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- legend:", 1)[1].split("```", 2)[1].strip("\n")
+    assert block == legend_text()

@@ -80,6 +80,11 @@ class Estimate(Record):
     (:data:`BREAKDOWN_KEYS`): compute, recompute, communication per kind,
     pipeline bubble and optimizer.  ``comm_total`` is each communication kind's
     total time on the critical device, hidden or not.
+
+    ``mfu`` (``hfu``) divides the model's (hardware's) FLOP/s by the devices' peak as
+    their profile states it: the datasheet peak for the shipped GPU profiles, the best
+    measured matmul rate for a profile ``autoplan profile`` wrote (CPU included), so
+    there it reads as a fraction of what the machine was seen to do.
     """
 
     step_time_s: float
@@ -121,8 +126,11 @@ class Estimate(Record):
     def summary(self) -> str:
         """One line: step time, throughput, MFU, peak memory."""
         fit = "fits" if self.fits else "DOES NOT FIT"
+        # a CPU "device" runs at GFLOP/s: print what it does, not "0 TFLOP/s"
+        rate = (f"{self.model_tflops_per_gpu:.0f} TFLOP/s/GPU" if self.model_tflops_per_gpu >= 1
+                else f"{self.model_tflops_per_gpu * 1e3:.3g} GFLOP/s/device")
         return (f"step {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tok/s, "
-                f"{self.model_tflops_per_gpu:.0f} TFLOP/s/GPU, MFU {self.mfu:.1%}, "
+                f"{rate}, MFU {self.mfu:.1%}, "
                 f"peak {self.peak_memory_bytes / 2**30:.1f} GiB ({fit})")
 
     def report(self) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._text import plan_label
+from ._text import LEGEND, legend_text, plan_differences, plan_label
 from .tables import device_span, plan_stage_table
 from .timeline import Block, BlockKind, Timeline, schedule_timeline, simulate_schedule
 from .whatif import WHATIF_COLUMNS, cluster_price_per_hour, whatif
@@ -27,7 +27,8 @@ from .whatif import WHATIF_COLUMNS, cluster_price_per_hour, whatif
 __all__ = ["whatif", "WHATIF_COLUMNS", "cluster_price_per_hour", "plot_schedule", "plot_memory",
            "plot_scaling", "plot_top_k", "save_figure", "plan_report_html", "write_plan_report",
            "schedule_timeline", "simulate_schedule", "Timeline", "Block", "BlockKind",
-           "plan_label", "plan_stage_table", "device_span"]
+           "plan_label", "plan_stage_table", "device_span", "LEGEND", "legend_text",
+           "plan_differences"]
 
 _LAZY = {"plot_schedule": "plots", "plot_memory": "plots", "plot_scaling": "plots",
          "plot_top_k": "plots", "save_figure": "plots", "plan_report_html": "html",

@@ -209,7 +209,13 @@ def plot_memory(plan_or_estimate: Any, *, path: str | None = None) -> Figure:
     """
     est = _estimate_of(plan_or_estimate)
     n = len(est.stages)
-    fig = _new_figure(max(5.0, 1.0 + 0.7 * n), 4.2)
+    labels = [f"rank {s.rank}\n{s.device_type}\n{s.layers} layers" for s in est.stages]
+    # about 0.06 in per character at 7 pt: as wide as the widest label, up to 16 in; past
+    # that the labels turn upright so neighbours never overlap
+    per_bar = max(0.7, 0.065 * max(len(line) for lab in labels for line in lab.split("\n")))
+    width = min(16.0, 2.8 + per_bar * n)
+    upright = (width - 2.8) / n < per_bar
+    fig = _new_figure(max(5.0, width), 4.2 + (1.2 if upright else 0.0))
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(n))
     bottom = [0.0] * n
@@ -234,8 +240,10 @@ def plot_memory(plan_or_estimate: Any, *, path: str | None = None) -> Figure:
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
               frameon=False)
     ax.set_xticks(xs)
-    ax.set_xticklabels([f"rank {s.rank}\n{s.device_type}\n{s.layers} layers" for s in est.stages],
-                       fontsize=7)
+    if upright:
+        ax.set_xticklabels([lab.replace("\n", " | ") for lab in labels], fontsize=7, rotation=90)
+    else:
+        ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("peak memory per device (GiB)")
     ax.set_ylim(0, max(max(caps), max(bottom)) * 1.1)
     title = "memory per pipeline rank"

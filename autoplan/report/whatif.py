@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 from ..errors import AutoplanError, ConfigError, InfeasiblePlan, StrategyError
 from ._text import plan_label
 
-__all__ = ["whatif", "WHATIF_COLUMNS", "cluster_price_per_hour"]
+__all__ = ["whatif_text", "whatif", "WHATIF_COLUMNS", "cluster_price_per_hour"]
 
 _GiB = float(2**30)
 
@@ -309,3 +309,47 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
     df["fits"] = df["fits"].astype(bool)
     df["sequence_parallel"] = df["sequence_parallel"].astype("boolean")
     return df
+
+
+def whatif_text(df: Any) -> str:
+    """A :func:`whatif` table for a terminal: the columns a person compares, rounded.
+
+    The model, cluster and device types are printed once above the table when they
+    are the same on every row; the degrees are in the plan label (see
+    :data:`autoplan.report.LEGEND`); step time in seconds to 3 significant figures,
+    throughput in tokens/s, MFU and memory rounded, costs to 4 significant figures.
+    Full precision stays in the DataFrame (``--csv``/``--json``)."""
+    import pandas as pd
+
+    if df.empty:
+        return "(no scenarios)"
+    head, out = [], pd.DataFrame(index=df.index)
+    for col in ("model", "cluster", "device_types"):
+        values = df[col].unique()
+        if len(values) == 1:
+            head.append(f"{col.replace('_', ' ')}: {values[0]}")
+        else:
+            out[col] = df[col]
+    out["nodes"] = df["nodes"]
+    out["gpus"] = df["gpus"]
+    out["batch"] = df["global_batch"]
+    out["seq"] = df["seq_len"]
+    if df["rank"].max() > 1:
+        out["rank"] = df["rank"]
+    out["plan"] = df["plan"].fillna("-")
+
+    def fmt(series, f):
+        return [("-" if pd.isna(v) else f(v)) for v in series]
+
+    out["step_s"] = fmt(df["step_time_s"], lambda v: f"{v:.3g}")
+    out["tokens/s"] = fmt(df["tokens_per_s"], lambda v: f"{v:,.0f}")
+    out["MFU"] = fmt(df["mfu"], lambda v: f"{v:.1%}")
+    out["peak_GiB"] = fmt(df["peak_memory_GiB"], lambda v: f"{v:.1f}")
+    out["fits"] = df["fits"].map({True: "yes", False: "no"}).fillna("-")
+    for col, name in (("cost_per_step", "$/step"), ("cost_per_million_tokens", "$/Mtok")):
+        if col in df.columns:
+            out[name] = fmt(df[col], lambda v: f"{v:.4g}")
+    reasons = df["reason"].fillna("")
+    if (reasons != "").any():
+        out["reason"] = [r if len(r) <= 60 else r[:57] + "..." for r in reasons]
+    return "\n".join(head + ["", out.to_string(index=False)] if head else [out.to_string(index=False)])

@@ -126,6 +126,11 @@ class SearchResult:
     def best(self) -> Plan:
         return self.plans[0]
 
+    def __repr__(self) -> str:
+        return (f"<SearchResult {len(self.plans)} plans, {self.evaluated} evaluated, "
+                f"{self.pruned} pruned, {self.refined} refined, {self.seconds:.1f} s"
+                + (", time limit hit>" if self.time_limit_hit else ">"))
+
 
 # ------------------------------------------------------------------ helpers
 def _divisors(n: int) -> list[int]:
