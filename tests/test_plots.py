@@ -322,6 +322,10 @@ def test_html_report_ranks_runners_up(graph, cluster, tmp_path):
     assert '<table id="top-k">' in page and "<img" not in page
     ranked = page.split('<table id="top-k">')[1].split("</table>")[0]
     assert ranked.count("<tr>") == 1 + 1 + len(best.runners_up)
+    why = page.split('<ul id="why-it-won">')[1].split("</ul>")[0]
+    assert why.count("<li>") == len(best.runners_up) and "=&gt; step" in why
+    legend = page.split('<table id="legend">')[1].split("</table>")[0]
+    assert "rc-selective" in legend and "zero_bubblexV" in legend
 
 
 def test_html_escapes_and_needs_an_estimate(graph, cluster):

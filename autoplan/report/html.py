@@ -201,14 +201,24 @@ def plan_report_html(plan, *, cluster: Any = None, graph: Any = None, title: str
         from .plots import plot_memory
         parts.append(_image(plot_memory(plan), "memory per pipeline rank", "memory-plot"))
     if runners:
-        parts += ["<h2>Ranked plans</h2>", _runners_up_table([plan, *runners])]
+        from ._text import plan_differences
+        parts += ["<h2>Ranked plans</h2>", _runners_up_table([plan, *runners]),
+                  "<h3>Why it won: what each runner-up changes</h3>",
+                  '<ul id="why-it-won">' + "".join(
+                      f"<li>#{i} {_esc(plan_label(p))}: "
+                      f"{_esc('; '.join(plan_differences(plan, p)) or 'the same layout')}</li>"
+                      for i, p in enumerate(runners, start=2)) + "</ul>"]
         if figures and all(p.estimate is not None for p in runners):
             from .plots import plot_top_k
             parts.append(_image(plot_top_k([plan, *runners]), "ranked plans", "top-k-plot"))
     if est.notes:
         parts += ["<h2>Notes</h2>", "<ul>" + "".join(f"<li>{_esc(n)}</li>" for n in est.notes)
                   + "</ul>"]
-    parts += [f"<p><small>autoplan {_esc(__version__)}</small></p>", "</body></html>", ""]
+    from ._text import LEGEND
+    parts += ["<h2>Legend</h2>",
+              _table(["term", "meaning"], [list(row) for row in LEGEND], table_id="legend",
+                     text_columns=(0, 1)),
+              f"<p><small>autoplan {_esc(__version__)}</small></p>", "</body></html>", ""]
     return "\n".join(parts)
 
 
