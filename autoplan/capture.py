@@ -1000,6 +1000,7 @@ def _assign_layers(gm: fx.GraphModule, stacks: Sequence[Stack], keep: Sequence[i
         layers[-1].name = "post"
     if pending_attrs and layers:
         layers[-1].nodes.extend(pending_attrs)
+    layers = _fold_residual_glue(layers)
     # a block that runs in several pieces (rare) is merged into its first occurrence
     merged: dict[str, _RepLayer] = {}
     out = []
@@ -1009,6 +1010,43 @@ def _assign_layers(gm: fx.GraphModule, stacks: Sequence[Stack], keep: Sequence[i
             continue
         merged[l.name] = l
         out.append(l)
+    return out
+
+
+def _fold_residual_glue(layers: list[_RepLayer]) -> list[_RepLayer]:
+    """Fold the glue a caller runs around each block into the block before it.
+
+    A model that loops ``h = h + block(h)`` over an ``nn.ModuleList`` runs the
+    residual add outside the blocks, so the graph reads block 0, add, block 1,
+    add, ...; each add belongs to the block it follows (its output is the residual
+    stream the next block reads).  Glue between consecutive blocks of one stack is
+    folded into the earlier block, and the same number of nodes at the start of
+    what follows the last block, when they read that block, into the last block,
+    so every block holds the same operators."""
+    out: list[_RepLayer] = []
+    glue = None
+    i = 0
+    while i < len(layers):
+        l = layers[i]
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        prev = out[-1] if out else None
+        if (l.kind is LayerKind.SEGMENT and prev is not None and nxt is not None
+                and prev.kind is LayerKind.BLOCK and nxt.kind is LayerKind.BLOCK
+                and prev.stack == nxt.stack and nxt.index == prev.index + 1):
+            prev.nodes.extend(l.nodes)
+            glue = len([n for n in l.nodes if n.op != "get_attr"])
+            i += 1
+            continue
+        if (glue and prev is not None and prev.kind is LayerKind.BLOCK
+                and l.kind in (LayerKind.SEGMENT, LayerKind.POST)):
+            ops = [n for n in l.nodes if n.op != "get_attr"][:glue]
+            mine = {n for n in prev.nodes}
+            if len(ops) == glue and any(a in mine for a in ops[0].all_input_nodes):
+                prev.nodes.extend(ops)
+                l.nodes = [n for n in l.nodes if n not in set(ops)]
+            glue = None
+        out.append(l)
+        i += 1
     return out
 
 
@@ -1527,8 +1565,12 @@ def _expand(rep_records: list[tuple[_RepLayer, dict]], stacks: Sequence[Stack],
         mapping = _map_full_to_rep(st, k)
         for full, rep in enumerate(mapping):
             if rep not in reps:
-                raise TraceError(f"block {st.path}.{st.names[rep]} did not run during capture; "
-                                 "autoplan expects every child of a repeated stack to be called in order")
+                seen = [r[0].name for r in rep_records]
+                raise TraceError(
+                    f"block {st.path}.{st.names[rep]} did not run where autoplan expected it: it "
+                    f"expects the children of {st.path or 'the stack'} to be called one after "
+                    f"another (with at most some glue between them), and saw the layers run in "
+                    f"this order: {', '.join(seen[:12])}{' ...' if len(seen) > 12 else ''}")
             name = f"{st.path}.{st.names[full]}" if st.path else st.names[full]
             data = dict(reps[rep])
             data["modules"] = (name,)

@@ -358,3 +358,54 @@ def test_other_causal_lm_families_need_no_adapter(family):
     roles = [r for r in g.blocks[1].tp.roles().values() if r != "replicated"]
     assert roles.count("row") == 2 and roles.count("column") >= 2
     assert g.blocks[1].tp.max_degree() >= 2
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.fc(self.ln(x))))
+
+
+class _ResidualModel(nn.Module):
+    """Blocks run as ``h = h + block(h)`` (or with dropout around them) by the caller."""
+
+    def __init__(self, style: str, d: int = 32, n: int = 5, v: int = 64):
+        super().__init__()
+        self.style = style
+        self.emb = nn.Embedding(v, d)
+        self.layers = nn.ModuleList(_ResidualBlock(d) for _ in range(n))
+        self.drop = nn.Dropout(0.0)
+        self.head = nn.Linear(d, v)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.layers:
+            if self.style == "add":
+                h = h + block(h)
+            elif self.style == "add-first":
+                h = block(h) + h
+            else:
+                h = h + self.drop(block(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("style", ["add", "add-first", "dropout-add"])
+def test_residual_style_blocks_are_captured(style):
+    g = autoplan.trace(_ResidualModel(style), seq_len=16)
+    blocks = [l for l in g.layers if l.kind is LayerKind.BLOCK]
+    assert [l.name for l in blocks] == [f"layers.{i}" for i in range(5)]
+    assert [l.kind for l in g.layers] == [LayerKind.PRE] + [LayerKind.BLOCK] * 5 + [LayerKind.POST]
+    # every block holds its residual add: the same operators, the same FLOPs
+    assert len({len(g.nodes(l)) for l in blocks}) == 1
+    assert len({l.fwd_flops for l in blocks}) == 1
+    assert any("add" in n.target for n in g.nodes(blocks[-1]))
+    assert not any("add" in n.target for n in g.nodes(g.layers[-1]))
+    # FLOPs sum to the whole model's: nothing dropped or counted twice
+    ref = autoplan.trace(_ResidualModel(style, n=1), seq_len=16)
+    per_block = blocks[0].fwd_flops
+    assert g.fwd_flops == ref.fwd_flops + 4 * per_block
