@@ -1,6 +1,6 @@
 """Capture: an unmodified ``nn.Module`` becomes a costed layer graph.
 
-The flow (see ``../shared/notes/torch-distributed-on-cpu.md`` for why):
+The flow, and why (measured with torch 2.13):
 
 1. Wrap the model with its training objective (next-token cross-entropy for
    causal token models, the user's ``loss_fn`` otherwise).
@@ -10,6 +10,11 @@ The flow (see ``../shared/notes/torch-distributed-on-cpu.md`` for why):
 3. Capture the forward graph with ``torch.export`` (non-strict; HF causal LMs
    with ``use_cache=False``) or, where export fails on a plain module,
    ``torch.fx.symbolic_trace``.  Both give a ``torch.fx`` graph.
+   ``symbolic_trace`` alone fails on every Hugging Face model tried (GPT-2,
+   Llama, BERT, Mixtral) and on ``nn.TransformerEncoder``; non-strict export
+   traces them all.  MoE experts are captured with HF's ``batched_mm`` experts
+   implementation: ``grouped_mm`` has no FlopCounterMode rule (and fails in
+   fp32 under FakeTensor), ``eager`` calls ``nonzero``, which FakeTensor cannot size.
 4. Run that graph node by node under ``FakeTensorMode`` (no real storage is
    ever allocated, so a 400B-parameter model on the meta device costs nothing):
    each node's forward and backward FLOPs come from ``FlopCounterMode`` and the
