@@ -211,16 +211,18 @@ def _is_hf(model: nn.Module) -> bool:
 
 
 def _hf_kind(model: nn.Module) -> str:
-    """'causal', 'seq2seq', 'masked' or 'base' for Hugging Face models."""
-    name = type(model).__name__
+    """'causal', 'seq2seq', 'masked' or 'base' for Hugging Face models, from what the
+    model can do rather than its class name: an encoder-decoder config is seq2seq; a
+    model with an output projection over the vocabulary is causal when it can generate
+    (HF's GenerationMixin) and masked otherwise; without one it is a base model."""
     cfg = model.config
     if getattr(cfg, "is_encoder_decoder", False):
         return "seq2seq"
-    if "CausalLM" in name or "LMHead" in name:
-        return "causal"
-    if "MaskedLM" in name or "PreTraining" in name:
-        return "masked"
-    return "base"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return "base"
+    can_generate = getattr(model, "can_generate", None)
+    return "causal" if callable(can_generate) and can_generate() else "masked"
 
 
 def _vocab_size(model: nn.Module) -> int | None:
