@@ -1,0 +1,498 @@
+"""Hardware profile records: devices, nodes, networks, composite clusters.
+
+Every record field name carries its SI unit (bytes, bytes/s, seconds, FLOP/s);
+records check their own values (:class:`~autoplan.errors.ProfileError` names the
+field).  Reading and writing them as YAML is :mod:`.profile_yaml`; finding them
+by name is :mod:`.profile_discovery`; :mod:`.profiles` gathers all three.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import ConfigError, ProfileError
+from ..records import Record
+
+__all__ = ["DTYPES", "DTYPE_FALLBACK", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
+           "EfficiencyTable", "DeviceType", "CollectiveEfficiency", "MeshLink", "NodeSpec",
+           "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
+
+#: Numeric formats a device may list a peak for.
+DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+
+#: What a matmul in one dtype runs as on a device that lacks it: TF32 mode on a
+#: device without TF32 units (V100, CPU) computes in FP32; a device without BF16
+#: units (V100) trains in FP16 instead.
+DTYPE_FALLBACK: dict[str, str] = {"tf32": "fp32", "bf16": "fp16"}
+
+#: Operations a :class:`CollectiveEfficiency` gives a figure for.
+COLLECTIVE_OPS: tuple[str, ...] = (
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+_DEFAULT_TABLE_KEY = "default"
+
+
+class IntraNodeTopology(str, enum.Enum):
+    """How the devices of one node are connected to each other.
+
+    ``nvswitch``, ``pcie``, ``shared_memory`` and ``uniform`` are *switched*:
+    every pair of devices gets the per-device bandwidth.  ``hybrid_cube_mesh``
+    (DGX-1) is a *mesh*: only listed pairs are linked, with the listed
+    bandwidth; other pairs route through an intermediate device.
+    """
+
+    NVSWITCH = "nvswitch"
+    HYBRID_CUBE_MESH = "hybrid_cube_mesh"
+    PCIE = "pcie"
+    SHARED_MEMORY = "shared_memory"
+    UNIFORM = "uniform"
+
+    @property
+    def is_mesh(self) -> bool:
+        return self is IntraNodeTopology.HYBRID_CUBE_MESH
+
+
+class NetworkTopology(str, enum.Enum):
+    """The inter-node network.  ``rail_optimized``: NIC *i* of every node on leaf *i*."""
+
+    FAT_TREE = "fat_tree"
+    RAIL_OPTIMIZED = "rail_optimized"
+    SINGLE_SWITCH = "single_switch"
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    """Raise the error a record constructor gives for an impossible value."""
+    if not ok:
+        exc = ProfileError(message, path=field_name)
+        exc.detail = message  # type: ignore[attr-defined]  # the message without the path
+        raise exc
+
+
+def _finite_positive(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _finite_nonnegative(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value >= 0
+
+
+def _is_fraction(value: float) -> bool:
+    return _finite_positive(value) and value <= 1
+
+
+@dataclass(frozen=True)
+class EfficiencyTable(Record):
+    """Achievable fraction of peak FLOP/s as a function of matmul size.
+
+    Parameters
+    ----------
+    points : tuple of (float, float)
+        ``(flops, efficiency)`` pairs: FLOPs of one matmul (``2*m*n*k``),
+        strictly increasing, and the achieved fraction of peak in (0, 1].
+    source : str
+        Where the points come from (measurement, fit, estimate).
+
+    Examples
+    --------
+    >>> t = EfficiencyTable(((1e9, 0.2), (1e11, 0.8)), source="example")
+    >>> t.efficiency(1e10)  # halfway in log-size
+    0.5
+    >>> t.efficiency(1e6), t.efficiency(1e14)  # clamped at the ends
+    (0.2, 0.8)
+    """
+
+    points: tuple[tuple[float, float], ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        _require(len(self.points) >= 1, "points", "expected at least one (flops, efficiency) point")
+        for i, (flops, eff) in enumerate(self.points):
+            _require(_finite_positive(flops), f"points[{i}][0]",
+                     f"expected matmul FLOPs > 0, got {flops!r}")
+            _require(_is_fraction(eff), f"points[{i}][1]",
+                     f"expected an efficiency in (0, 1], got {eff!r}")
+            if i:
+                _require(flops > self.points[i - 1][0], f"points[{i}][0]",
+                         f"expected FLOPs strictly increasing, got {flops!r} after "
+                         f"{self.points[i - 1][0]!r}")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+
+    def efficiency(self, flops: float) -> float:
+        """Efficiency at ``flops`` FLOPs per matmul: linear in log10(flops), clamped."""
+        if not _finite_positive(flops):
+            raise ConfigError(f"matmul FLOPs must be a finite number > 0, got {flops!r}")
+        xs = [p[0] for p in self.points]
+        i = bisect.bisect_left(xs, flops)
+        if i == 0:
+            return self.points[0][1]
+        if i == len(xs):
+            return self.points[-1][1]
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        w = (math.log10(flops) - math.log10(x0)) / (math.log10(x1) - math.log10(x0))
+        return y0 + w * (y1 - y0)
+
+
+@dataclass(frozen=True)
+class DeviceType(Record):
+    """One accelerator (or CPU) kind.
+
+    Parameters
+    ----------
+    name : str
+        E.g. ``"A100-SXM4-80GB"``.
+    peak_flops_per_s : dict of str to float
+        Dense peak FLOP/s per dtype (keys from :data:`DTYPES`).  A dtype the
+        device lacks is absent; see :meth:`resolve_dtype`.
+    memory_bytes : int
+        Device memory capacity.
+    memory_bw_bytes_per_s : float
+        Device memory bandwidth.
+    matmul_efficiency : dict of str to EfficiencyTable
+        Achievable fraction of peak vs matmul size, per dtype, or under the key
+        ``"default"`` for every dtype without its own table.
+    source : str
+        Where the peak, memory and bandwidth figures come from.
+    """
+
+    name: str
+    peak_flops_per_s: dict[str, float]
+    memory_bytes: int
+    memory_bw_bytes_per_s: float
+    matmul_efficiency: dict[str, EfficiencyTable]
+    source: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name.strip()), "name", "expected a non-empty device name")
+        _require(bool(self.peak_flops_per_s), "peak_flops_per_s", "expected at least one dtype")
+        for dtype, flops in self.peak_flops_per_s.items():
+            _require(dtype in DTYPES, f"peak_flops_per_s.{dtype}",
+                     f"unknown dtype {dtype!r}; expected one of {list(DTYPES)}")
+            _require(_finite_positive(flops), f"peak_flops_per_s.{dtype}",
+                     f"expected a peak FLOP/s > 0, got {flops!r}")
+        _require(isinstance(self.memory_bytes, int) and self.memory_bytes > 0, "memory_bytes",
+                 f"expected a memory capacity > 0 bytes, got {self.memory_bytes!r}")
+        _require(_finite_positive(self.memory_bw_bytes_per_s), "memory_bw_bytes_per_s",
+                 f"expected a memory bandwidth > 0, got {self.memory_bw_bytes_per_s!r}")
+        for key in self.matmul_efficiency:
+            _require(key in DTYPES or key == _DEFAULT_TABLE_KEY, f"matmul_efficiency.{key}",
+                     f"unknown key {key!r}; expected a dtype {list(DTYPES)} or "
+                     f"{_DEFAULT_TABLE_KEY!r}")
+        for dtype in self.peak_flops_per_s:
+            _require(dtype in self.matmul_efficiency or _DEFAULT_TABLE_KEY in self.matmul_efficiency,
+                     "matmul_efficiency",
+                     f"no efficiency table for dtype {dtype!r}: add a {dtype!r} or "
+                     f"{_DEFAULT_TABLE_KEY!r} table")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+
+    def resolve_dtype(self, dtype: str) -> str:
+        """The dtype a matmul requested in ``dtype`` runs in on this device.
+
+        ``dtype`` itself when the device has a peak for it, else its
+        :data:`DTYPE_FALLBACK` (``tf32 -> fp32``, ``bf16 -> fp16``).
+
+        Raises
+        ------
+        ConfigError
+            When neither is available; the message lists the device's dtypes.
+        """
+        if dtype in self.peak_flops_per_s:
+            return dtype
+        fallback = DTYPE_FALLBACK.get(dtype)
+        if fallback in self.peak_flops_per_s:
+            return fallback
+        raise ConfigError(f"device {self.name!r} has no {dtype!r} peak (and no fallback); "
+                          f"it supports {sorted(self.peak_flops_per_s)}")
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (after :meth:`resolve_dtype`)."""
+        return self.peak_flops_per_s[self.resolve_dtype(dtype)]
+
+    def efficiency(self, flops: float, dtype: str) -> float:
+        """Achievable fraction of peak for one matmul of ``flops`` FLOPs in ``dtype``."""
+        resolved = self.resolve_dtype(dtype)
+        table = self.matmul_efficiency.get(resolved) or self.matmul_efficiency[_DEFAULT_TABLE_KEY]
+        return table.efficiency(flops)
+
+    def achieved_flops_per_s(self, flops: float, dtype: str) -> float:
+        """Achieved FLOP/s for one matmul of ``flops`` FLOPs: peak times efficiency."""
+        return self.peak(dtype) * self.efficiency(flops, dtype)
+
+    def matmul_time_s(self, flops: float, dtype: str) -> float:
+        """Seconds for one matmul of ``flops`` FLOPs in ``dtype``."""
+        return flops / self.achieved_flops_per_s(flops, dtype)
+
+
+@dataclass(frozen=True)
+class CollectiveEfficiency(Record):
+    """Achievable fraction of link bandwidth per collective operation.
+
+    Each field is the bus bandwidth a collective reaches (NCCL's "busbw")
+    divided by the raw link bandwidth it runs over, in (0, 1].
+    """
+
+    all_reduce: float
+    all_gather: float
+    reduce_scatter: float
+    all_to_all: float
+    broadcast: float
+    p2p: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for op in COLLECTIVE_OPS:
+            value = getattr(self, op)
+            _require(_is_fraction(value), op, f"expected an efficiency in (0, 1], got {value!r}")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+
+    def of(self, op: str) -> float:
+        """The efficiency of ``op`` (one of :data:`COLLECTIVE_OPS`)."""
+        if op not in COLLECTIVE_OPS:
+            raise ConfigError(f"unknown collective {op!r}; expected one of {list(COLLECTIVE_OPS)}")
+        return float(getattr(self, op))
+
+    @classmethod
+    def uniform(cls, value: float, source: str) -> "CollectiveEfficiency":
+        """The same efficiency for every operation (``1.0``: the raw link)."""
+        return cls(**{op: value for op in COLLECTIVE_OPS}, source=source)
+
+
+@dataclass(frozen=True)
+class MeshLink(Record):
+    """A direct link between two local devices of a mesh node (e.g. 2 NVLinks)."""
+
+    devices: tuple[int, int]
+    bw_unidir_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        a, b = self.devices
+        _require(a != b, "devices", f"expected two different local devices, got {list(self.devices)}")
+        _require(min(a, b) >= 0, "devices", f"expected local device indices >= 0, got {list(self.devices)}")
+        _require(_finite_positive(self.bw_unidir_bytes_per_s), "bw_unidir_bytes_per_s",
+                 f"expected a bandwidth > 0, got {self.bw_unidir_bytes_per_s!r}")
+
+
+@dataclass(frozen=True)
+class NodeSpec(Record):
+    """The fabric inside one node.
+
+    Parameters
+    ----------
+    devices_per_node : int
+    topology : IntraNodeTopology
+    bw_unidir_bytes_per_s : float
+        Per device, one direction: what one device can send to the others at
+        once (A100 NVLink3: 600 GB/s bidirectional = 300 GB/s each way).
+    latency_s : float
+        Per-hop latency of one transfer step.
+    collective_efficiency : CollectiveEfficiency
+        Achievable fraction of ``bw_unidir_bytes_per_s`` per operation.
+    source, latency_source : str
+        Where the bandwidth and the latency come from.
+    links : tuple of MeshLink
+        Only for mesh topologies: the direct links.  A device's links may sum
+        to at most ``bw_unidir_bytes_per_s``.
+    """
+
+    devices_per_node: int
+    topology: IntraNodeTopology
+    bw_unidir_bytes_per_s: float
+    latency_s: float
+    collective_efficiency: CollectiveEfficiency
+    source: str
+    latency_source: str
+    links: tuple[MeshLink, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,
+                 "devices_per_node", f"expected an integer >= 1, got {self.devices_per_node!r}")
+        _require(_finite_positive(self.bw_unidir_bytes_per_s), "bw_unidir_bytes_per_s",
+                 f"expected a bandwidth > 0, got {self.bw_unidir_bytes_per_s!r}")
+        _require(_finite_nonnegative(self.latency_s), "latency_s",
+                 f"expected a latency >= 0, got {self.latency_s!r}")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(bool(self.latency_source.strip()), "latency_source", "expected a non-empty source")
+        if not self.topology.is_mesh:
+            _require(not self.links, "links",
+                     f"links are only for mesh topologies, not {self.topology.value!r}")
+            return
+        _require(bool(self.links) or self.devices_per_node == 1, "links",
+                 f"topology {self.topology.value!r} needs the list of direct links")
+        seen: set[frozenset[int]] = set()
+        per_device = [0.0] * self.devices_per_node
+        for i, link in enumerate(self.links):
+            a, b = link.devices
+            _require(max(a, b) < self.devices_per_node, f"links[{i}].devices",
+                     f"expected local devices < {self.devices_per_node}, got {list(link.devices)}")
+            pair = frozenset((a, b))
+            _require(pair not in seen, f"links[{i}].devices", f"duplicate link {sorted(pair)}")
+            seen.add(pair)
+            per_device[a] += link.bw_unidir_bytes_per_s
+            per_device[b] += link.bw_unidir_bytes_per_s
+        for dev, total in enumerate(per_device):
+            _require(total <= self.bw_unidir_bytes_per_s * (1 + 1e-12), "links",
+                     f"device {dev}'s links sum to {total:.6g} B/s, more than the per-device "
+                     f"bandwidth {self.bw_unidir_bytes_per_s:.6g} B/s")
+
+    def link_bw_bytes_per_s(self, a: int, b: int) -> float:
+        """Direct bandwidth between local devices ``a`` and ``b`` (0.0 when not linked).
+
+        Switched topologies link every pair at :attr:`bw_unidir_bytes_per_s`.
+        """
+        if a == b:
+            raise ConfigError(f"no link from local device {a} to itself")
+        if not self.topology.is_mesh:
+            return self.bw_unidir_bytes_per_s
+        return _mesh_matrix(self.links).get((min(a, b), max(a, b)), 0.0)
+
+
+@lru_cache(maxsize=64)
+def _mesh_matrix(links: tuple[MeshLink, ...]) -> dict[tuple[int, int], float]:
+    return {(min(l.devices), max(l.devices)): l.bw_unidir_bytes_per_s for l in links}
+
+
+@dataclass(frozen=True)
+class NetworkSpec(Record):
+    """The network between nodes, seen from one node.
+
+    Parameters
+    ----------
+    nics_per_node : int
+    bw_per_nic_bytes_per_s : float
+        One NIC, one direction (HDR InfiniBand: 200 Gb/s = 25e9 B/s).
+    latency_s : float
+        End-to-end latency of one message between two nodes.
+    topology : NetworkTopology
+    oversubscription : float
+        >= 1; the NIC bandwidth a node can use under full load is divided by it.
+    collective_efficiency : CollectiveEfficiency
+    source, latency_source : str
+    """
+
+    nics_per_node: int
+    bw_per_nic_bytes_per_s: float
+    latency_s: float
+    topology: NetworkTopology
+    oversubscription: float
+    collective_efficiency: CollectiveEfficiency
+    source: str
+    latency_source: str
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.nics_per_node, int) and self.nics_per_node >= 1, "nics_per_node",
+                 f"expected an integer >= 1, got {self.nics_per_node!r}")
+        _require(_finite_positive(self.bw_per_nic_bytes_per_s), "bw_per_nic_bytes_per_s",
+                 f"expected a bandwidth > 0, got {self.bw_per_nic_bytes_per_s!r}")
+        _require(_finite_nonnegative(self.latency_s), "latency_s",
+                 f"expected a latency >= 0, got {self.latency_s!r}")
+        _require(isinstance(self.oversubscription, (int, float)) and math.isfinite(self.oversubscription)
+                 and self.oversubscription >= 1, "oversubscription",
+                 f"expected a ratio >= 1 (1 = non-blocking), got {self.oversubscription!r}")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(bool(self.latency_source.strip()), "latency_source", "expected a non-empty source")
+
+    @property
+    def bw_per_node_bytes_per_s(self) -> float:
+        """All NICs of a node, one direction, before oversubscription."""
+        return self.nics_per_node * self.bw_per_nic_bytes_per_s
+
+    @property
+    def effective_bw_per_node_bytes_per_s(self) -> float:
+        """All NICs of a node under full load: divided by the oversubscription."""
+        return self.bw_per_node_bytes_per_s / self.oversubscription
+
+
+@dataclass(frozen=True)
+class Profile(Record):
+    """One node kind: device type, intra-node fabric and (optionally) network.
+
+    A profile without ``network`` (e.g. a measured single machine) can only
+    form one-node clusters.
+    """
+
+    name: str
+    description: str
+    device: DeviceType
+    node: NodeSpec
+    network: NetworkSpec | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(_NAME_RE.fullmatch(self.name)), "name",
+                 f"expected a profile name of lowercase letters, digits, '-', '_' and '.', "
+                 f"got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class NodeGroup(Record):
+    """``nodes`` nodes of one profile at one site.
+
+    ``profile`` is a profile name, a path to a profile file, or a
+    :class:`Profile`; a :class:`~autoplan.hardware.cluster.Cluster` always
+    holds the :class:`Profile` itself.
+    """
+
+    profile: str | Profile
+    nodes: int
+    site: str = "site0"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.nodes, int) and self.nodes >= 1, "nodes",
+                 f"expected a node count >= 1, got {self.nodes!r}")
+        _require(bool(self.site.strip()), "site", "expected a non-empty site name")
+
+    @property
+    def profile_name(self) -> str:
+        return self.profile.name if isinstance(self.profile, Profile) else self.profile
+
+
+@dataclass(frozen=True)
+class SiteLink(Record):
+    """The link between two sites: aggregate bandwidth (one direction) and latency.
+
+    All traffic between the two sites shares it.
+    """
+
+    sites: tuple[str, str]
+    bw_bytes_per_s: float
+    latency_s: float
+    collective_efficiency: CollectiveEfficiency
+    source: str
+
+    def __post_init__(self) -> None:
+        _require(self.sites[0] != self.sites[1], "sites",
+                 f"expected two different sites, got {list(self.sites)}")
+        _require(_finite_positive(self.bw_bytes_per_s), "bw_bytes_per_s",
+                 f"expected a bandwidth > 0, got {self.bw_bytes_per_s!r}")
+        _require(_finite_nonnegative(self.latency_s), "latency_s",
+                 f"expected a latency >= 0, got {self.latency_s!r}")
+        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+
+
+@dataclass(frozen=True)
+class CompositeProfile(Record):
+    """A heterogeneous cluster: node groups (by profile name) and site links."""
+
+    name: str
+    description: str
+    groups: tuple[NodeGroup, ...]
+    site_links: tuple[SiteLink, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(bool(_NAME_RE.fullmatch(self.name)), "name",
+                 f"expected a profile name of lowercase letters, digits, '-', '_' and '.', "
+                 f"got {self.name!r}")
+        _require(bool(self.groups), "groups", "expected at least one node group")
+
+    @property
+    def total_nodes(self) -> int:
+        return sum(g.nodes for g in self.groups)
+
+
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")

@@ -1,0 +1,420 @@
+"""Hardware profiles as YAML: parse (units converted to SI once, every key and value
+checked, errors naming file and field) and write back (:func:`profile_to_yaml`)."""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from ..errors import ProfileError
+from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
+                              CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
+                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, Profile,
+                              SiteLink)
+
+__all__ = ["parse_profile", "profile_to_yaml"]
+
+# --------------------------------------------------------------------------- YAML schema
+
+# Unit suffixes accepted per quantity, with the factor to SI.  The SI spelling
+# comes first: profile_to_yaml writes it, so a dump reloads exactly.
+_BYTES = {"bytes": 1, "GiB": 2**30, "GB": 10**9, "MiB": 2**20}
+_BW_BYTES = {"bytes_per_s": 1.0, "GBps": 1e9, "TBps": 1e12, "Gbps": 1e9 / 8}
+_BW_BITS = {"bytes_per_s": 1.0, "Gbps": 1e9 / 8, "GBps": 1e9}
+_LATENCY = {"s": 1.0, "us": 1e-6, "ms": 1e-3}
+_FLOPS = {"flops_per_s": 1.0, "TFLOPs_per_s": 1e12}
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """Safe loader that reads ``1e9`` as a float (YAML 1.2) and rejects duplicate keys."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                   |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                   |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    keys = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in keys:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+        keys.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+class _Section:
+    """One YAML mapping being read: tracks the keys used, names paths in errors."""
+
+    def __init__(self, data: Any, file: str | None, path: str, what: str) -> None:
+        if not isinstance(data, dict):
+            raise ProfileError(f"expected a mapping ({what}), got {_describe(data)}",
+                               file=file, path=path)
+        self.data, self.file, self.path, self.what = data, file, path, what
+        self.allowed: list[str] = []
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def error(self, key: str, message: str) -> ProfileError:
+        return ProfileError(message, file=self.file, path=self.at(key))
+
+    def _get(self, key: str, what: str, required: bool) -> Any:
+        self.allowed.append(key)
+        if key not in self.data:
+            if required:
+                raise self.error(key, f"missing key {key!r}: expected {what}")
+            return None
+        return self.data[key]
+
+    def text(self, key: str, what: str, *, required: bool = True) -> str | None:
+        value = self._get(key, what, required)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            raise self.error(key, f"expected {what} (a non-empty string), got {_describe(value)}")
+        return value
+
+    def integer(self, key: str, what: str, *, minimum: int = 1) -> int:
+        value = self._get(key, what, True)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(key, f"expected {what}: an integer >= {minimum}, got {_describe(value)}")
+        return value
+
+    def number(self, key: str, what: str, check: Callable[[float], bool], expectation: str,
+               *, required: bool = True, value: Any = None) -> float | None:
+        if value is None:
+            value = self._get(key, what, required)
+            if value is None and not required:
+                return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.error(key, f"expected {what}: a number {expectation}, got {_describe(value)}")
+        if not math.isfinite(value) or not check(value):
+            raise self.error(key, f"expected {what}: a number {expectation}, got {value!r}")
+        return float(value)
+
+    def quantity(self, base: str, units: Mapping[str, float], what: str,
+                 check: Callable[[float], bool], expectation: str) -> float:
+        """Exactly one of ``<base>_<unit>`` for the units given; returns SI."""
+        keys = [f"{base}_{u}" for u in units]
+        self.allowed.extend(keys)
+        present = [k for k in keys if k in self.data]
+        if not present:
+            raise self.error(keys[-1] if len(keys) == 1 else base,
+                             f"missing key: expected {what} as one of {keys}")
+        if len(present) > 1:
+            raise self.error(present[1], f"{what} is given twice ({present}); keep one")
+        key = present[0]
+        raw = self.number(key, what, check, expectation, value=self.data[key])
+        assert raw is not None
+        return raw * units[key[len(base) + 1:]]
+
+    def mapping(self, key: str, what: str, *, required: bool = True) -> "_Section | None":
+        value = self._get(key, what, required)
+        if value is None and not required:
+            return None
+        return _Section(value, self.file, self.at(key), what)
+
+    def listing(self, key: str, what: str, *, required: bool = True) -> list[Any]:
+        value = self._get(key, what, required)
+        if value is None and not required:
+            return []
+        if not isinstance(value, list):
+            raise self.error(key, f"expected {what} (a list), got {_describe(value)}")
+        return value
+
+    def choice(self, key: str, enum_cls: type[enum.Enum], what: str) -> Any:
+        value = self._get(key, what, True)
+        options = [m.value for m in enum_cls]
+        if value not in options:
+            raise self.error(key, f"expected {what}: one of {options}, got {_describe(value)}")
+        return enum_cls(value)
+
+    def finish(self) -> None:
+        unknown = sorted(str(k) for k in set(self.data) - set(self.allowed))
+        if unknown:
+            raise self.error(unknown[0], f"unknown key(s) {unknown} in {self.what}; "
+                                         f"expected keys {sorted(set(self.allowed))}")
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__}"
+    return f"{value!r}"
+
+
+def _positive(x: float) -> bool:
+    return x > 0
+
+
+def _nonnegative(x: float) -> bool:
+    return x >= 0
+
+
+def _fraction(x: float) -> bool:
+    return 0 < x <= 1
+
+
+def _build(cls: type, section: _Section, **kwargs: Any) -> Any:
+    """Construct a record; a constructor check failing becomes a ProfileError at the section."""
+    try:
+        return cls(**kwargs)
+    except ProfileError as exc:
+        raise ProfileError(getattr(exc, "detail", str(exc)), file=section.file,
+                           path=section.at(exc.path) if exc.path else section.path) from None
+
+
+def _parse_efficiency_table(sec: _Section) -> EfficiencyTable:
+    raw = sec.listing("points", "[flops_per_matmul, efficiency] pairs")
+    points = []
+    for i, pair in enumerate(raw):
+        where = f"points[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise sec.error(where, f"expected a pair [flops_per_matmul, efficiency], got {_describe(pair)}")
+        flops = sec.number(where, "matmul FLOPs", _positive, "> 0", value=pair[0])
+        eff = sec.number(where, "efficiency", _fraction, "in (0, 1]", value=pair[1])
+        points.append((flops, eff))
+    source = sec.text("source", "where the efficiencies come from")
+    sec.finish()
+    return _build(EfficiencyTable, sec, points=tuple(points), source=source)
+
+
+def _parse_device(sec: _Section) -> DeviceType:
+    name = sec.text("name", "the device name")
+    peaks_key = [k for k in (f"peak_{u}" for u in _FLOPS) if k in sec.data]
+    sec.allowed.extend(f"peak_{u}" for u in _FLOPS)
+    if len(peaks_key) != 1:
+        raise sec.error("peak", f"expected exactly one of {[f'peak_{u}' for u in _FLOPS]} "
+                                f"(dense peak per dtype), found {peaks_key or 'none'}")
+    peaks_sec = _Section(sec.data[peaks_key[0]], sec.file, sec.at(peaks_key[0]),
+                         "peak FLOP/s per dtype")
+    factor = _FLOPS[peaks_key[0][len("peak_"):]]
+    peaks = {}
+    for dtype in DTYPES:
+        value = peaks_sec.number(dtype, f"the {dtype} peak", _positive, "> 0", required=False)
+        if value is not None:
+            peaks[dtype] = value * factor
+    peaks_sec.finish()
+    if not peaks:
+        raise sec.error(peaks_key[0], f"expected a peak for at least one dtype of {list(DTYPES)}")
+    memory = sec.quantity("memory", _BYTES, "the memory capacity", _positive, "> 0")
+    memory_bw = sec.quantity("memory_bw", _BW_BYTES, "the memory bandwidth", _positive, "> 0")
+    tables_sec = sec.mapping("matmul_efficiency", "efficiency tables per dtype or 'default'")
+    assert tables_sec is not None
+    tables = {}
+    for key in [*DTYPES, _DEFAULT_TABLE_KEY]:
+        table_sec = tables_sec.mapping(key, "an efficiency table", required=False)
+        if table_sec is not None:
+            tables[key] = _parse_efficiency_table(table_sec)
+    tables_sec.finish()
+    source = sec.text("source", "where the peak, memory and bandwidth figures come from")
+    sec.finish()
+    return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
+                  memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source)
+
+
+def _parse_collective_efficiency(sec: _Section) -> CollectiveEfficiency:
+    values = {op: sec.number(op, f"the {op} efficiency", _fraction, "in (0, 1]")
+              for op in COLLECTIVE_OPS}
+    source = sec.text("source", "where the efficiencies come from")
+    sec.finish()
+    return _build(CollectiveEfficiency, sec, **values, source=source)
+
+
+_INTRA_BW = {"bw_unidir_bytes_per_s": 1.0, "bw_unidir_GBps": 1e9, "bw_bidir_GBps": 0.5e9}
+
+
+def _intra_bw(sec: _Section, what: str) -> float:
+    # Bidirectional figures (datasheets quote those) are halved: one direction.
+    sec.allowed.extend(_INTRA_BW)
+    present = [k for k in _INTRA_BW if k in sec.data]
+    if len(present) != 1:
+        raise sec.error("bw", f"expected {what} as exactly one of {list(_INTRA_BW)}, "
+                              f"found {present or 'none'}")
+    key = present[0]
+    value = sec.number(key, what, _positive, "> 0", value=sec.data[key])
+    assert value is not None
+    return value * _INTRA_BW[key]
+
+
+def _parse_node(sec: _Section) -> NodeSpec:
+    devices = sec.integer("devices_per_node", "the number of devices per node")
+    topology = sec.choice("topology", IntraNodeTopology, "the intra-node topology")
+    bw = _intra_bw(sec, "the per-device intra-node bandwidth")
+    latency = sec.quantity("latency", _LATENCY, "the per-hop intra-node latency",
+                           _nonnegative, ">= 0")
+    eff_sec = sec.mapping("collective_efficiency", "collective efficiency per operation")
+    assert eff_sec is not None
+    efficiency = _parse_collective_efficiency(eff_sec)
+    links = []
+    for i, raw in enumerate(sec.listing("links", "direct links (mesh topologies)", required=False)):
+        link_sec = _Section(raw, sec.file, f"{sec.at('links')}[{i}]", "a mesh link")
+        pair = link_sec.listing("devices", "two local device indices")
+        if len(pair) != 2 or not all(isinstance(d, int) and not isinstance(d, bool) for d in pair):
+            raise link_sec.error("devices", f"expected two local device indices, got {pair!r}")
+        link_bw = _intra_bw(link_sec, "the link bandwidth")
+        link_sec.finish()
+        links.append(_build(MeshLink, link_sec, devices=(pair[0], pair[1]),
+                            bw_unidir_bytes_per_s=link_bw))
+    source = sec.text("source", "where the topology and bandwidth come from")
+    latency_source = sec.text("latency_source", "where the latency comes from")
+    sec.finish()
+    return _build(NodeSpec, sec, devices_per_node=devices, topology=topology,
+                  bw_unidir_bytes_per_s=bw, latency_s=latency, collective_efficiency=efficiency,
+                  source=source, latency_source=latency_source, links=tuple(links))
+
+
+def _parse_network(sec: _Section) -> NetworkSpec:
+    nics = sec.integer("nics_per_node", "the number of NICs per node")
+    bw = sec.quantity("bw_per_nic", _BW_BITS, "the bandwidth of one NIC (one direction)",
+                      _positive, "> 0")
+    latency = sec.quantity("latency", _LATENCY, "the inter-node latency", _nonnegative, ">= 0")
+    topology = sec.choice("topology", NetworkTopology, "the network topology")
+    oversub = sec.number("oversubscription", "the oversubscription ratio", lambda x: x >= 1,
+                         ">= 1 (1 = non-blocking)")
+    eff_sec = sec.mapping("collective_efficiency", "collective efficiency per operation")
+    assert eff_sec is not None
+    efficiency = _parse_collective_efficiency(eff_sec)
+    source = sec.text("source", "where the NIC figures come from")
+    latency_source = sec.text("latency_source", "where the latency comes from")
+    sec.finish()
+    return _build(NetworkSpec, sec, nics_per_node=nics, bw_per_nic_bytes_per_s=bw,
+                  latency_s=latency, topology=topology, oversubscription=oversub,
+                  collective_efficiency=efficiency, source=source, latency_source=latency_source)
+
+
+def _parse_site_link(sec: _Section) -> SiteLink:
+    sites = sec.listing("sites", "the two site names")
+    if len(sites) != 2 or not all(isinstance(s, str) and s.strip() for s in sites):
+        raise sec.error("sites", f"expected two site names, got {sites!r}")
+    bw = sec.quantity("bw", _BW_BITS, "the link bandwidth (one direction)", _positive, "> 0")
+    latency = sec.quantity("latency", _LATENCY, "the link latency", _nonnegative, ">= 0")
+    eff_sec = sec.mapping("collective_efficiency", "collective efficiency per operation")
+    assert eff_sec is not None
+    efficiency = _parse_collective_efficiency(eff_sec)
+    source = sec.text("source", "where the link figures come from")
+    sec.finish()
+    return _build(SiteLink, sec, sites=(sites[0], sites[1]), bw_bytes_per_s=bw, latency_s=latency,
+                  collective_efficiency=efficiency, source=source)
+
+
+def parse_profile(data: Any, file: str | None = None) -> Profile | CompositeProfile:
+    """Build a profile from parsed YAML ``data`` (``file`` only names it in errors).
+
+    Raises
+    ------
+    ProfileError
+        Naming ``file``, the field path and what was expected.
+    """
+    top = _Section(data, file, "", "a profile")
+    kind = top.text("kind", "'node' or 'composite'")
+    if kind not in ("node", "composite"):
+        raise top.error("kind", f"expected 'node' or 'composite', got {kind!r}")
+    name = top.text("name", "the profile name")
+    description = top.text("description", "a one-line description")
+    if kind == "node":
+        device_sec = top.mapping("device", "the device type")
+        node_sec = top.mapping("node", "the intra-node fabric")
+        network_sec = top.mapping("network", "the inter-node network", required=False)
+        assert device_sec is not None and node_sec is not None
+        device = _parse_device(device_sec)
+        node = _parse_node(node_sec)
+        network = _parse_network(network_sec) if network_sec is not None else None
+        top.finish()
+        return _build(Profile, top, name=name, description=description, device=device,
+                      node=node, network=network)
+    groups = []
+    for i, raw in enumerate(top.listing("groups", "node groups")):
+        sec = _Section(raw, file, f"groups[{i}]", "a node group")
+        profile = sec.text("profile", "a profile name")
+        nodes = sec.integer("nodes", "the number of nodes")
+        site = sec.text("site", "a site name")
+        sec.finish()
+        groups.append(_build(NodeGroup, sec, profile=profile, nodes=nodes, site=site))
+    links = [_parse_site_link(_Section(raw, file, f"site_links[{i}]", "a site link"))
+             for i, raw in enumerate(top.listing("site_links", "links between sites", required=False))]
+    top.finish()
+    return _build(CompositeProfile, top, name=name, description=description,
+                  groups=tuple(groups), site_links=tuple(links))
+
+
+# --------------------------------------------------------------------------- dumping
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes short lists of numbers (``[flops, efficiency]``, ``devices``) on one line."""
+
+
+def _represent_list(dumper: yaml.SafeDumper, data: list[Any]) -> yaml.Node:
+    flat = all(isinstance(x, (int, float, str)) for x in data)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=flat)
+
+
+_Dumper.add_representer(list, _represent_list)
+
+
+def _collective_efficiency_yaml(eff: CollectiveEfficiency) -> dict[str, Any]:
+    return {**{op: getattr(eff, op) for op in COLLECTIVE_OPS}, "source": eff.source}
+
+
+def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
+    """YAML text for ``profile`` in SI-suffixed keys; :func:`parse_profile` reads it back exactly."""
+    if isinstance(profile, CompositeProfile):
+        data: dict[str, Any] = {
+            "kind": "composite", "name": profile.name, "description": profile.description,
+            "groups": [{"profile": g.profile_name, "nodes": g.nodes, "site": g.site}
+                       for g in profile.groups],
+            "site_links": [{"sites": list(l.sites), "bw_bytes_per_s": l.bw_bytes_per_s,
+                            "latency_s": l.latency_s,
+                            "collective_efficiency": _collective_efficiency_yaml(l.collective_efficiency),
+                            "source": l.source} for l in profile.site_links],
+        }
+        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
+    d, n, w = profile.device, profile.node, profile.network
+    device = {
+        "name": d.name,
+        "peak_flops_per_s": {k: d.peak_flops_per_s[k] for k in DTYPES if k in d.peak_flops_per_s},
+        "memory_bytes": d.memory_bytes,
+        "memory_bw_bytes_per_s": d.memory_bw_bytes_per_s,
+        "matmul_efficiency": {k: {"points": [list(p) for p in t.points], "source": t.source}
+                              for k, t in d.matmul_efficiency.items()},
+        "source": d.source,
+    }
+    node: dict[str, Any] = {
+        "devices_per_node": n.devices_per_node, "topology": n.topology.value,
+        "bw_unidir_bytes_per_s": n.bw_unidir_bytes_per_s, "latency_s": n.latency_s,
+        "collective_efficiency": _collective_efficiency_yaml(n.collective_efficiency),
+        "source": n.source, "latency_source": n.latency_source,
+    }
+    if n.links:
+        node["links"] = [{"devices": list(l.devices), "bw_unidir_bytes_per_s": l.bw_unidir_bytes_per_s}
+                         for l in n.links]
+    data = {"kind": "node", "name": profile.name, "description": profile.description,
+            "device": device, "node": node}
+    if w is not None:
+        data["network"] = {
+            "nics_per_node": w.nics_per_node, "bw_per_nic_bytes_per_s": w.bw_per_nic_bytes_per_s,
+            "latency_s": w.latency_s, "topology": w.topology.value,
+            "oversubscription": w.oversubscription,
+            "collective_efficiency": _collective_efficiency_yaml(w.collective_efficiency),
+            "source": w.source, "latency_source": w.latency_source,
+        }
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
