@@ -1454,8 +1454,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         micro_batch=int(micro_batch), seq_len=seq_len, inputs=inputs,
         param_dtype=str(pdtype).replace("torch.", ""), num_params=int(num_params),
         param_bytes=int(param_bytes), attributes=_attributes(model, vocab), layers=tuple(layers),
-        templates={k: templates[k] for k in sorted({l.template for l in layers})})
-    graph.__dict__["fx_graph"] = gm
+        templates={k: templates[k] for k in sorted({l.template for l in layers})}, fx_graph=gm)
     return graph
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import networkx as nx
 
-from .records import Record
+from .records import TRANSIENT, Record
 
 __all__ = [
     "LayerKind",
@@ -236,6 +235,8 @@ class ModelGraph(Record):
     attributes: dict[str, int]      # hidden_size, num_heads, vocab_size, ... when known
     layers: tuple[LayerRecord, ...]
     templates: dict[str, tuple[NodeRecord, ...]] = field(default_factory=dict)
+    #: The torch.fx GraphModule captured (``None`` after loading from JSON: not stored).
+    fx_graph: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
 
     def __post_init__(self) -> None:
         missing = sorted({l.template for l in self.layers} - set(self.templates))
@@ -278,11 +279,6 @@ class ModelGraph(Record):
     def nodes(self, layer: str | LayerRecord) -> tuple[NodeRecord, ...]:
         rec = self.layer(layer) if isinstance(layer, str) else layer
         return self.templates[rec.template]
-
-    @cached_property
-    def fx_graph(self) -> Any:
-        """The torch.fx GraphModule captured (``None`` after loading from JSON)."""
-        return None
 
     def layer_table(self):
         """One row per layer (pandas DataFrame)."""

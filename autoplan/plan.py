@@ -53,13 +53,13 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
-from .records import Record
+from .records import TRANSIENT, Record
 from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, ep_problem,
                        schedule_problem, stage_ranks)
 
@@ -198,6 +198,16 @@ class Plan(Record):
     schedule: Schedule
     virtual_stages: int
     estimate: Estimate | None = None
+    # what the search knew when it made this plan: carried in memory, never written to
+    # JSON nor compared (plan == Plan.from_json(plan.to_json()))
+    #: The next best plans of the search that made this one (best first).
+    runners_up: tuple["Plan", ...] = field(default=(), compare=False, repr=False, metadata=TRANSIENT)
+    #: What that search did (:class:`autoplan.search.SearchResult`), or None.
+    search_stats: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
+    #: The captured graph the plan was made for (``replan`` searches it again), or None.
+    graph: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
+    #: Whether ``replan`` started from the old plan's layout (None: not a replan).
+    warm_start: bool | None = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
 
     def __post_init__(self) -> None:
         for name, enum_type in (("precision", Precision), ("schedule", Schedule)):

@@ -55,10 +55,20 @@ class Record:
         return from_json(cls, text)
 
 
+#: Field metadata of a record field that is carried in memory but never written or read
+#: (a plan's runners-up, the graph it was made from): ``field(..., metadata=TRANSIENT)``.
+TRANSIENT = {"transient": True}
+
+
+def _stored_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls_or_obj) if not f.metadata.get("transient")]
+
+
 def to_dict(obj: Any) -> Any:
-    """Convert a record (recursively) to plain JSON-able Python values."""
+    """Convert a record (recursively) to plain JSON-able Python values (transient fields,
+    :data:`TRANSIENT`, are left out)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_dict(getattr(obj, f.name)) for f in _stored_fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, (tuple, list)):
@@ -123,7 +133,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
         if not isinstance(value, dict):
             raise RecordError(f"expected an object ({tp.__name__}), got {type(value).__name__}", path)
         hints = _hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp) if f.init}
+        fields = {f.name: f for f in _stored_fields(tp) if f.init}
         unknown = sorted(set(value) - set(fields))
         if unknown:
             raise RecordError(f"unknown key(s) {unknown}; expected keys {sorted(fields)}", path)

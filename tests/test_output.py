@@ -92,3 +92,13 @@ def test_legend_names_every_label_term():
     for term in ("dpN", "tpN", "ppN", "cpN", "epN", "mbBxM", "zeroK", "rc-selective", "rc-full",
                  "sp", "1f1b", "interleavedxV", "zero_bubblexV"):
         assert term in text
+
+
+def test_search_results_ride_on_frozen_plans_without_being_stored(best, graph):
+    import dataclasses
+    assert best.runners_up and best.search_stats is not None and best.graph is graph
+    assert "runners_up" not in best.to_json() and "search_stats" not in best.to_json()
+    assert Plan.from_json(best.to_json()) == best           # transient fields do not compare
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        best.runners_up = ()
+    assert graph.fx_graph is not None and "fx_graph" not in graph.to_json()[:200000]

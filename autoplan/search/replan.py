@@ -78,7 +78,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     >>> new.num_devices
     8
     """
-    graph = graph if graph is not None else plan.__dict__.get("graph")
+    graph = graph if graph is not None else plan.graph
     if graph is None:
         raise ConfigError("replan needs the model graph: this plan was loaded from JSON, so pass "
                           "graph=autoplan.trace(model, seq_len=...)")
@@ -114,9 +114,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         result = replace(full, plans=plans[:top_k], evaluated=full.evaluated + warm.evaluated,
                          seconds=full.seconds + warm.seconds)
     assert result is not None
-    best = _attach(result, graph)
-    best.__dict__["warm_start"] = warm is not None
-    return best
+    return replace(_attach(result, graph), warm_start=warm is not None)
 
 
 def plan_diff(old: Plan, new: Plan) -> str:

@@ -734,9 +734,5 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
 def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
     """The best plan, carrying its runners-up, the search statistics and the graph
     (not serialized: ``replan`` uses the graph to search again)."""
-    best = result.best
-    best.__dict__["runners_up"] = tuple(result.plans[1:])
-    best.__dict__["search_stats"] = result
-    for p in result.plans:
-        p.__dict__["graph"] = graph
-    return best
+    plans = [replace(p, graph=graph) for p in result.plans]
+    return replace(plans[0], runners_up=tuple(plans[1:]), search_stats=result)
