@@ -684,7 +684,7 @@ class _Measure:
                     # a storage no earlier node produced was made inside this node
                     if producer.get(ref, node.name) in self.region:
                         rec.saved_sharded += nbytes
-                    if self.seq_len and sum(1 for d in t.shape if d == self.seq_len) >= 2:
+                    if self.seq_len and _quadratic_shape(t.shape, self.seq_len):
                         rec.saved_quadratic += nbytes
                     return t
 
@@ -843,6 +843,62 @@ def _weight_uses(gm: fx.GraphModule, param_of_node: dict[str, str],
             kind = "conv"
         uses.append(_WeightUse(node, full, module, shape, kind))
     return uses
+
+
+_CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.type_as.default}
+
+
+def _uncast(x: Any) -> Any:
+    """The activation a dtype cast reads (a router may score in fp32: DeepSeek-V3)."""
+    while isinstance(x, fx.Node) and x.target in _CASTS and x.args and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    return x
+
+
+def _expert_matmul(u: _WeightUse) -> tuple[fx.Node | None, fx.Node | None, fx.Node | None]:
+    """An expert bank's matmul, the weight operand it takes and the token operand.
+
+    Hugging Face's ``batched_mm`` experts gather the bank per routed token
+    (``w[expert_ids]``, the weight use) and multiply the gathered copies with the
+    routed tokens, one row per (token, chosen expert): ``bmm(w_sel, x[..., None])``,
+    or ``bmm(x[:, None], w_sel)`` for banks stored ``[experts, in, out]`` (gpt-oss).
+    """
+    chain, frontier = {u.node}, [u.node]
+    if u.node.target in _MATMULS:
+        mm = u.node
+    else:
+        mm = None
+        for _ in range(4):
+            nxt = []
+            for n in frontier:
+                for user in n.users:
+                    if user.target in _MATMULS and mm is None:
+                        mm = user
+                    elif user.target in _WEIGHT_VIEWS:
+                        chain.add(user)
+                        nxt.append(user)
+            frontier = nxt
+    if mm is None:
+        return None, None, None
+    operands = [a for a in mm.args if isinstance(a, fx.Node)]
+    weight = next((a for a in operands if a in chain or _param_source(a, {u.node.name: u.param})
+                   is not None), None)
+    tokens = next((a for a in operands if a is not weight), None)
+    return mm, weight, tokens
+
+
+def _expert_in_out(u: _WeightUse) -> tuple[int, int]:
+    """(in, out) features of an expert bank: ``[experts, out, in]`` unless its matmul
+    takes it as the right operand (``x @ w``, a bank stored ``[experts, in, out]``)."""
+    fin, fout = int(u.shape[2]), int(u.shape[1])
+    mm, weight, _ = _expert_matmul(u)
+    val = weight.meta.get("val") if weight is not None else None
+    if mm is None or not isinstance(val, torch.Tensor) or val.dim() < 2 or \
+            mm.target not in (aten.bmm.default, aten.baddbmm.default, aten.matmul.default):
+        return fin, fout
+    right = mm.args.index(weight) == (2 if mm.target is aten.baddbmm.default else 1)
+    k, n = (int(val.shape[-2]), int(val.shape[-1])) if right else (int(val.shape[-1]), int(val.shape[-2]))
+    return (k, n) if {k, n} == {fin, fout} else (fin, fout)
 
 
 def _users_through(node: fx.Node, passthrough: set, limit: int = 8) -> list[fx.Node]:
@@ -1120,7 +1176,7 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
         if u.kind == "conv1d":
             fin, fout = shape[0], shape[1]
         elif u.kind == "experts":
-            fin, fout = shape[2], shape[1]
+            fin, fout = _expert_in_out(u)
         elif u.kind == "embedding":
             fin, fout = shape[0], shape[1]
         else:
@@ -1145,9 +1201,18 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
     # collectives: one parallel region per row matmul (Megatron: f / g operators)
     node_by_param = {u.param: u for u in mine}
     region_inputs: dict[str, int] = {}
+    # an expert bank's use is a gather of the bank (its args are the weights): the MoE
+    # region's input is what the router reads, the tokens before they are routed
+    router_in = {u.module.rsplit(".", 1)[0]: _uncast(u.node.args[0]) for u in mine
+                 if roles.get(u.param) is LinearRole.ROUTER}
     for u in mine:
         if roles[u.param] in (LinearRole.COLUMN, LinearRole.EXPERT_COLUMN):
             x = u.node.args[1] if u.kind == "conv1d" else u.node.args[0]
+            if u.kind == "experts":
+                parent = u.module.rsplit(".", 1)[0]
+                x = router_in.get(parent, next(iter(router_in.values()), None))
+                if x is None:
+                    x = _expert_matmul(u)[2]
             if isinstance(x, fx.Node) and x.name not in region:
                 region_inputs[x.name] = _val_bytes(x, values)
     in_bytes = sum(region_inputs.values())
@@ -1155,6 +1220,9 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
     n_regions = max(1, len(row_uses))
     for u in row_uses:
         out_b = _val_bytes(u.node, values)
+        if u.kind == "experts":   # its use is the gathered bank: the block's tokens come out
+            x = router_in.get(u.module.rsplit(".", 1)[0], next(iter(router_in.values()), None))
+            out_b = _val_bytes(x, values) if x is not None else out_b
         inp = in_bytes // n_regions
         where = rel(u.module)
         tp_coll += [CollectiveRecord("all_reduce", "forward", out_b, where),
@@ -1164,8 +1232,15 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
                     CollectiveRecord("all_gather", "backward", out_b, where),
                     CollectiveRecord("reduce_scatter", "backward", inp, where)]
     exp_rows = [u for u in mine if roles[u.param] is LinearRole.EXPERT_ROW]
+    exp_cols = [u for u in mine if roles[u.param] is LinearRole.EXPERT_COLUMN]
     for u in exp_rows:
-        tokens = sum(region_inputs.values()) or _val_bytes(u.node, values)
+        # dispatch and combine move the routed tokens: one row per (token, chosen expert),
+        # what the bank's first matmul multiplies
+        col = next((c for c in exp_cols if c.module == u.module), exp_cols[0] if exp_cols else u)
+        x = _expert_matmul(col)[2]
+        tokens = _val_bytes(x, values) if x is not None else 0
+        if not tokens:
+            tokens = sum(region_inputs.values()) or _val_bytes(u.node, values)
         ep_coll += [CollectiveRecord("all_to_all", "forward", tokens, rel(u.module)),
                     CollectiveRecord("all_to_all", "forward", tokens, rel(u.module)),
                     CollectiveRecord("all_to_all", "backward", tokens, rel(u.module)),
@@ -1496,6 +1571,13 @@ def _quadratic_probe(wrapper: _Objective, args: tuple, method: str,
     return {k: m.saved_quadratic for k, m in measured.items()}, core
 
 
+def _quadratic_shape(shape: Sequence[int], seq_len: int) -> bool:
+    """Two sequence-length dimensions: ``s x s`` attention scores, or ``s x (s + 1)`` when
+    each head appends a learned sink logit before its softmax (gpt-oss)."""
+    return sum(1 for d in shape if d == seq_len) >= 2 or \
+        (len(shape) >= 4 and shape[-2] == seq_len and shape[-1] == seq_len + 1)
+
+
 def _attention_core(nodes: Sequence[NodeRecord], seq_len: int | None) -> list[NodeRecord]:
     """The nodes selective recompute re-runs (Korthikanti et al. 2022, Sec. 4.2).
 
@@ -1508,7 +1590,7 @@ def _attention_core(nodes: Sequence[NodeRecord], seq_len: int | None) -> list[No
         return []
 
     def quadratic(shape: Sequence[int]) -> bool:
-        return sum(1 for d in shape if d == seq_len) >= 2
+        return _quadratic_shape(shape, seq_len)
 
     shapes = {n.name: n.shape for n in nodes}
     core = []

@@ -70,6 +70,48 @@ ZOO: dict[str, ZooEntry] = {
                                              num_key_value_heads=8, vocab_size=32000,
                                              num_local_experts=8, num_experts_per_tok=2), 4096,
                              "Jiang et al. 2024 (Mixtral of Experts), Table 1"),
+    # 141B total / 39B active (Mistral AI, "Cheaper, Better, Faster, Stronger", Apr 2024)
+    "mixtral-8x22b": ZooEntry("mixtral", dict(hidden_size=6144, intermediate_size=16384,
+                                              num_hidden_layers=56, num_attention_heads=48,
+                                              num_key_value_heads=8, vocab_size=32768,
+                                              max_position_embeddings=65536,
+                                              num_local_experts=8, num_experts_per_tok=2), 4096,
+                              "mistralai/Mixtral-8x22B-v0.1 config.json (HF); 56 layers, hidden 6144, "
+                              "48 heads / 8 KV, expert FFN 16384, 8 experts top-2 also in NeMo "
+                              "MixtralConfig8x22B"),
+    # 235B total / 22B active; every layer MoE (decoder_sparse_step 1, mlp_only_layers [])
+    "qwen3-235b-a22b": ZooEntry("qwen3_moe", dict(hidden_size=4096, intermediate_size=12288,
+                                                  num_hidden_layers=94, num_attention_heads=64,
+                                                  num_key_value_heads=4, head_dim=128,
+                                                  vocab_size=151936, moe_intermediate_size=1536,
+                                                  num_experts=128, num_experts_per_tok=8,
+                                                  norm_topk_prob=True, max_position_embeddings=40960,
+                                                  tie_word_embeddings=False), 4096,
+                                "Qwen/Qwen3-235B-A22B config.json (HF); Qwen3 Technical Report "
+                                "(Yang et al. 2025, arXiv:2505.09388), Table 2"),
+    # 671B total / 37B active; MLA, 1 shared + 256 routed experts (top-8), first 3 layers dense;
+    # the multi-token-prediction module (num_nextn_predict_layers=1) is not part of the HF model
+    "deepseek-v3": ZooEntry("deepseek_v3", dict(hidden_size=7168, intermediate_size=18432,
+                                                moe_intermediate_size=2048, num_hidden_layers=61,
+                                                num_attention_heads=128, num_key_value_heads=128,
+                                                q_lora_rank=1536, kv_lora_rank=512,
+                                                qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                                v_head_dim=128, n_routed_experts=256,
+                                                n_shared_experts=1, num_experts_per_tok=8,
+                                                n_group=8, topk_group=4, first_k_dense_replace=3,
+                                                routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                vocab_size=129280, max_position_embeddings=4096), 4096,
+                            "deepseek-ai/DeepSeek-V3 config.json (HF) and inference/configs/"
+                            "config_671B.json; DeepSeek-V3 Technical Report (arXiv:2412.19437), "
+                            "Sec. 4.2; README_WEIGHTS.md (671B main-model parameters)"),
+    # 116.8B total / 5.1B active; alternating 128-token sliding-window and full attention
+    "gpt-oss-120b": ZooEntry("gpt_oss", dict(hidden_size=2880, intermediate_size=2880,
+                                             num_hidden_layers=36, num_attention_heads=64,
+                                             num_key_value_heads=8, head_dim=64,
+                                             num_local_experts=128, num_experts_per_tok=4,
+                                             sliding_window=128, vocab_size=201088), 4096,
+                             "openai/gpt-oss-120b config.json (HF); gpt-oss-120b & gpt-oss-20b "
+                             "Model Card (OpenAI, Aug 2025), Table 1"),
 }
 
 

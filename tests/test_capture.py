@@ -186,6 +186,49 @@ def test_mixtral_counts_active_experts_only(hf_graphs):
     expert_flops = sum(n.fwd_flops for n in g.nodes(block) if n.module.startswith("mlp.experts"))
     assert expert_flops == 2 * tokens * k * (h * 2 * f + f * h)
     assert len(block.tp.ep_collectives) == 4
+    # dispatch and combine move the routed tokens (one row per token and chosen expert),
+    # not the expert weights the batched_mm path gathers per token
+    item = torch.empty(0, dtype=getattr(torch, g.param_dtype)).element_size()
+    assert {c.nbytes for c in block.tp.ep_collectives} == {tokens * k * h * item}
+    # the MoE region's tensor-parallel collectives carry the block's tokens, like attention's
+    assert {c.nbytes for c in block.tp.tp_collectives} == {tokens * h * item}
+    assert {c.nbytes for c in block.tp.sp_collectives} == {tokens * h * item}
+
+
+def test_moe_families_experts_layout_and_sink_attention():
+    """DeepSeek-V3 (fp32 router, shared expert, dense first layers) and gpt-oss (expert
+    banks stored [experts, in, out], attention sinks): collectives and expert shapes."""
+    s, h = 32, 64
+    dsv3 = _meta(tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+        hidden_size=h, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, vocab_size=256)).to(torch.bfloat16)
+    g = autoplan.trace(dsv3, seq_len=s)
+    assert g.num_params == sum(p.numel() for p in dsv3.parameters())
+    assert not g.blocks[0].tp.ep_collectives               # the dense first layer
+    moe = g.blocks[2]
+    assert {c.nbytes for c in moe.tp.ep_collectives} == {s * 2 * h * 2}
+    assert {c.nbytes for c in moe.tp.tp_collectives} == {s * h * 2}  # not the fp32 router input
+    lin = {x.name: x for x in moe.tp.linears}
+    assert (lin["mlp.experts.gate_up_proj"].in_features, lin["mlp.experts.gate_up_proj"].out_features,
+            lin["mlp.experts.gate_up_proj"].num_experts) == (h, 2 * 32, 8)
+
+    oss = _meta(tf.GptOssForCausalLM, tf.GptOssConfig(
+        hidden_size=h, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=8, vocab_size=256)).to(torch.bfloat16)
+    g = autoplan.trace(oss, seq_len=s)
+    block = g.blocks[2]
+    lin = {x.name: x for x in block.tp.linears}
+    assert (lin["mlp.experts.gate_up_proj"].in_features,
+            lin["mlp.experts.gate_up_proj"].out_features) == (h, 2 * 48)
+    assert (lin["mlp.experts.down_proj"].in_features, lin["mlp.experts.down_proj"].out_features) == (48, h)
+    assert {c.nbytes for c in block.tp.ep_collectives} == {s * 2 * h * 2}
+    # eager attention with a sink logit per head: the s x (s + 1) scores are quadratic
+    assert block.saved_quadratic_bytes >= 4 * s * s * 2   # (a probe at another length, scaled)
+    assert block.selective_recompute_flops > 0
 
 
 def test_plain_mlp_and_cnn():

@@ -61,3 +61,33 @@ def test_gpt_config_is_checked_too():
         build_model("gpt", {"hiden": 64})
     with pytest.raises(ConfigError, match="hidden \\(65\\) must be divisible by heads"):
         build_model("gpt", {"hidden": 65})
+
+
+# published total parameters (billions) of the mixture-of-experts zoo entries
+MOE_PUBLISHED = {
+    "mixtral-8x22b": 141.0,     # Mistral AI: 141B total, 39B active
+    "qwen3-235b-a22b": 235.0,   # Qwen3 Technical Report: 235B total, 22B active
+    "deepseek-v3": 671.0,       # DeepSeek-V3 report / README_WEIGHTS.md: 671B (MTP module excluded)
+    "gpt-oss-120b": 117.0,      # gpt-oss model card: 116.8B total, 5.1B active
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_PUBLISHED))
+def test_moe_zoo_entries_build_with_published_size(name):
+    pytest.importorskip("transformers")
+    model, seq = build_model(f"zoo:{name}")
+    assert next(model.parameters()).device.type == "meta" and seq == 4096
+    total = sum(p.numel() for p in model.parameters()) / 1e9
+    assert total == pytest.approx(MOE_PUBLISHED[name], rel=0.02)
+    assert any(p.dim() == 3 for p in model.parameters())     # expert banks
+
+
+@pytest.mark.parametrize("name,experts,moe_blocks", [("mixtral-8x22b", 8, 56),
+                                                     ("qwen3-235b-a22b", 128, 94)])
+def test_moe_zoo_entries_trace(name, experts, moe_blocks):
+    pytest.importorskip("transformers")
+    import autoplan
+    g = autoplan.trace(f"zoo:{name}")
+    assert g.num_params / 1e9 == pytest.approx(MOE_PUBLISHED[name], rel=0.02)
+    assert g.attributes["num_experts"] == experts
+    assert sum(1 for b in g.blocks if b.tp.ep_collectives) == moe_blocks
