@@ -1384,7 +1384,8 @@ def _has_experts(model: nn.Module) -> bool:
 
 
 def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any = None,
-          micro_batch: int = 1, loss_fn: Callable | None = None, method: str = "auto") -> ModelGraph:
+          micro_batch: int = 1, loss_fn: Callable | None = None, method: str = "auto",
+          title: str | None = None) -> ModelGraph:
     """Capture ``model`` as a costed layer graph.
 
     Parameters
@@ -1402,6 +1403,9 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         causal token models.
     method : {"auto", "export", "symbolic_trace"}
         Capture front end; ``auto`` tries ``torch.export`` then ``symbolic_trace``.
+    title : str, optional
+        The model's name for people (plans and reports print it); default: a Hugging
+        Face model's type and size (``llama 8.03B``), else the class name.
 
     Returns
     -------
@@ -1529,8 +1533,21 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         micro_batch=int(micro_batch), seq_len=seq_len, inputs=inputs,
         param_dtype=str(pdtype).replace("torch.", ""), num_params=int(num_params),
         param_bytes=int(param_bytes), attributes=_attributes(model, vocab), layers=tuple(layers),
-        templates={k: templates[k] for k in sorted({l.template for l in layers})}, fx_graph=gm)
+        templates={k: templates[k] for k in sorted({l.template for l in layers})}, fx_graph=gm,
+        title=title or _default_title(model, int(num_params)))
     return graph
+
+
+def _default_title(model: nn.Module, num_params: int) -> str:
+    """``llama 8.03B`` for a Hugging Face model (its config's model type and size), the
+    class name for any other module."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model_type, str) or not model_type:
+        return type(model).__name__
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num_params >= scale:
+            return f"{model_type} {num_params / scale:.3g}{unit}"
+    return f"{model_type} {num_params}"
 
 
 def _model_dims(model: nn.Module) -> set[int]:

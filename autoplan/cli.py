@@ -126,11 +126,13 @@ def _load_cluster(args: argparse.Namespace):
 
 def _trace_cached(args: argparse.Namespace, quiet: bool):
     from .capture import trace
+    from .zoo import model_title, parse_model_args
     model, seq = _load_model(args)
     if seq is None:
         raise _UsageError(f"{args.model} needs --seq-len")
+    title = model_title(args.model, parse_model_args(getattr(args, "model_arg", None)))
     with _Step(f"capturing {args.model} at seq_len {seq}", quiet):
-        return trace(model, seq_len=seq)
+        return trace(model, seq_len=seq, title=title)
 
 
 class _UsageError(AutoplanError, ValueError):

@@ -235,6 +235,9 @@ class ModelGraph(Record):
     attributes: dict[str, int]      # hidden_size, num_heads, vocab_size, ... when known
     layers: tuple[LayerRecord, ...]
     templates: dict[str, tuple[NodeRecord, ...]] = field(default_factory=dict)
+    #: The model's name for people (``GPT-3 175B``, ``llama 8.03B``); ``model`` is the
+    #: class the runtime checks against.
+    title: str = ""
     #: The torch.fx GraphModule captured (``None`` after loading from JSON: not stored).
     fx_graph: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
 
@@ -245,7 +248,7 @@ class ModelGraph(Record):
 
     def __repr__(self) -> str:
         blocks = sum(1 for l in self.layers if l.kind is LayerKind.BLOCK)
-        return (f"<ModelGraph {self.model}: {len(self.layers)} layers ({blocks} blocks), "
+        return (f"<ModelGraph {self.title or self.model}: {len(self.layers)} layers ({blocks} blocks), "
                 f"{self.num_params:,} params ({self.param_dtype}), seq_len {self.seq_len}, "
                 f"micro-batch {self.micro_batch}, {self.capture}>")
 

@@ -198,6 +198,8 @@ class Plan(Record):
     schedule: Schedule
     virtual_stages: int
     estimate: Estimate | None = None
+    #: The model's name for people (the graph's ``title``); ``model`` is its class.
+    title: str = ""
     # what the search knew when it made this plan: carried in memory, never written to
     # JSON nor compared (plan == Plan.from_json(plan.to_json()))
     #: The next best plans of the search that made this one (best first).
@@ -393,7 +395,7 @@ class Plan(Record):
         summary = (ClusterSummary("processes", num_devices, 1, (_PROCESS,), ())
                    if isinstance(cluster, int) else ClusterSummary.from_cluster(cluster))
         return cls(
-            model=graph.model, cluster=summary,
+            model=graph.model, title=getattr(graph, "title", ""), cluster=summary,
             global_batch=strategy.global_batch, seq_len=graph.seq_len,
             precision=strategy.precision, mesh=mesh, stages=tuple(stages),
             layers=tuple(placements),
@@ -450,7 +452,7 @@ class Plan(Record):
 
     def summary(self) -> str:
         """One line: degrees, batch, schedule, and the estimate when there is one."""
-        text = f"{self.model} {self.label()} on {self.num_devices}x " \
+        text = f"{self.title or self.model} {self.label()} on {self.num_devices}x " \
             f"{'+'.join(self.cluster.device_types)}"
         if self.estimate is not None:
             text += f": {self.estimate.summary()}"

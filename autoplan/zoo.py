@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import ConfigError
 
-__all__ = ["ZOO", "ZooEntry", "build_model", "parse_model_args", "trace"]
+__all__ = ["ZOO", "TITLES", "ZooEntry", "build_model", "model_title", "parse_model_args", "trace"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,28 @@ ZOO: dict[str, ZooEntry] = {
                              "openai/gpt-oss-120b config.json (HF); gpt-oss-120b & gpt-oss-20b "
                              "Model Card (OpenAI, Aug 2025), Table 1"),
 }
+
+
+#: Names people know the zoo's models by (plans and reports print them).
+TITLES: dict[str, str] = {
+    "gpt3-175b": "GPT-3 175B", "gpt3-1.3b": "GPT-3 1.3B", "llama3-8b": "Llama 3 8B",
+    "llama3-70b": "Llama 3 70B", "llama3-405b": "Llama 3.1 405B", "bert-large": "BERT-Large",
+    "t5-11b": "T5-11B", "mixtral-8x7b": "Mixtral 8x7B", "mixtral-8x22b": "Mixtral 8x22B",
+    "qwen3-235b-a22b": "Qwen3-235B-A22B", "deepseek-v3": "DeepSeek-V3 671B",
+    "gpt-oss-120b": "gpt-oss-120b",
+}
+
+
+def model_title(spec: str, overrides: Mapping[str, Any] | None = None) -> str | None:
+    """The name people know a model spec by: the zoo's title (``GPT-3 175B``; ``GPT-3 175B
+    (modified)`` with overrides), ``GPT (autoplan.models)`` for ``gpt``; None for other
+    specs (the capture names them from their config or class)."""
+    if spec.startswith("zoo:") and spec[4:] in ZOO:
+        title = TITLES.get(spec[4:], spec[4:])
+        return f"{title} (modified)" if overrides else title
+    if spec == "gpt":
+        return "GPT (autoplan.models)"
+    return None
 
 
 def parse_model_args(items: list[str] | None) -> dict[str, Any]:
@@ -352,6 +374,7 @@ def trace(model: Any, *, seq_len: int | None = None, **kwargs: Any):
     """
     from .capture import trace as capture
     if isinstance(model, str):
+        kwargs.setdefault("title", model_title(model))
         model, default_seq = build_model(model)
         seq_len = seq_len or default_seq
     return capture(model, seq_len=seq_len, **kwargs)

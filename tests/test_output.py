@@ -102,3 +102,19 @@ def test_search_results_ride_on_frozen_plans_without_being_stored(best, graph):
     with pytest.raises(dataclasses.FrozenInstanceError):
         best.runners_up = ()
     assert graph.fx_graph is not None and "fx_graph" not in graph.to_json()[:200000]
+
+
+def test_models_are_named_as_people_know_them():
+    from autoplan.zoo import model_title
+    assert model_title("zoo:gpt3-175b") == "GPT-3 175B"
+    assert model_title("zoo:gpt3-175b", {"n_layer": 2}) == "GPT-3 175B (modified)"
+    assert model_title("hf:llama") is None
+    g = autoplan.trace("zoo:gpt3-1.3b")
+    assert g.title == "GPT-3 1.3B" and g.model == "GPT2LMHeadModel"   # the class stays the identity
+    p = Plan.from_strategy(g, autoplan.load_cluster("a100-sxm4-80gb"), Strategy(dp=8, global_batch=8))
+    assert p.summary().startswith("GPT-3 1.3B dp8") and Plan.from_json(p.to_json()).title == "GPT-3 1.3B"
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        vocab_size=128))
+    assert autoplan.trace(llama, seq_len=16).title == "llama 98.6K"

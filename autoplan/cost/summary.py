@@ -126,6 +126,7 @@ class GraphSummary:
 
     def __init__(self, graph: ModelGraph) -> None:
         self.model = graph.model
+        self.title = graph.title
         self.seq_len = graph.seq_len
         self.num_params = graph.num_params
         self.activation_bytes = _DTYPE_BYTES.get(graph.param_dtype, 4)

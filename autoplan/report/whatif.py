@@ -258,7 +258,9 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
                 raise ConfigError(f"{spec.label} needs seq_len (tokens per sequence)")
             else:
                 try:
-                    graph = trace(spec.source, seq_len=seq)
+                    from ..zoo import model_title
+                    title = model_title(spec.label) if isinstance(spec.label, str) else None
+                    graph = trace(spec.source, seq_len=seq, title=title)
                 except AutoplanError as exc:
                     trace_error = f"capture failed: {exc}"
             for cluster, cluster_prices in zip(cluster_list, prices):

@@ -331,7 +331,7 @@ class _Builder:
         mesh = MeshPlan(MESH_DIMS, (pp, lay.dp, lay.cp, lay.rank_tp[0]),
                         tuple(d for devs in lay.rank_devices for d in devs))
         replica_batch = tuple(m * lay.micro_batch for m in lay.replica_micro_batches)
-        return Plan(model=self.graph.model, cluster=ClusterSummary.from_cluster(self.cluster),
+        return Plan(model=self.graph.model, title=self.graph.title, cluster=ClusterSummary.from_cluster(self.cluster),
                     global_batch=global_batch, seq_len=self.graph.seq_len,
                     precision=lay.precision, mesh=mesh, stages=tuple(stages),
                     layers=tuple(placements), micro_batch=lay.micro_batch,
