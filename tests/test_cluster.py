@@ -412,3 +412,32 @@ def test_many_calls_are_cheap():
     for _ in range(2000):
         c.collective_time("all_reduce", groups[3], 1e9)
     assert time.perf_counter() - start < 2.0
+
+
+def test_gb200_nvl72_groups_of_up_to_72_stay_on_nvlink():
+    """A GB200 NVL72 rack is one node of 72 devices: a tensor-parallel group of 16 or 32
+    GPUs (devices 0 and 40 included) runs over NVLink, not the network; only groups that
+    cross racks use the NICs.  On DGX B200 nodes of 8 the same groups leave the node."""
+    nvl = load_cluster("gb200-nvl72", nodes=2)
+    assert nvl.num_devices == 144 and nvl.num_nodes == 2
+    link = nvl.path(0, 40)
+    assert link.kind == "intra_node" and link.bw_bytes_per_s == 900e9
+    assert nvl.path(0, 71).kind == "intra_node"
+    assert nvl.path(0, 72).kind == "inter_node"
+    assert nvl.path(0, 72).bw_bytes_per_s == 50e9  # one 400 Gb/s NIC per GPU
+    for group in (range(16), range(32), range(8, 40), [0, 40], range(72)):
+        params = nvl.collective_params("all_reduce", group, nbytes=1e9)
+        assert {lv.kind for lv in params.levels} == {"intra_node"}
+        assert params.bottleneck == "intra_node"
+    # the same 32 ranks on four DGX B200 nodes go through the NICs and take longer
+    dgx = load_cluster("b200-sxm-180gb", nodes=4)
+    assert dgx.path(0, 8).kind == "inter_node"
+    assert dgx.collective_params("all_reduce", range(32), nbytes=1e9).bottleneck != "intra_node"
+    assert nvl.collective_time("all_reduce", range(32), 1e9) < \
+        dgx.collective_time("all_reduce", range(32), 1e9)
+    # a group split over two racks pays the network
+    split = list(range(56, 88))
+    assert nvl.collective_time("all_reduce", split, 1e9) > \
+        nvl.collective_time("all_reduce", range(32), 1e9)
+    assert "inter_node" in {lv.kind for lv in nvl.collective_params("all_reduce", split,
+                                                                     nbytes=1e9).levels}

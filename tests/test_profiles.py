@@ -34,7 +34,7 @@ from autoplan.hardware.profiles import (
 )
 
 REQUIRED = ("a100-sxm4-80gb", "a100-sxm4-40gb", "h100-sxm5-80gb", "h200-sxm-141gb",
-            "v100-sxm2-32gb", "mixed-a100-v100", "two-sites")
+            "b200-sxm-180gb", "gb200-nvl72", "v100-sxm2-32gb", "mixed-a100-v100", "two-sites")
 SHIPPED = sorted(p.stem for p in shipped_profiles_dir().glob("*.yaml"))
 
 
@@ -106,6 +106,44 @@ def test_datasheet_values_converted_to_si():
     assert v100.node.link_bw_bytes_per_s(0, 5) == 0.0
     two = load_profile("two-sites")
     assert two.site_links[0].bw_bytes_per_s == 12.5e9 and two.site_links[0].latency_s == 0.01
+
+
+def test_blackwell_peaks_are_dense():
+    """NVIDIA quotes Blackwell tensor-core peaks with 2:4 sparsity (and GB200 NVL72 per
+    rack); the profiles hold dense per-GPU figures, where FP8 is twice BF16."""
+    b200 = load_profile("b200-sxm-180gb")
+    gb200 = load_profile("gb200-nvl72")
+    assert b200.device.peak_flops_per_s == {"fp64": 37e12, "fp32": 75e12, "tf32": 1100e12,
+                                             "bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12}
+    assert gb200.device.peak_flops_per_s["bf16"] == 2500e12
+    assert gb200.device.peak_flops_per_s["fp8"] == 720e15 / 72 / 2  # rack total, sparse
+    for p in (b200, gb200):
+        peaks = p.device.peak_flops_per_s
+        assert peaks["fp8"] == 2 * peaks["bf16"] == 2 * peaks["fp16"]
+        assert peaks["tf32"] <= peaks["bf16"] / 2 and peaks["fp32"] < peaks["tf32"] / 10
+        assert p.device.peak("fp8") > load_profile("h200-sxm-141gb").device.peak("fp8")
+    assert b200.device.memory_bytes == 180 * 2**30   # 1,440 GB / 8
+    assert gb200.device.memory_bytes == 186 * 2**30   # 13.4 TB / 72
+    assert b200.device.memory_bw_bytes_per_s == 7.7e12
+    assert gb200.device.memory_bw_bytes_per_s == 8e12  # 576 TB/s / 72
+    # NVLink 5: 1.8 TB/s per GPU bidirectional, in an 8-GPU node and in the 72-GPU rack
+    assert b200.node.devices_per_node == 8 and gb200.node.devices_per_node == 72
+    assert b200.node.bw_unidir_bytes_per_s == gb200.node.bw_unidir_bytes_per_s == 900e9
+    # one 400 Gb/s ConnectX-7 per GPU in both
+    assert b200.network.bw_per_node_bytes_per_s == 8 * 50e9
+    assert gb200.network.bw_per_node_bytes_per_s == 72 * 50e9
+
+
+def test_gb200_nvl72_plans_a_70b_model_in_one_rack():
+    pytest.importorskip("transformers")
+    import autoplan
+    cluster = load_cluster("gb200-nvl72", nodes=1)
+    graph = autoplan.trace("zoo:llama3-70b", seq_len=4096)
+    plan = autoplan.plan(graph, cluster, global_batch=576)
+    assert plan.num_devices == 72 and sorted(plan.mesh.devices) == list(range(72))
+    tp, cp = plan.mesh.degree("tp"), plan.cp
+    assert 72 % (tp * cp) == 0        # tensor and context groups inside the NVLink domain
+    assert 0 < plan.estimate.step_time_s < 3600
 
 
 def test_dtype_fallback():
