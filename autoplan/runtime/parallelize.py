@@ -513,6 +513,13 @@ def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int
                           "recompute='full'")
     if loss_fn is None and not token_model:
         raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
+    moe = [l.name for l in graph.layers if l.num_experts > 1]
+    if moe and uniform_degrees(plan)[2]:
+        # tp.py leaves a block with expert linears replicated over tp; sequence parallelism
+        # would hand it a sequence shard as if it were tensor-parallel
+        raise ConfigError(f"sequence parallelism with expert (MoE) layers {moe[:3]}: the runtime "
+                          "keeps MoE blocks replicated over tp and cannot hand them sequence "
+                          "shards; use sequence_parallel=False")
     if plan.ep == 1:
         return []
     blocks = [(l, l.name) for l in graph.layers if l.kind is LayerKind.BLOCK]
