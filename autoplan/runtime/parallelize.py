@@ -2,8 +2,10 @@
 
 Called in every process of a job, after ``torch.distributed.init_process_group``.
 The order of application follows torchtitan: pipeline split, then tensor (and
-sequence) parallelism, then activation checkpointing, then data parallelism
-(DDP, ``replicate`` or FSDP2), then one optimizer per local stage.  Everything
+sequence) parallelism, context parallelism, expert parallelism (MoE experts split
+over ep groups carved out of ``dp x cp``), then activation checkpointing, then
+data parallelism (DDP, ``replicate`` or FSDP2; expert banks over their ``edp``
+replicas), then one optimizer per local stage.  Everything
 a rank can check on its own (degrees against the world, layer names against the
 model, divisibility, schedule constraints) is checked before the first
 collective, so every rank raises the same error and none is left waiting.
