@@ -66,6 +66,38 @@ def _llama_sdpa(seed: int = 0):
     return model
 
 
+#: Tiny mixture-of-experts decoders: 8 experts, top-2 routing, 2 blocks, every block MoE.
+#: ``qwen2moe`` adds a shared expert (dense, gated) beside the routed ones.
+MOE_EXPERTS, MOE_TOP_K = 8, 2
+
+
+def make_moe(family: str, seed: int = 0, layers: int = 2):
+    """A tiny Hugging Face MoE model of ``family`` (mixtral, qwen3moe, qwen2moe), random init."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_experts_per_tok=MOE_TOP_K)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=64, num_local_experts=MOE_EXPERTS,
+                                         **common)
+        cls = transformers.MixtralForCausalLM
+    elif family == "qwen3moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                          num_experts=MOE_EXPERTS, head_dim=8, **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif family == "qwen2moe":
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32,
+                                          shared_expert_intermediate_size=48,
+                                          num_experts=MOE_EXPERTS, **common)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(f"unknown MoE family {family!r}")
+    cfg._attn_implementation = "eager"
+    return cls(cfg)
+
+
 MODELS: dict[str, Callable] = {
     "gpt": make_gpt,
     "llama": make_llama,
@@ -78,6 +110,11 @@ MODELS: dict[str, Callable] = {
     # fused (SDPA) attention instead of eager
     "gpt-sdpa": lambda seed=0: make_gpt(seed, attention="sdpa"),
     "llama-sdpa": _llama_sdpa,
+    "mixtral": lambda seed=0: make_moe("mixtral", seed),
+    "qwen3moe": lambda seed=0: make_moe("qwen3moe", seed),
+    "qwen2moe": lambda seed=0: make_moe("qwen2moe", seed),
+    # 4 blocks: pp=2 under ZBV needs a block per virtual stage
+    "mixtral-4": lambda seed=0: make_moe("mixtral", seed, layers=4),
 }
 
 
@@ -158,6 +195,8 @@ def parity(rank: int, world: int, model_name: str, targets: list[tuple],
         t0 = time.perf_counter()
         model = MODELS[name](0)
         pm = parallelize(model, target, seq_len=SEQ, optimizer=make_optimizer, graph=g)
+        if pm.plan.ep > 1 and not expert_split(pm):
+            raise AssertionError(f"{label}: ep={pm.plan.ep} but no expert-parallel module")
         if pm.plan.pp > 1 and pm.plan.schedule.value == "zero_bubble":
             unsafe = zero_bubble_safety(pm)
             if unsafe:
@@ -452,7 +491,45 @@ def _facts(pm) -> dict:
     plan = pm.plan
     return {"world": dist.get_world_size(), "dp": plan.dp, "tp": plan.stages[0].tp,
             "pp": plan.pp, "zero": sorted({l.zero for l in plan.layers}), "wrap": _wrapping(pm),
-            "layout": plan.label()}
+            "layout": plan.label(), "ep": plan.ep, "expert_modules": len(expert_split(pm))}
+
+
+def expert_split(pm) -> list[str]:
+    """The expert-parallel modules of this rank's parts, checked against the plan: every
+    MoE layer of the parts is split (none is without ep), each rank holds ``E / ep``
+    experts of each bank as the ``Shard(0)`` slice of its ep coordinate, and its ep group
+    is the ``ep`` ranks of consecutive flattened ``dp x cp`` index with its pp and tp
+    coordinates (``autoplan.plan.MeshPlan.ep``).  Returns their paths."""
+    from autoplan.runtime.ep import ExpertParallel
+    from autoplan.runtime.mesh import mesh_coordinates
+
+    plan = pm.plan
+    c = mesh_coordinates(plan)
+    f = c["dp"] * plan.cp + c["cp"]
+    group = []
+    for r in range(dist.get_world_size()):
+        o = mesh_coordinates(plan, r)
+        if (o["pp"], o["tp"]) == (c["pp"], c["tp"]) and (o["dp"] * plan.cp + o["cp"]) // plan.ep == f // plan.ep:
+            group.append(r)
+    found = []
+    for part in pm.parts:
+        for name, m in part.named_modules():
+            if isinstance(m, ExpertParallel):
+                if plan.ep == 1:
+                    raise AssertionError(f"{name}: expert parallel under ep=1")
+                if sorted(dist.get_process_group_ranks(m.group)) != group:
+                    raise AssertionError(f"{name}: ep group {dist.get_process_group_ranks(m.group)}"
+                                         f", the plan's is {group}")
+                for p in m.bank.params:
+                    t = getattr(m, p)
+                    spec = t.placements if hasattr(t, "placements") else None
+                    if t.shape[0] != m.bank.num_experts or m.num_local * plan.ep != m.bank.num_experts:
+                        raise AssertionError(f"{name}.{p}: global shape {tuple(t.shape)}, "
+                                             f"{m.num_local} local experts, {spec}")
+                found.append(name)
+            elif plan.ep > 1 and any(q.dim() == 3 for q in m.parameters(recurse=False)):
+                raise AssertionError(f"{name}: an expert bank left whole under ep={plan.ep}")
+    return found
 
 
 def checkpoint_save(rank: int, world: int, model_name: str, path: str, target: Any,

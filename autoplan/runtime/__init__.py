@@ -1,7 +1,7 @@
 """The runtime: apply a plan to a model with torch.distributed and train it.
 
-Mechanism only: each parallelism is one small module (:mod:`.tp`, :mod:`.fsdp`,
-:mod:`.ac`, :mod:`.pipeline`); :func:`parallelize` applies a
+Mechanism only: each parallelism is one small module (:mod:`.tp`, :mod:`.cp`,
+:mod:`.ep`, :mod:`.fsdp`, :mod:`.ac`, :mod:`.pipeline`); :func:`parallelize` applies a
 :class:`~autoplan.Plan`, the record the search makes and the cost model prices,
 through them.  Policy (which degrees, where to cut) comes from a
 :class:`~autoplan.Strategy` (laid out by :meth:`Plan.from_strategy`), a

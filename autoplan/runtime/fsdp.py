@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["apply_fsdp", "apply_replicate", "apply_ddp", "set_micro_batch_sync"]
+__all__ = ["apply_fsdp", "apply_replicate", "apply_ddp", "apply_expert_dp", "set_micro_batch_sync"]
 
 
 def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh: DeviceMesh, *,
@@ -49,6 +49,30 @@ def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh
         module._autoplan_zero = zero  # type: ignore[attr-defined]
     fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3)
     root._autoplan_zero = root_zero  # type: ignore[attr-defined]
+
+
+def apply_expert_dp(modules: Sequence[tuple[nn.Module, int]], edp_mesh: DeviceMesh) -> None:
+    """Data parallelism of expert-parallel modules (:mod:`.ep`) over their ``edp`` replicas,
+    before the enclosing layer and the root take the dense parameters over ``dp x cp``.
+
+    ZeRO 0 replicates (gradients all-reduced at the last micro-batch), ZeRO 1-3 shard as
+    :func:`apply_fsdp` does.  Their banks are already ``Shard(0)`` over the ep mesh; FSDP
+    shards them over ``edp`` on dimension 1 (a plain 2-D ``(Shard(1), Shard(0))`` layout
+    rather than a strided shard of dimension 0, which E / ep < edp would pad).
+    """
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.tensor import Shard
+
+    def placement(p: nn.Parameter) -> Shard:
+        return Shard(1 if p.dim() > 1 else 0)
+
+    for module, zero in modules:
+        if zero == 0:
+            replicate(module, mesh=edp_mesh)
+        else:
+            fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3,
+                        shard_placement_fn=placement)
+        module._autoplan_zero = zero  # type: ignore[attr-defined]
 
 
 def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:

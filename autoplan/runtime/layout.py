@@ -88,11 +88,6 @@ def check_plan(plan: Plan, world_size: int, graph: ModelGraph,
     if bad:
         raise PlanMismatchError(f"the plan maps its ranks to devices {bad[:5]}, but the processes "
                                 f"are 0..{world_size - 1}")
-    if plan.ep > 1:
-        # the expert parallel runtime lands next; until then refuse rather than run
-        # every expert replicated under a plan that prices them split
-        raise StrategyError(f"ep={plan.ep}: expert parallelism is planned and priced but not "
-                            "run by this version of parallelize; use ep=1")
     if plan.seq_len is not None and graph.seq_len is not None and plan.seq_len != graph.seq_len:
         raise PlanMismatchError(f"the plan was made for seq_len={plan.seq_len}, the program is "
                                 f"built for seq_len={graph.seq_len}")

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan import Plan
 
-__all__ = ["build_mesh", "mesh_coordinates", "rank_at"]
+__all__ = ["build_mesh", "mesh_coordinates", "rank_at", "expert_meshes"]
 
 
 def build_mesh(plan: Plan, device_type: str = "cpu") -> DeviceMesh:
@@ -46,3 +46,13 @@ def rank_at(plan: Plan, **coords: int) -> int:
     for d, n in zip(plan.mesh.dims, plan.mesh.degrees):
         pos = pos * n + coords.get(d, 0)
     return plan.mesh.devices[pos]
+
+
+def expert_meshes(mesh: DeviceMesh, plan: Plan) -> tuple[DeviceMesh, DeviceMesh]:
+    """``(edp, ep)``: the expert data-parallel and the expert-parallel sub-meshes of the
+    flattened ``dp x cp`` dimension (:attr:`MeshPlan.ep`: ranks with the same
+    ``(dp_index * cp + cp_index) // ep`` share a MoE layer's experts; ``edp = dp x cp / ep``
+    replicas hold each shard).  Collective (creates the groups) on every rank."""
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"]
+    split = dp_cp._unflatten(0, (plan.dp * plan.cp // plan.ep, plan.ep), ("edp", "ep"))
+    return split["edp"], split["ep"]

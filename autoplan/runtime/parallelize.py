@@ -2,8 +2,10 @@
 
 Called in every process of a job, after ``torch.distributed.init_process_group``.
 The order of application follows torchtitan: pipeline split, then tensor (and
-sequence) parallelism, then activation checkpointing, then data parallelism
-(DDP, ``replicate`` or FSDP2), then one optimizer per local stage.  Everything
+sequence) parallelism, context parallelism, expert parallelism (MoE experts split
+over ep groups carved out of ``dp x cp``), then activation checkpointing, then
+data parallelism (DDP, ``replicate`` or FSDP2; expert banks over their ``edp``
+replicas), then one optimizer per local stage.  Everything
 a rank can check on its own (degrees against the world, layer names against the
 model, divisibility, schedule constraints) is checked before the first
 collective, so every rank raises the same error and none is left waiting.
@@ -38,9 +40,10 @@ from .ac import apply_ac
 from .agree import on_rank0
 from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
-from .fsdp import apply_ddp, apply_fsdp, apply_replicate, set_micro_batch_sync
+from .ep import ExpertBank, apply_ep, check_ep
+from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import check_plan, plan_of, uniform_degrees
-from .mesh import build_mesh, mesh_coordinates, rank_at
+from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
 from .pipeline import TiedGrads, build_schedule, build_stage_module, cross_stage_ties, make_stage
 from .tp import apply_tp
 
@@ -450,12 +453,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     plan = resolve_plan(model, target, graph, world_size=dist.get_world_size(),
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
-    _check_program(model, graph, plan, seq_len, token_model, loss_fn)
+    banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn)
     loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     # ---- no collective before this point (but for a Cluster's plan broadcast)
     device = next(model.parameters()).device
     mesh = build_mesh(plan, device.type)
+    expert_mesh = expert_meshes(mesh, plan) if plan.ep > 1 else None
     if plan.pp == 1:
         stage_ids: tuple[int, ...] = (0,)
         parts, ties = [model], []
@@ -464,7 +468,7 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         parts, ties = _build_stages(model, graph, plan, stage_ids, seq_len)
     for i, s in enumerate(stage_ids):
         parts[i] = _apply_parallelisms(parts[i], plan.stages[s].layers, model, graph, plan,
-                                       mesh, seq_len)
+                                       mesh, seq_len, banks, expert_mesh)
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
@@ -475,8 +479,9 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
 
 
 def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int | None,
-                   token_model: bool, loss_fn: Callable | None) -> None:
-    """What the plan needs from this model beyond its layer names (no collective)."""
+                   token_model: bool, loss_fn: Callable | None) -> list[ExpertBank]:
+    """What the plan needs from this model beyond its layer names (no collective); returns
+    the expert banks expert parallelism splits (none without it)."""
     if plan.precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
@@ -510,6 +515,21 @@ def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int
                           "recompute='full'")
     if loss_fn is None and not token_model:
         raise ConfigError("pass loss_fn(output, targets) for a model that is not a token model")
+    moe = [l.name for l in graph.layers if l.num_experts > 1]
+    if moe and uniform_degrees(plan)[2]:
+        # tp.py leaves a block with expert linears replicated over tp; sequence parallelism
+        # would hand it a sequence shard as if it were tensor-parallel
+        raise ConfigError(f"sequence parallelism with expert (MoE) layers {moe[:3]}: the runtime "
+                          "keeps MoE blocks replicated over tp and cannot hand them sequence "
+                          "shards; use sequence_parallel=False")
+    if plan.ep == 1:
+        return []
+    blocks = [(l, l.name) for l in graph.layers if l.kind is LayerKind.BLOCK]
+    banks = check_ep(model, blocks, plan.ep)
+    if not banks:
+        raise PlanMismatchError(f"ep={plan.ep}, but the graph records no expert layers present "
+                                "in the model; use ep=1")
+    return banks
 
 
 def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
@@ -533,9 +553,10 @@ def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
 
 def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
                         graph: ModelGraph, plan: Plan, mesh: DeviceMesh,
-                        seq_len: int | None) -> nn.Module:
-    """Tensor/sequence parallelism, then activation checkpointing, then data parallelism
-    on one part (the model or a stage) holding the layers ``names``."""
+                        seq_len: int | None, banks: Sequence[ExpertBank] = (),
+                        expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None) -> nn.Module:
+    """Tensor/sequence parallelism, expert parallelism, then activation checkpointing,
+    then data parallelism on one part (the model or a stage) holding the layers ``names``."""
     kinds = {l.name: l.kind for l in graph.layers}
     blocks = [x for x in names if kinds[x] is LayerKind.BLOCK]
     placement = {x: plan.placement(x) for x in names}
@@ -548,6 +569,13 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
                  region_kwargs=adapter.region_kwargs if adapter is not None else {})
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], seq_len=seq_len)
+    # (MoE layers are not tensor-parallel: an ep group holds ranks of one tp index)
+    experts: list[tuple[nn.Module, str]] = []
+    if expert_mesh is not None:
+        mine = [b for b in banks if any(b.path.startswith(x + ".") for x in blocks)]
+        modules = apply_ep(part, mine, expert_mesh[1])
+        experts = [(m, next(x for x in blocks if b.path.startswith(x + ".")))
+                   for m, b in zip(modules, mine)]
     for x in blocks:
         rc = placement[x].recompute
         if rc is not Recompute.NONE:
@@ -558,8 +586,11 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
     # are averaged, and ZeRO shards, over dp x cp (as the cost model prices it)
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"]
     zeros = [placement[x].zero for x in names]
+    if experts:
+        # expert shards are data-parallel over their edp replicas only (see .ep)
+        apply_expert_dp([(m, placement[x].zero) for m, x in experts], expert_mesh[0])
     if max(zeros) == 0:
-        if plan.pp == 1 and tp == 1:
+        if plan.pp == 1 and tp == 1 and plan.ep == 1:
             return apply_ddp(part, dp_mesh)
         # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
         return apply_replicate(part, dp_mesh)
