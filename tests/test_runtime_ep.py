@@ -205,6 +205,8 @@ def test_ep_parity_4_ranks(moe_graphs):
         ("mixtral ep2 dp4 zero3 (edp2)", S(dp=4, ep=2, zero=3)),
         ("mixtral ep2 x pp2 1f1b", S(dp=2, pp=2, ep=2, micro_batch=2)),
         ("mixtral ep2 x tp2", S(dp=2, tp=2, ep=2)),
+        # attention split over tp, experts and router whole on each tp rank
+        ("mixtral tp2 x dp2 (no ep)", S(dp=2, tp=2)),
         ("mixtral ep2 x cp2 x dp2", S(dp=2, cp=2, ep=2)),
         ("mixtral ep4 x cp2 x dp2 zero2", S(dp=2, cp=2, ep=4, zero=2)),
         ("qwen3moe ep4 dp4", S(dp=4, ep=4), "qwen3moe"),
@@ -256,3 +258,36 @@ def test_ep_checkpoints_reshard(tmp_path, moe_graphs):
         else:
             layouts[r["layout"]] = r
     assert {f["ep"] for f in layouts.values()} == {1, 2}
+
+
+def test_moe_blocks_split_attention_over_tp_and_experts_over_ep():
+    """Every rank of dp2 x tp2 x ep2 built over the fake process group: attention
+    projections are tp shards, the router is whole, each expert bank holds E / ep experts
+    as a Shard(0) DTensor on the ep mesh (what the cost model prices)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autoplan
+    from autoplan.runtime import parallelize
+
+    graph = autoplan.trace(rc.make_moe("mixtral"), seq_len=rc.SEQ)
+    plan = rc.plan_for(S(dp=2, tp=2, ep=2), graph.to_json())
+    for rank in range(plan.num_devices):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        try:
+            pm = parallelize(rc.make_moe("mixtral"), plan, seq_len=rc.SEQ, graph=graph,
+                             optimizer=rc.make_optimizer)
+            params = dict(pm.parts[0].named_parameters())
+            q = next(p for n, p in params.items() if n.endswith("layers.0.self_attn.q_proj.weight"))
+            assert isinstance(q, DTensor) and "tp" in q.device_mesh.mesh_dim_names
+            assert q.placements[q.device_mesh.mesh_dim_names.index("tp")] == Shard(0)
+            router = next(p for n, p in params.items() if n.endswith("layers.0.mlp.gate.weight"))
+            assert not (isinstance(router, DTensor) and "tp" in (router.device_mesh.mesh_dim_names or ())
+                        and router.placements[router.device_mesh.mesh_dim_names.index("tp")] != Replicate())
+            bank = next(p for n, p in params.items() if n.endswith("layers.0.mlp.experts.gate_up_proj"))
+            assert isinstance(bank, DTensor) and "ep" in bank.device_mesh.mesh_dim_names
+            assert bank.placements[bank.device_mesh.mesh_dim_names.index("ep")] == Shard(0)
+            assert bank.shape[0] == rc.MOE_EXPERTS and bank.to_local().shape[0] == rc.MOE_EXPERTS // 2
+        finally:
+            dist.destroy_process_group()

@@ -15,8 +15,10 @@ capture found (:class:`~autoplan.graph.LinearRole`), not from module names:
   reduce-scatters (``output_layouts=Shard(1)``).  The first block of the
   model turns the replicated embedding output into sequence shards.
 
-Expert roles (MoE) are not applied here: a layer with expert linears stays
-replicated over the tensor-parallel group.
+Expert roles (MoE) are not applied here: in a block with an expert bank the
+experts and the router stay whole on every rank of the tensor-parallel group
+(they see the same tokens: the attention output is all-reduced before them),
+while attention and shared experts split as in a dense block.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
     roles = {(prefix + name if prefix else name): LinearRole(role)
              for name, role in layer.tp.roles().items()}
     roles = {n: r for n, r in roles.items() if _has_module(module, n)}
-    if any(r in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW) for r in roles.values()):
-        return {}
+    # MoE: the experts and the router stay whole on every tp rank (each runs the block's
+    # tokens through them; expert parallelism splits the experts over dp x cp instead);
+    # attention and shared experts split as in a dense block
+    roles = {n: r for n, r in roles.items()
+             if r not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW, LinearRole.ROUTER)}
     plan: dict[str, object] = {}
     sp = sequence_parallel
     if layer.kind is LayerKind.BLOCK:
