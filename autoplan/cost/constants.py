@@ -151,6 +151,19 @@ class CostOptions(Record):
     memory_fraction : float
         A plan fits when its peak memory is at most this fraction of each
         device's memory.
+    expert_imbalance : float
+        Under expert parallelism, the busiest expert-parallel rank's routed tokens
+        over the mean (>= 1): its expert GEMMs take this many times the mean work,
+        and every rank of the layer waits for it (the combine all-to-all follows).
+        Default 1.0 (balanced).  Wang et al. 2024 ("Auxiliary-Loss-Free Load
+        Balancing Strategy for Mixture-of-Experts", arXiv:2408.15664, Sec. 4)
+        measure the imbalance of auxiliary-loss-balanced routing as MaxVio, the
+        largest expert load over the mean minus one, per expert and per batch or
+        over a validation set; no measurement of the imbalance between
+        expert-parallel *ranks* (each holding ``experts / ep`` experts, which
+        averages part of the per-expert imbalance out) could be checked here, so
+        the default assumes none: set it to ``1 + MaxVio`` of your router to
+        price imbalance.
     """
 
     fused_attention: bool = False
@@ -162,6 +175,7 @@ class CostOptions(Record):
     zero3_gather_unit: str = "layer"
     dp_nic_per_device: bool = False
     memory_fraction: float = 1.0
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         if self.zero3_gather_unit not in ("layer", "module"):
@@ -169,6 +183,9 @@ class CostOptions(Record):
                               f"{self.zero3_gather_unit!r}")
         if not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction!r}")
+        if not 1 <= self.expert_imbalance < float("inf"):
+            raise ConfigError("expert_imbalance (busiest expert-parallel rank's load over the "
+                              f"mean) must be a number >= 1, got {self.expert_imbalance!r}")
 
 
 def cost_profiles_dir() -> Path:

@@ -146,6 +146,7 @@ class Layout:
     rank_tp: tuple[int, ...]
     stage_ranks: tuple[int, ...] = ()
     padded: bool = False    # uneven replicas all run the largest count (Plan.pads_micro_batches)
+    ep: int = 1             # expert parallel degree (a sub-dimension of dp x cp)
 
     def micro_batches_run(self, replica: int) -> int:
         """Micro-batches replica ``replica`` runs, zero-weight padding included."""
@@ -187,7 +188,7 @@ def layout_from_plan(summary: GraphSummary, plan) -> Layout:
     return Layout(pp, plan.virtual_stages, plan.dp, cp, plan.micro_batch, plan.global_batch,
                   tuple(plan.micro_batches_of(r) for r in range(plan.dp)), plan.schedule,
                   plan.precision, tuple(chunks), rank_devices, rank_tp, plan.stage_ranks,
-                  plan.pads_micro_batches)
+                  plan.pads_micro_batches, plan.ep)
 
 
 # --------------------------------------------------------------------------- results
@@ -213,6 +214,8 @@ class _RankEval:
     tp_total: float = 0.0
     cp_exposed: float = 0.0
     cp_total: float = 0.0
+    ep_exposed: float = 0.0       # expert-parallel token all-to-alls (blocking: all exposed)
+    ep_total: float = 0.0
     zero_exposed: float = 0.0     # ZeRO-2/3 per-micro-batch collectives, exposed
     zero_total: float = 0.0
     p2p: float = 0.0
@@ -283,6 +286,7 @@ class CostEngine:
         self._homogeneous = len(self.cluster.device_types) == 1
         self._terms: dict[tuple, tuple[float, ...]] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
+        self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
 
     # ------------------------------------------------------------------ entry points
     def layout(self, layout) -> Layout:
@@ -311,10 +315,12 @@ class CostEngine:
 
     # ------------------------------------------------------------------ helpers
     def _collective(self, op: str, group: tuple[int, ...], nbytes: float,
-                    concurrent: int | None = None) -> float:
+                    concurrent: int | None = None, group_key: tuple | None = None) -> float:
+        """Cached collective time; ``group_key`` stands for a large ``group`` in the cache
+        key (``(first device, size, hash)``: hashing the group once per rank, not per call)."""
         if len(group) <= 1 or nbytes <= 0:
             return 0.0
-        key = (op, group, nbytes, concurrent)
+        key = (op, group if group_key is None else group_key, nbytes, concurrent)
         t = self._coll.get(key)
         if t is None:
             t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
@@ -349,15 +355,19 @@ class CostEngine:
         return c
 
     def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
-              sp: bool = False) -> tuple[float, float, float, float]:
+              sp: bool = False, ep: int = 1) -> tuple[float, float, float, float]:
         """``(forward, backward, core forward, weight-gradient)`` seconds of one layer.
 
         Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
         each memory-bound node: the bytes it reads and writes over the device's memory
         bandwidth, :data:`ELEMENTWISE_BACKWARD_FACTOR` times that in the backward.
+        An expert bank's GEMMs run one expert at a time: the efficiency is that of one
+        expert's GEMM, ``ep x tokens x top-k / experts`` rows (this rank's local
+        experts take the tokens of its ``ep`` group), and under expert parallelism the
+        busiest rank runs ``expert_imbalance`` times the mean load.
         """
         fused = self.options.fused_attention
-        key = (template, b, tp, cp, device.name, dtype, fused, sp)
+        key = (template, b, tp, cp, device.name, dtype, fused, sp, ep)
         hit = self._template_time.get(key)
         if hit is not None:
             return hit
@@ -365,6 +375,8 @@ class CostEngine:
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
         attention = self._attention_tables.get(device.name) if fused else None
+        experts = self._rep[template].num_experts
+        imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         for n in self.summary.templates[template]:
             div = (tp if n.sharded else 1) * cp
             f = n.fwd_flops * b / div
@@ -372,6 +384,9 @@ class CostEngine:
             ref = f if f > 0 else g / 2
             if ref <= 0:
                 continue
+            if n.expert and experts > 1:
+                f, g = f * imbalance, g * imbalance
+                ref = ref * imbalance * ep / experts     # one expert's GEMM
             if n.core and attention is not None:
                 rate = peak * attention.efficiency(ref)
             else:
@@ -492,6 +507,7 @@ class CostEngine:
             "recompute_s": m * c.recompute,
             "tp_comm_s": m * c.tp_exposed,
             "cp_comm_s": m * c.cp_exposed,
+            "ep_comm_s": m * c.ep_exposed,
             "dp_comm_s": m * c.zero_exposed + dp_step_exp,
             "pp_comm_s": m * c.p2p,
             "bubble_s": t_pipe - m * c.per_micro_batch,
@@ -499,7 +515,7 @@ class CostEngine:
         }
         breakdown = {k: breakdown[k] for k in BREAKDOWN_KEYS}
         comm_total = {
-            "tp_comm_s": m * c.tp_total, "cp_comm_s": m * c.cp_total,
+            "tp_comm_s": m * c.tp_total, "cp_comm_s": m * c.cp_total, "ep_comm_s": m * c.ep_total,
             "dp_comm_s": m * c.zero_total + tr.dp_step_total, "pp_comm_s": m * c.p2p,
         }
         seq = s.seq_len or 1
@@ -538,18 +554,23 @@ class CostEngine:
     def _layer_terms(self, l: LayerCost, seg: Segment, b: int, cp: int, device, dtype: str,
                      act_scale: float, tp_group: tuple[int, ...], dp_group: tuple[int, ...],
                      dp_conc: int | None, cp_group: tuple[int, ...], zero_degree: int,
-                     pb: int, gb: int) -> tuple[float, ...]:
+                     pb: int, gb: int, ep: int = 1, ep_group: tuple[int, ...] = (),
+                     edp_group: tuple[int, ...] = ()) -> tuple[float, ...]:
         """Everything one layer adds to its rank, per micro-batch (see the module docstring).
 
         Returns ``(fwd, bwd, recompute, wgrad, tp_total, tp_exposed, cp_total, cp_exposed,
-        zero_total, zero_exposed, F, B, local_params, gather_unit, act_bytes, whole_bytes)``
-        where ``F``/``B`` are the forward/backward time with exposed communication and
-        ``act_bytes``/``whole_bytes`` the saved activations with/without recompute.
+        zero_total, zero_exposed, F, B, local_params, gather_unit, act_bytes, whole_bytes,
+        ep_total, ep_exposed, local_expert_params)`` where ``F``/``B`` are the
+        forward/backward time with exposed communication, ``act_bytes``/``whole_bytes``
+        the saved activations with/without recompute, and ``local_params`` the
+        parameters on this device outside the expert banks (``local_expert_params``
+        those in them: ZeRO shards the two over different groups).
         """
         s = self.summary
         opts = self.options
         t = seg.tp
-        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype, seg.sequence_parallel)
+        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype, seg.sequence_parallel,
+                                     ep if l.expert_params else 1)
         rc = 0.0
         if seg.recompute is Recompute.FULL and l.is_block:
             rc = f
@@ -582,18 +603,32 @@ class CostEngine:
             if seg.recompute is Recompute.FULL:
                 cb += cf   # the recomputed forward gathers again
             cp_exp = cf + cb
-        # ZeRO: parameters of this layer on this device
-        local = l.sharded_params / t + (l.params - l.sharded_params)
+        # expert parallelism: the token dispatch and combine all-to-alls over the ep group
+        # in the forward, their transposes in the backward (again under full recompute);
+        # blocking, so exposed
+        xf = xb = 0.0
+        if ep > 1 and l.expert_tokens:
+            xf = 2 * self._collective("all_to_all", ep_group,
+                                      self.dispatch_bytes(l, b, cp, act_scale))
+            xb = xf * (2 if seg.recompute is Recompute.FULL and l.is_block else 1)
+        # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
+        # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
+        x = l.expert_params if ep > 1 else 0     # without ep the experts shard as the rest
+        local = (l.sharded_params - x) / t + (l.params - l.sharded_params)
+        local_x = x / t / ep
         if opts.zero3_gather_unit == "module":
-            unit = l.largest_module_params / (t if l.largest_module_sharded else 1)
+            unit = l.largest_module_params / (t if l.largest_module_sharded else 1) \
+                / (ep if l.largest_module_expert else 1)
         else:
-            unit = local
-        lf = f + ef + cf
-        lb = bw + rc + eb + cb
+            unit = local + local_x
+        lf = f + ef + cf + xf
+        lb = bw + rc + eb + cb + xb
         fwd_exp = bwd_exp = z_tot = 0.0
-        if seg.zero >= 2 and zero_degree > 1 and local > 0:
-            rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc)
-            ag = self._collective("all_gather", dp_group, local * pb, dp_conc) \
+        if seg.zero >= 2 and zero_degree > 1 and local + local_x > 0:
+            rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc) + \
+                self._collective("reduce_scatter", edp_group, local_x * gb, dp_conc)
+            ag = self._collective("all_gather", dp_group, local * pb, dp_conc) + \
+                self._collective("all_gather", edp_group, local_x * pb, dp_conc) \
                 if seg.zero == 3 else 0.0
             # backward: one gather, or two when the recomputed forward gathers again
             ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
@@ -611,7 +646,68 @@ class CostEngine:
             # the layer being recomputed holds all it saves, its checkpoint included
             whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp) * b * act_scale
         return (f, bw, rc, wg, tf + tb, ef + eb, cf + cb, cp_exp, z_tot, fwd_exp + bwd_exp,
-                lf + fwd_exp, lb + bwd_exp, local, unit, act, whole)
+                lf + fwd_exp, lb + bwd_exp, local, unit, act, whole, xf + xb, xf + xb, local_x)
+
+    def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float) -> float:
+        """Bytes one rank sends into one token all-to-all of layer ``l`` per micro-batch
+        of ``b`` sequences: ``tokens x top-k x hidden x bytes`` (tokens: this rank's
+        ``b x seq / cp``), its whole send buffer; the collective model sends the
+        ``(ep - 1) / ep`` of it bound for other ranks
+        (:mod:`autoplan.hardware.collectives`, pairwise exchange)."""
+        return l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes * act_scale
+
+    def _groups(self, all_devs: tuple[int, ...], tp: int, cp: int, ep: int, r: int) -> tuple:
+        """The device groups of replica ``r`` on a pipeline rank with devices ``all_devs``
+        (rank order dp, cp, tp) at tensor-parallel index 0: ``(replica devices, dp group,
+        dp concurrency, dp key, cp group, ep group, edp group, ep key)``."""
+        rep = all_devs[r * cp * tp:(r + 1) * cp * tp]
+        dp_group = all_devs[0::tp]                              # same tp index: dp x cp members
+        dp_conc = self._dp_concurrency(dp_group)
+        dp_key = (dp_group[0], len(dp_group), hash(dp_group))
+        cp_group = rep[0::tp] if cp > 1 else ()                 # same tp index
+        # expert parallelism: ep consecutive members of the flattened dp x cp index share
+        # one copy of the experts (ep group); the members at the same position of every ep
+        # group hold the same experts (edp group, what expert gradients reduce over)
+        first = r * cp                                          # replica's first dp x cp index
+        ep_group = dp_group[first - first % ep:first - first % ep + ep] if ep > 1 else ()
+        edp_group = dp_group[first % ep::ep] if ep > 1 else ()
+        ep_key = (ep, ep_group, hash(edp_group))
+        return rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key
+
+    def layer_time_bound(self, template: str, all_devs: tuple[int, ...], tp: int, cp: int,
+                         ep: int, sp: bool, b: int, precision: Precision) -> float:
+        """Forward plus backward seconds of one micro-batch of a ``template`` layer on the
+        pipeline rank with devices ``all_devs`` (replica 0) without recompute or ZeRO-2/3:
+        compute and the exposed tensor-, context- and expert-parallel collectives, the
+        least any layout of these degrees spends on it (recompute and sharding add).
+        What the search bounds step times with."""
+        dtype = _DTYPE[precision]
+        mixed = precision is not Precision.FP32
+        pb, gb, _ = self.constants.model_states.per_param(mixed)
+        act_scale = precision.bytes / self.summary.activation_bytes
+        rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
+            self._groups(all_devs, tp, cp, ep, 0)
+        device = self._device(rep)
+        seg = Segment(0, 0, tp, sp, 1, Recompute.NONE)
+        key = (template, tp, sp, 1, Recompute.NONE, b, cp, device.name, dtype, act_scale,
+               rep[:tp], dp_key, cp_group, ep_key)
+        terms = self._terms.get(key)
+        if terms is None:
+            terms = self._layer_terms(self._rep[template], seg, b, cp, device, dtype, act_scale,
+                                      rep[:tp], dp_group, dp_conc, cp_group, len(dp_group), pb,
+                                      gb, ep, ep_group, edp_group)
+            self._terms[key] = terms
+        return terms[10] + terms[11]
+
+    def _stages_of(self, stage_ranks: tuple[int, ...]) -> dict[int, list[int]]:
+        """The virtual stages of each pipeline rank, in order."""
+        hit = self._rank_stages.get(stage_ranks)
+        if hit is None:
+            hit = {}
+            for k, p in enumerate(stage_ranks):
+                hit.setdefault(p, []).append(k)
+            self._rank_stages[stage_ranks] = hit
+        return hit
 
     @staticmethod
     def _replica_devices(lay: Layout, p: int, r: int) -> tuple[int, ...]:
@@ -625,25 +721,24 @@ class CostEngine:
         kmem = self.constants.memory
         pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
         tp_stage = lay.rank_tp[p]
-        rep = self._replica_devices(lay, p, r)
+        ep = lay.ep
+        rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
+            self._groups(lay.rank_devices[p], tp_stage, cp, ep, r)
         device = self._device(rep)
-        all_devs = lay.rank_devices[p]
-        dp_group = all_devs[0::tp_stage]                   # same tp index: dp x cp members
         zero_degree = len(dp_group)
-        dp_conc = self._dp_concurrency(dp_group)
-        dp_key = (dp_group[0], len(dp_group), hash(dp_group))
-        cp_group = rep[0::tp_stage] if cp > 1 else ()         # same tp index
+        edp = zero_degree // ep
         ev = _RankEval(device_type=device.name, layers=0)
         ev.capacity = float(device.memory_bytes)
 
         params_by_zero = [0.0, 0.0, 0.0, 0.0]   # local (after TP) parameters per ZeRO stage
+        experts_by_zero = [0.0, 0.0, 0.0, 0.0]  # those of them in expert banks (after EP)
         act_per_mb = 0.0                        # saved activation bytes of one micro-batch
         work = 0.0                              # one layer's working set (full recompute)
         max_layer_params = 0.0
         cut_out = 0.0
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
-        mine = [k for k in range(pp * v) if lay.stage_ranks[k] == p]
+        mine = self._stages_of(lay.stage_ranks)[p]
         chunks = [lay.chunks[k] for k in mine]
         for chunk, k in zip(chunks, mine):
             for seg in chunk:
@@ -653,15 +748,15 @@ class CostEngine:
                     l = self._rep[template]
                     ev.layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
-                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group)
+                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
                     if terms is None:
                         terms = self._layer_terms(l, seg, b, cp, device, dtype, act_scale,
                                                   tp_group, dp_group, dp_conc, cp_group,
-                                                  zero_degree, pb, gb)
+                                                  zero_degree, pb, gb, ep, ep_group, edp_group)
                         self._terms[key] = terms
                     (f, bw, rc, wg, tp_tot, tp_exp, cp_tot, cp_exp, z_tot, z_exp, lf, lb,
-                     local, unit, act, whole) = terms
+                     local, unit, act, whole, ep_tot, ep_exp, local_x) = terms
                     ev.fwd_compute += count * f
                     ev.bwd_compute += count * bw
                     ev.recompute += count * rc
@@ -670,11 +765,14 @@ class CostEngine:
                     ev.tp_exposed += count * tp_exp
                     ev.cp_total += count * cp_tot
                     ev.cp_exposed += count * cp_exp
+                    ev.ep_total += count * ep_tot
+                    ev.ep_exposed += count * ep_exp
                     ev.zero_total += count * z_tot
                     ev.zero_exposed += count * z_exp
                     ev.fwd += count * lf
                     ev.bwd += count * lb
                     params_by_zero[seg.zero] += count * local
+                    experts_by_zero[seg.zero] += count * local_x
                     max_layer_params = max(max_layer_params, unit)
                     act_per_mb += count * act
                     if whole > act:
@@ -702,10 +800,16 @@ class CostEngine:
         # per-step data-parallel reduction of the layers with ZeRO-0/1 (and ZeRO-2's gather)
         red0 = params_by_zero[0] + tied_extra
         red1 = params_by_zero[1]
-        t_red = self._collective("all_reduce", dp_group, red0 * gb, dp_conc) + \
-            self._collective("reduce_scatter", dp_group, red1 * gb, dp_conc)
+        t_red = self._collective("all_reduce", dp_group, red0 * gb, dp_conc, dp_key) + \
+            self._collective("reduce_scatter", dp_group, red1 * gb, dp_conc, dp_key)
         t_gather = self._collective("all_gather", dp_group, (red1 + params_by_zero[2]) * pb,
-                                    dp_conc)
+                                    dp_conc, dp_key)
+        x0, x1, x2, x3 = experts_by_zero     # expert banks: over the edp group
+        if x0 or x1 or x2:
+            edp_key = (edp_group[0], len(edp_group), ep_key[2])
+            t_red += self._collective("all_reduce", edp_group, x0 * gb, dp_conc, edp_key) + \
+                self._collective("reduce_scatter", edp_group, x1 * gb, dp_conc, edp_key)
+            t_gather += self._collective("all_gather", edp_group, (x1 + x2) * pb, dp_conc, edp_key)
         ev.dp_step_total = t_red + t_gather
         exp_red = max(0.0, t_red - ev.bwd) if opts.overlap_grad_reduce else t_red
         exp_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
@@ -718,6 +822,7 @@ class CostEngine:
                 ev.dp_step_exposed += t_tied
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
+        local_opt += x0 + (x1 + x2 + x3) / edp
         ev.optimizer = local_opt * opt_bytes / device.memory_bw_bytes_per_s
 
         # memory
@@ -727,15 +832,19 @@ class CostEngine:
             n += tied_extra if zero == 0 else 0.0    # a tied copy is kept whole
             p_b, g_b, o_b = model_state_bytes(n, zero=zero, shards=z, per_param=(pb, gb, ob))
             params_b, grads_b, optim_b = params_b + p_b, grads_b + g_b, optim_b + o_b
+            if experts_by_zero[zero]:
+                p_b, g_b, o_b = model_state_bytes(experts_by_zero[zero], zero=zero, shards=edp,
+                                                  per_param=(pb, gb, ob))
+                params_b, grads_b, optim_b = params_b + p_b, grads_b + g_b, optim_b + o_b
         ev.in_flight = in_flight(lay.schedule, p, pp, m, v)
         acts = ev.in_flight * (act_per_mb + shared) + work
         buffers = 0.0
-        if params_by_zero[3] and z > 1:
+        if (params_by_zero[3] or x3) and z > 1:
             buffers += max_layer_params * (kmem.zero3_gathered_layers * pb
                                            + kmem.zero3_unsharded_grad_layers * gb)
-        if z > 1 and (params_by_zero[0] or params_by_zero[1]):
+        if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
-                           (params_by_zero[0] + params_by_zero[1]) * gb)
+                           (params_by_zero[0] + params_by_zero[1] + x0 + x1) * gb)
         if pp > 1:
             buffers += 2 * cut_out   # a receive and a send buffer
         allocated = params_b + grads_b + optim_b + acts + buffers

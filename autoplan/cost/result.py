@@ -15,11 +15,11 @@ __all__ = ["MemoryBreakdown", "StageEstimate", "Estimate", "BREAKDOWN_KEYS", "CO
 
 #: Keys of :attr:`Estimate.breakdown`: they partition the step time (exposed time).
 BREAKDOWN_KEYS: tuple[str, ...] = (
-    "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "dp_comm_s", "pp_comm_s",
+    "compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "dp_comm_s", "pp_comm_s",
     "bubble_s", "optimizer_s")
 
 #: Kinds of communication in :attr:`Estimate.comm_total`.
-COMM_KINDS: tuple[str, ...] = ("tp_comm_s", "cp_comm_s", "dp_comm_s", "pp_comm_s")
+COMM_KINDS: tuple[str, ...] = ("tp_comm_s", "cp_comm_s", "ep_comm_s", "dp_comm_s", "pp_comm_s")
 
 
 @dataclass(frozen=True)

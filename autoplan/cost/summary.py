@@ -48,7 +48,9 @@ class MatmulNode:
     attention kernel computes: the matmuls without weights that produce or
     consume an ``s x s`` tensor);
     ``weight``: it multiplies a parameter (half its backward is the weight
-    gradient, which zero-bubble schedules defer).
+    gradient, which zero-bubble schedules defer);
+    ``expert``: it is a GEMM of an expert bank (its size under expert parallelism
+    is that of one expert's tokens, :meth:`CostEngine._time`).
     """
 
     fwd_flops: float
@@ -56,6 +58,7 @@ class MatmulNode:
     sharded: bool
     core: bool
     weight: bool
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,13 @@ class LayerCost:
     (masks, position biases), which a stage holds once; ``send_bytes`` what a
     pipeline boundary after the layer sends: ``cut_bytes`` less the next layer's
     shared inputs (a stage rebuilds those; Megatron-LM sends the hidden state only).
+
+    Mixture-of-experts layers: ``expert_params`` are the parameters of the expert
+    banks (part of ``params`` and ``sharded_params``; expert parallelism divides
+    them by ``ep``); ``expert_tokens`` the token-to-expert assignments per sequence
+    (tokens x top-k, derived from the expert GEMMs' FLOPs: each assignment runs
+    every expert matrix once, ``2 x in x out`` FLOPs); ``expert_hidden`` the
+    features of one dispatched token (the expert bank's input width).
     """
 
     index: int
@@ -94,6 +104,10 @@ class LayerCost:
     largest_module_params: int = 0
     largest_module_sharded: bool = False
     num_experts: int = 1
+    expert_params: int = 0
+    expert_tokens: float = 0.0
+    expert_hidden: int = 0
+    largest_module_expert: bool = False
 
     @property
     def is_block(self) -> bool:
@@ -146,7 +160,8 @@ class GraphSummary:
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
-            layers.append(_layer_cost(i, rec, mb, owners, core_flops, streams[i], shared_next))
+            layers.append(_layer_cost(i, rec, mb, owners, core_flops, streams[i], shared_next,
+                                      self.templates[rec.template]))
         self.layers: tuple[LayerCost, ...] = tuple(layers)
         self.index = {l.name: l.index for l in self.layers}
         attrs = graph.attributes
@@ -246,7 +261,8 @@ def _stream_bytes(graph: ModelGraph) -> list[int]:
 
 
 def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
-                core_flops: float, stream: int, shared_next: int) -> LayerCost:
+                core_flops: float, stream: int, shared_next: int,
+                matmuls: tuple[MatmulNode, ...] = ()) -> LayerCost:
     quad = rec.saved_quadratic_bytes
     shd = max(rec.saved_tp_sharded_bytes - quad, 0)
     rep = max(rec.saved_bytes - rec.saved_tp_sharded_bytes, 0)
@@ -266,13 +282,38 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.sp_collectives),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
+        **_experts(rec, matmuls),
         **_largest_module(rec),
     )
 
 
+def _expert_linears(rec: LayerRecord) -> list:
+    return [lin for lin in rec.tp.linears
+            if lin.role in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW) and lin.num_experts > 1]
+
+
+def _experts(rec: LayerRecord, matmuls: tuple[MatmulNode, ...]) -> dict:
+    """``expert_params``, ``expert_tokens`` and ``expert_hidden`` of a layer (see
+    :class:`LayerCost`); zeros for a dense layer."""
+    linears = _expert_linears(rec)
+    if not linears:
+        return {}
+    params = sum(lin.in_features * lin.out_features * lin.num_experts
+                 + (lin.out_features * lin.num_experts
+                    if lin.bias and lin.role is LinearRole.EXPERT_COLUMN else 0)
+                 for lin in linears)
+    # each token-to-expert assignment multiplies every matrix of its expert once
+    per_assignment = 2 * sum(lin.in_features * lin.out_features for lin in linears)
+    flops = sum(n.fwd_flops for n in matmuls if n.expert)
+    first = next((lin for lin in linears if lin.role is LinearRole.EXPERT_COLUMN), linears[0])
+    return {"expert_params": min(params, rec.param_count),
+            "expert_tokens": flops / per_assignment,
+            "expert_hidden": first.in_features}
+
+
 def _largest_module(rec: LayerRecord) -> dict:
     """The largest weight-carrying submodule (what a per-module ZeRO-3 gather holds)."""
-    best, sharded = 0, False
+    best, sharded, expert = 0, False, False
     tied = {t.rsplit(".", 1)[0] for t in rec.tied_params}
     for lin in rec.tp.linears:
         if lin.name in tied:
@@ -280,25 +321,31 @@ def _largest_module(rec: LayerRecord) -> dict:
         n = lin.in_features * lin.out_features * lin.num_experts + (lin.out_features if lin.bias else 0)
         if n > best:
             best, sharded = n, lin.role in _SHARDED_ROLES
+            expert = lin.role in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW) and lin.num_experts > 1
     return {"largest_module_params": min(best, rec.param_count) if rec.param_count else best,
-            "largest_module_sharded": sharded}
+            "largest_module_sharded": sharded, "largest_module_expert": expert}
 
 
 def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | None,
              mb: int) -> tuple[MatmulNode, ...]:
     sharded_modules = {lin.name for lin in rec.tp.linears if lin.role in _SHARDED_ROLES}
+    # an expert bank is a module (``experts.w1``) or a 3-D parameter of one
+    # (``experts.gate_up_proj`` of module ``experts``): its GEMMs run in either
+    banks = {lin.name for lin in _expert_linears(rec)}
+    bank_modules = banks | {b.rsplit(".", 1)[0] for b in banks if "." in b}
     core = {n.name for n in _attention_core(nodes, seq_len)}
     out = []
     for n in nodes:
         if not (n.fwd_flops or n.bwd_flops):
             continue
-        weight = n.param_bytes > 0 or n.module in sharded_modules
+        expert = n.module in bank_modules or any(n.module.startswith(b + ".") for b in banks)
+        weight = n.param_bytes > 0 or n.module in sharded_modules or expert
         fused = any(t in n.target for t in _FUSED_ATTENTION_TARGETS)
         # the shape test alone also matches (b, s, h) activations when h == s: a node
         # that multiplies a weight is never part of the attention core
         is_core = not weight and (n.name in core or fused)
         sharded = n.tp_region or n.module in sharded_modules or is_core
-        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight))
+        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert))
     return tuple(out)
 
 

@@ -53,7 +53,7 @@ _COMM_COLOR = "#7f7f7f"
 
 BREAKDOWN_COLORS: dict[str, str] = {
     "compute_s": "#4c72b0", "recompute_s": "#64b5cd", "tp_comm_s": "#dd8452",
-    "cp_comm_s": "#da8bc3", "dp_comm_s": "#c44e52", "pp_comm_s": "#937860",
+    "cp_comm_s": "#da8bc3", "ep_comm_s": "#8c8c00", "dp_comm_s": "#c44e52", "pp_comm_s": "#937860",
     "bubble_s": "#cccccc", "optimizer_s": "#8172b2"}
 
 
