@@ -42,12 +42,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight
+from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight, pipeline_time
 from ..cost.engine import _DTYPE
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..plan import (MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan,
-                    chunk_bounds, even_block_counts)
+                    chunk_bounds, even_block_counts, expert_counts)
 from ..strategy import Precision, Recompute, Schedule, schedule_problem
 from .stage_solver import StageProblem, solve_stage_problem
 
@@ -77,6 +77,7 @@ class SearchSpace:
     context_parallel: tuple[int, ...] = (1, 2, 4)
     refine: int = 8                # candidates refined with CP-SAT
     tensor_parallel: tuple[int, ...] | None = None    # None: every degree that fits a node
+    expert_parallel: tuple[int, ...] | None = None    # None: every degree dividing the experts
     pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
     even_batches: bool = False     # True: every replica gets the same batch (no speed split)
 
@@ -93,10 +94,11 @@ class _Combo:
     schedule: Schedule
     v: int
     sp: bool
+    ep: int = 1
 
     def key(self) -> tuple:
         return (self.tp, self.cp, self.pp, self.dp, self.micro_batch, self.schedule.value,
-                self.v, self.sp)
+                self.v, self.sp, self.ep)
 
 
 @dataclass(order=True)
@@ -191,13 +193,21 @@ class _Builder:
         self.blocks = list(self.summary.block_indices)
         self.devices = tuple(range(self.n))
         self._speed: dict[tuple[int, ...], float] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._replica_speeds: dict[tuple, tuple[float, ...]] = {}
+        self._is_block = [l.is_block for l in self.summary.layers]
+        self._even: dict[int, list[tuple[int, int]]] = {}
+        self._chunks: dict[tuple, tuple[tuple[Segment, ...], ...]] = {}
 
     def even_bounds(self, k: int) -> list[tuple[int, int]]:
-        return self.bounds_from_counts(even_block_counts(len(self.blocks), k))
+        hit = self._even.get(k)
+        if hit is None:
+            hit = self._even[k] = self.bounds_from_counts(even_block_counts(len(self.blocks), k))
+        return list(hit)
 
     def bounds_from_counts(self, counts: Sequence[int]) -> list[tuple[int, int]]:
         """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (:func:`chunk_bounds`)."""
-        return chunk_bounds([l.is_block for l in self.summary.layers], counts)
+        return chunk_bounds(self._is_block, counts)
 
     def proportional_bounds(self, c: _Combo) -> list[tuple[int, int]]:
         """Blocks per rank in proportion to the rank's speed (even on identical ranks)."""
@@ -243,6 +253,23 @@ class _Builder:
                 out.append(equal)
         return out
 
+    def replica_speeds(self, c: _Combo) -> tuple[float, ...]:
+        """Each replica's speed: the lowest peak of its devices over all pipeline ranks."""
+        key = (c.tp, c.cp, c.pp, c.dp)
+        speeds = self._replica_speeds.get(key)
+        if speeds is None:
+            per_rank = c.dp * c.cp * c.tp
+            out = []
+            for r in range(c.dp):
+                t = math.inf
+                for p in range(c.pp):
+                    devs = self.devices[p * per_rank:(p + 1) * per_rank]
+                    rep = devs[r * c.cp * c.tp:(r + 1) * c.cp * c.tp]
+                    t = min(t, self.replica_speed(rep))
+                out.append(t)
+            speeds = self._replica_speeds[key] = tuple(out)
+        return speeds
+
     def replica_batches(self, c: _Combo, global_batch: int,
                         even: bool = False) -> tuple[int, ...] | None:
         """Micro-batches per replica: equal on identical replicas, in proportion to speed
@@ -251,15 +278,7 @@ class _Builder:
             if global_batch % (c.dp * c.micro_batch):
                 return None
             return (global_batch // (c.dp * c.micro_batch),) * c.dp
-        per_rank = c.dp * c.cp * c.tp
-        speeds = []
-        for r in range(c.dp):
-            t = math.inf
-            for p in range(c.pp):
-                devs = self.devices[p * per_rank:(p + 1) * per_rank]
-                rep = devs[r * c.cp * c.tp:(r + 1) * c.cp * c.tp]
-                t = min(t, self.replica_speed(rep))
-            speeds.append(t)
+        speeds = self.replica_speeds(c)
         if len(set(speeds)) == 1 and global_batch % (c.dp * c.micro_batch) == 0:
             return (global_batch // (c.dp * c.micro_batch),) * c.dp
         # replicas of different speeds, or a batch that does not divide: split in proportion
@@ -275,17 +294,35 @@ class _Builder:
         if bounds is None:
             bounds = self.proportional_bounds(c) if c.v == 1 else self.even_bounds(k)
         bounds = list(bounds)
+        key = (tuple(bounds), c.tp, c.sp, zero, rc) if options is None else None
+        chunks = self._chunks.get(key) if key is not None else None
+        if chunks is None:
+            chunks = self._segments(c, zero, rc, bounds, options)
+            if key is not None:
+                if len(self._chunks) > 4096:
+                    self._chunks.clear()
+                self._chunks[key] = chunks
+        per_rank = c.dp * c.cp * c.tp
+        rank_devices = tuple(self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
+        return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
+                      c.schedule, self.precision, chunks, rank_devices, (c.tp,) * c.pp,
+                      padded=len(set(replica_mbs)) > 1 and (zero >= 2 or c.ep > 1), ep=c.ep)
+
+    def _segments(self, c: _Combo, zero: int, rc: Recompute, bounds: list[tuple[int, int]],
+                  options: Sequence[Sequence[tuple[int, Recompute]]] | None
+                  ) -> tuple[tuple[Segment, ...], ...]:
+        """Each chunk's segments (runs of layers with the same options)."""
+        is_block = self._is_block
         chunks = []
         for ci, (lo, hi) in enumerate(bounds):
             runs = list(options[ci]) if options is not None else None
             segs: list[Segment] = []
             start = lo
             for i in range(lo, hi + 1):
-                edge = i == hi or (i > start and self.summary.layers[i].is_block
-                                   != self.summary.layers[start].is_block)
+                edge = i == hi or (i > start and is_block[i] != is_block[start])
                 if not edge:
                     continue
-                if not self.summary.layers[start].is_block:
+                if not is_block[start]:
                     segs.append(Segment(start, i, c.tp, c.sp, zero, Recompute.NONE))
                 elif runs is None:
                     segs.append(Segment(start, i, c.tp, c.sp, zero, rc))
@@ -305,11 +342,35 @@ class _Builder:
                         segs.append(Segment(j, i, c.tp, c.sp, zero, rc))
                 start = i
             chunks.append(tuple(segs))
-        per_rank = c.dp * c.cp * c.tp
-        rank_devices = tuple(self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
-        return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
-                      c.schedule, self.precision, tuple(chunks), rank_devices, (c.tp,) * c.pp,
-                      padded=len(set(replica_mbs)) > 1 and zero >= 2)
+        return tuple(chunks)
+
+    def busy_bound(self, c: _Combo, m: int) -> float:
+        """A lower bound of the step time of every layout of ``c`` with ``m`` micro-batches
+        per replica: the schedule's time (:func:`autoplan.cost.pipeline_time`, which grows
+        with every rank's time) when the pipeline ranks share the least time each layer
+        takes on any of them (:meth:`CostEngine.layer_time_bound`: compute and exposed
+        tensor-, context- and expert-parallel collectives) evenly: with ``pp`` ranks'
+        times adding up to ``S`` the busiest takes at least ``S / pp``, and every schedule
+        is fastest for equal ranks.  Recompute, sharding, pipeline sends, the
+        data-parallel step and the optimizer only add to it."""
+        key = (c.tp, c.cp, c.pp, c.dp, c.micro_batch, c.sp, c.ep)
+        per_mb = self._bounds.get(key)
+        if per_mb is None:
+            engine = self.engine
+            per_rank = c.dp * c.cp * c.tp
+            ranks = [self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp)]
+            node = _devices_per_node(self.cluster)
+            if engine._homogeneous and len({len(n.local_ranks) for n in self.cluster.nodes}) == 1 \
+                    and (per_rank % node == 0 or node % per_rank == 0):
+                ranks = ranks[:1]   # every rank's groups are alike: translated by whole nodes
+            total = 0.0
+            for template, count in engine._counts(0, self.summary.num_layers):
+                ep = c.ep if engine._rep[template].expert_params else 1
+                total += count * min(engine.layer_time_bound(template, devs, c.tp, c.cp, ep, c.sp,
+                                                             c.micro_batch, self.precision)
+                                     for devs in ranks)
+            per_mb = self._bounds[key] = total / c.pp
+        return pipeline_time(c.schedule, [per_mb] * c.pp, m, virtual_stages=c.v)
 
     def plan(self, lay: Layout, global_batch: int) -> Plan:
         """The :class:`Plan` record of a layout (the engine prices both the same)."""
@@ -329,7 +390,7 @@ class _Builder:
             stages.append(StagePlan(k, rank, k // pp, tuple(names), tuple(devs), "+".join(types),
                                     lay.rank_tp[rank], lay.dp, lay.cp))
         mesh = MeshPlan(MESH_DIMS, (pp, lay.dp, lay.cp, lay.rank_tp[0]),
-                        tuple(d for devs in lay.rank_devices for d in devs))
+                        tuple(d for devs in lay.rank_devices for d in devs), ep=lay.ep)
         replica_batch = tuple(m * lay.micro_batch for m in lay.replica_micro_batches)
         return Plan(model=self.graph.model, title=self.graph.title, cluster=ClusterSummary.from_cluster(self.cluster),
                     global_batch=global_batch, seq_len=self.graph.seq_len,
@@ -344,8 +405,10 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
             attention: bool = True) -> Iterable[_Combo]:
     """Degree combinations, context-parallel degree outermost with cp = 1 first (its plans
     bound the step time that prunes the others).  ``attention``: the model's key/value
-    size is known, so context parallelism can be priced."""
+    size is known, so context parallelism can be priced.  Expert parallel degrees (models
+    with expert banks only) divide ``dp x cp`` and every layer's experts, ep = 1 first."""
     n = cluster.num_devices
+    experts = expert_counts(graph)
     per_node = _devices_per_node(cluster)
     tp_limit = _blocks_tp_limit(graph)
     blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
@@ -399,9 +462,13 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
                 sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
                 if tp > 1 and True in sps and False in sps:
                     sps = [True, False]
+                eps = [ep for ep in _divisors(dp * cp)
+                       if experts and all(e % ep == 0 for e in experts)
+                       and (space.expert_parallel is None or ep in space.expert_parallel)] or [1]
                 for sched, v in scheds:
                     for sp in sps:
-                        yield _Combo(tp, cp, pp, dp, mb, sched, v, sp)
+                        for ep in eps:
+                            yield _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep)
 
 
 def _ladder(space: SearchSpace, schedule: Schedule) -> list[list[tuple[int, Recompute]]]:
@@ -441,9 +508,17 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
             if not (r is Recompute.SELECTIVE and engine.options.fused_attention)]
     mid = s.layers[builder.blocks[len(builder.blocks) // 2]]
     zero_deg = c.dp * c.cp
-    state_bytes = {0: pb + gb + ob, 1: pb + gb + ob / zero_deg, 2: pb + (gb + ob) / zero_deg,
-                   3: (pb + gb + ob) / zero_deg}[cand.zero]
-    local_params = mid.sharded_params / c.tp + (mid.params - mid.sharded_params)
+
+    def state_bytes_over(shards: int) -> float:
+        return {0: pb + gb + ob, 1: pb + gb + ob / shards, 2: pb + (gb + ob) / shards,
+                3: (pb + gb + ob) / shards}[cand.zero]
+
+    state_bytes = state_bytes_over(zero_deg)
+    # expert banks: 1/ep of them per device, their states sharded over dp x cp / ep
+    ep = c.ep if mid.expert_params else 1
+    x = mid.expert_params if ep > 1 else 0
+    local_params = (mid.sharded_params - x) / c.tp + (mid.params - mid.sharded_params)
+    local_x, state_x = x / c.tp / ep, state_bytes_over(zero_deg // c.ep)
     time_us, mem_mib, fixed_t, fixed_m, cap = [], [], [], [], []
     counts_now = []
     for p in range(c.pp):
@@ -451,14 +526,21 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
         nblocks = sum(seg.hi - seg.lo for seg in chunk if s.layers[seg.lo].is_block)
         counts_now.append(nblocks)
         device = engine._device(lay.rank_devices[p][:c.cp * c.tp])
-        f, bw, core, _ = engine._time(mid.template, c.micro_batch, c.tp, c.cp, device, dtype)
+        f, bw, core, _ = engine._time(mid.template, c.micro_batch, c.tp, c.cp, device, dtype,
+                                      False, ep)
+        # the token all-to-alls: dispatch and combine, forward and backward
+        a2a = engine._collective("all_to_all", lay.rank_devices[p][0::c.tp][:ep],
+                                 engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale)) \
+            if ep > 1 else 0.0
         flight = in_flight(c.schedule, p, c.pp, m, 1)
         t_row, m_row = [], []
         for rc in opts:
             extra = f if rc is Recompute.FULL else (core if rc is Recompute.SELECTIVE else 0.0)
-            t_row.append(max(1, round((f + bw + extra) * 1e6)))
+            comm = a2a * (6 if rc is Recompute.FULL else 4)
+            t_row.append(max(1, round((f + bw + extra + comm) * 1e6)))
             act = engine._activation(mid, c.tp, c.sp, rc, c.cp) * c.micro_batch * act_scale * flight
-            m_row.append(max(1, math.ceil((act + local_params * state_bytes) / _MiB)))
+            m_row.append(max(1, math.ceil((act + local_params * state_bytes
+                                           + local_x * state_x) / _MiB)))
         time_us.append(tuple(t_row))
         mem_mib.append(tuple(m_row))
         st = full.stages[p]
@@ -612,6 +694,9 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             unsplit.add(c.dp)
             continue
         for mbs in splits:
+            if c.ep > 1 and builder.busy_bound(c, max(mbs)) > best_time:
+                pruned += 1     # slower than the best plan whatever the memory ladder does
+                continue
             _climb(c, mbs)
 
     if not ranked:
