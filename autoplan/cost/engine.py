@@ -740,13 +740,17 @@ class CostEngine:
         tied_extra = 0.0
         mine = self._stages_of(lay.stage_ranks)[p]
         chunks = [lay.chunks[k] for k in mine]
+        # per-micro-batch sums, in locals (the hot loop of a search)
+        n_layers = 0
+        fwd_c = bwd_c = rcp = wgr = tp_t = tp_e = cp_t = cp_e = ep_t = ep_e = z_t = z_e = 0.0
+        fwd = bwd = 0.0
         for chunk, k in zip(chunks, mine):
             for seg in chunk:
                 t = seg.tp
                 tp_group = rep[:t]
                 for template, count in self._counts(seg.lo, seg.hi):
                     l = self._rep[template]
-                    ev.layers += count
+                    n_layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
                            cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
@@ -757,20 +761,20 @@ class CostEngine:
                         self._terms[key] = terms
                     (f, bw, rc, wg, tp_tot, tp_exp, cp_tot, cp_exp, z_tot, z_exp, lf, lb,
                      local, unit, act, whole, ep_tot, ep_exp, local_x) = terms
-                    ev.fwd_compute += count * f
-                    ev.bwd_compute += count * bw
-                    ev.recompute += count * rc
-                    ev.wgrad += count * wg
-                    ev.tp_total += count * tp_tot
-                    ev.tp_exposed += count * tp_exp
-                    ev.cp_total += count * cp_tot
-                    ev.cp_exposed += count * cp_exp
-                    ev.ep_total += count * ep_tot
-                    ev.ep_exposed += count * ep_exp
-                    ev.zero_total += count * z_tot
-                    ev.zero_exposed += count * z_exp
-                    ev.fwd += count * lf
-                    ev.bwd += count * lb
+                    fwd_c += count * f
+                    bwd_c += count * bw
+                    rcp += count * rc
+                    wgr += count * wg
+                    tp_t += count * tp_tot
+                    tp_e += count * tp_exp
+                    cp_t += count * cp_tot
+                    cp_e += count * cp_exp
+                    ep_t += count * ep_tot
+                    ep_e += count * ep_exp
+                    z_t += count * z_tot
+                    z_e += count * z_exp
+                    fwd += count * lf
+                    bwd += count * lb
                     params_by_zero[seg.zero] += count * local
                     experts_by_zero[seg.zero] += count * local_x
                     max_layer_params = max(max_layer_params, unit)
@@ -792,6 +796,11 @@ class CostEngine:
                 pair = (rep[0], self._replica_devices(lay, nxt, r)[0])
                 if pair[0] != pair[1]:
                     ev.p2p += 2 * self._collective("p2p", pair, cut)  # activation + its gradient
+        ev.layers = n_layers
+        ev.fwd_compute, ev.bwd_compute, ev.recompute, ev.wgrad = fwd_c, bwd_c, rcp, wgr
+        ev.tp_total, ev.tp_exposed, ev.cp_total, ev.cp_exposed = tp_t, tp_e, cp_t, cp_e
+        ev.ep_total, ev.ep_exposed, ev.zero_total, ev.zero_exposed = ep_t, ep_e, z_t, z_e
+        ev.fwd, ev.bwd = fwd, bwd
         if opts.pp_comm_overlap:
             ev.p2p = 0.0
         ev.fwd += ev.p2p / 2

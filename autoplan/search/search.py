@@ -631,6 +631,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     engine = CostEngine(graph, cluster, options=options)
     builder = _Builder(graph, engine, cluster, precision)
 
+    moe = bool(expert_counts(graph))
     combos = list(_combos(graph, cluster, global_batch, space,
                           attention=engine.summary.kv_bytes_per_token is not None))
     if not combos:
@@ -694,8 +695,11 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             unsplit.add(c.dp)
             continue
         for mbs in splits:
-            if c.ep > 1 and builder.busy_bound(c, max(mbs)) > best_time:
-                pruned += 1     # slower than the best plan whatever the memory ladder does
+            # MoE models (several times the combinations, one per ep degree): skip those
+            # slower than the best plan whatever the memory ladder does.  Dense models
+            # climb as they always have (their fitting but slower candidates stay ranked).
+            if moe and builder.busy_bound(c, max(mbs)) > best_time:
+                pruned += 1
                 continue
             _climb(c, mbs)
 
