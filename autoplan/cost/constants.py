@@ -153,17 +153,15 @@ class CostOptions(Record):
         device's memory.
     expert_imbalance : float
         Under expert parallelism, the busiest expert-parallel rank's routed tokens
-        over the mean (>= 1): its expert GEMMs take this many times the mean work,
-        and every rank of the layer waits for it (the combine all-to-all follows).
-        Default 1.0 (balanced).  Wang et al. 2024 ("Auxiliary-Loss-Free Load
-        Balancing Strategy for Mixture-of-Experts", arXiv:2408.15664, Sec. 4)
-        measure the imbalance of auxiliary-loss-balanced routing as MaxVio, the
-        largest expert load over the mean minus one, per expert and per batch or
-        over a validation set; no measurement of the imbalance between
-        expert-parallel *ranks* (each holding ``experts / ep`` experts, which
-        averages part of the per-expert imbalance out) could be checked here, so
-        the default assumes none: set it to ``1 + MaxVio`` of your router to
-        price imbalance.
+        over the mean (>= 1): its expert GEMMs take this many times the mean work and
+        the layer waits for it.  Default 1.0, balanced routing, because no published
+        measurement of the imbalance between expert-parallel *ranks* was found: Wang
+        et al. 2024 ("Auxiliary-Loss-Free Load Balancing Strategy for
+        Mixture-of-Experts", arXiv:2408.15664) measure auxiliary-loss routing as
+        MaxVio (the most loaded *expert* over the mean, minus one), which overstates a
+        rank holding ``experts / ep`` of them; and the published MoE benchmark runs
+        (``validation/published_moe.csv``) balance their routing by force or drop
+        tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
     """
 
     fused_attention: bool = False

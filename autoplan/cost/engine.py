@@ -39,6 +39,20 @@ and backward times of all its chunks:
   under full recompute, whose forward gathers again).  The attention core
   waits for the gather and the input gradient for the reduce-scatter, so both
   are exposed, not overlapped.
+* **expert parallelism** (mixture-of-experts layers; Lepikhin et al. 2021, GShard;
+  Megatron-Core and torchtitan carve the ``ep`` ranks out of ``dp x cp``):
+  the ``ep`` consecutive ranks of the flattened ``dp x cp`` index (same ``tp`` index,
+  so ``ep x tp`` devices apart at most; inside a node when ``ep x tp`` fits one) share
+  one copy of the experts.  Per MoE layer and micro-batch each rank sends
+  ``tokens x top-k x hidden x bytes`` (its ``b x seq / cp`` tokens) through an
+  all-to-all, ``(ep - 1) / ep`` of it to other ranks, for the dispatch and the combine
+  in the forward and their transposes in the backward (again under full recompute),
+  blocking, so exposed (:meth:`CostEngine.dispatch_bytes`; pairwise exchange in
+  :mod:`autoplan.hardware.collectives`).  The expert GEMMs run one expert at a time:
+  ``ep x tokens x top-k / experts`` rows each (the tokens of the ep group spread over
+  all experts), priced at that size's efficiency, and the busiest rank computes
+  ``CostOptions.expert_imbalance`` times the mean.  The router and shared experts are
+  ordinary (dense) matmuls.
 * **ZeRO-3 / FSDP** (Rajbhandari et al. 2020, Sec. 5.3; Zhao et al. 2023,
   Sec. 3.3): each micro-batch all-gathers every layer's parameters in the
   forward and again in the backward and reduce-scatters its gradients; with
@@ -64,7 +78,8 @@ memory bandwidth``.
 Memory of one device
 --------------------
 Model states per ZeRO stage (Rajbhandari et al. 2020, Sec. 5) over the
-``dp * cp`` group; activations per micro-batch from the captured saved bytes
+``dp * cp`` group (an expert bank's: ``1/ep`` of it per device, sharded over the
+``dp * cp / ep`` ranks holding the same experts, which also reduce its gradients); activations per micro-batch from the captured saved bytes
 (Korthikanti et al. 2022, Sec. 4: the part outside tensor-parallel regions
 shrinks by ``tp`` only with sequence parallelism, the part inside by ``tp``;
 selective recompute and fused attention drop the ``s x s`` part; full recompute
