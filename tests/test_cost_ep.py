@@ -50,11 +50,11 @@ def _estimate(graph, cluster, **kw):
 
 # ------------------------------------------------------------------ ep = 1
 #: Step time and peak memory of each layout on toy_cluster(nodes=2, devices_per_node=4),
-#: fp32, recorded before expert parallelism was priced (main at 3054163).
+#: fp32, recorded before expert parallelism was priced (main at 3054163).  Not the MoE
+#: model under tp > 1: its experts are now priced whole on every tp rank, as the runtime
+#: runs them (test_experts_whole_on_every_tp_rank).
 BEFORE = {
     ("moe", 0): (1.820907e-05, 1074705308.2),
-    ("moe", 2): (4.3572064e-05, 1074086898.1),
-    ("moe", 3): (2.3013495e-05, 1074470477.8),
     ("gpt", 0): (2.4158988000000004e-05, 1074664954.6),
     ("gpt", 1): (2.9534874000000003e-05, 1074021182.8),
     ("gpt", 2): (4.1117952e-05, 1073969634.1),
@@ -76,6 +76,22 @@ def test_ep1_prices_as_before(moe, gpt, model, layout):
     assert e.step_time_s == pytest.approx(step, rel=1e-12)
     assert e.peak_memory_bytes == pytest.approx(peak, rel=1e-12)
     assert e.breakdown["ep_comm_s"] == e.comm_total["ep_comm_s"] == 0.0
+
+
+def test_experts_whole_on_every_tp_rank(moe):
+    s = summarize(moe)
+    block = s.layers[1]
+    nodes = s.templates[block.template]
+    assert all(not n.sharded for n in nodes if n.expert)
+    assert any(n.sharded for n in nodes if not n.expert)            # attention splits
+    # only attention's row projection all-reduces over tp (forward and backward)
+    assert len(block.tp_collectives) == 2
+    c = toy_cluster(devices_per_node=8)
+    e = _estimate(moe, c, dp=4, tp=2, global_batch=16, precision="bf16")
+    per_device = sum(l.sharded_params / 2 + l.params - l.sharded_params for l in s.layers)
+    experts = sum(l.expert_params for l in s.layers)
+    assert experts and sum(l.sharded_params for l in s.layers) + experts <= s.num_params
+    assert e.stages[0].memory.params_bytes == pytest.approx(2 * per_device, rel=1e-12)
 
 
 def test_imbalance_needs_ep(moe):
@@ -203,6 +219,9 @@ def test_search_tries_ep_for_moe_models(moe):
     best = search(moe, c, global_batch=16, top_k=12)
     assert {p.ep for p in best.plans} <= {1, 2, 4}
     _valid(best.plans, moe, c)
+    # what the runtime runs on MoE blocks: no sequence parallelism, no selective recompute
+    assert not any(lp.sequence_parallel or lp.recompute.value == "selective"
+                   for p in result.plans + best.plans for lp in p.layers)
 
 
 def test_search_keeps_ep1_for_dense_models(gpt):

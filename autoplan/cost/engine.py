@@ -628,9 +628,10 @@ class CostEngine:
             xb = xf * (2 if seg.recompute is Recompute.FULL and l.is_block else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
-        x = l.expert_params if ep > 1 else 0     # without ep the experts shard as the rest
-        local = (l.sharded_params - x) / t + (l.params - l.sharded_params)
-        local_x = x / t / ep
+        # (expert banks are whole on every tp rank; without ep they shard as the rest)
+        x = l.expert_params if ep > 1 else 0
+        local = l.sharded_params / t + (l.params - l.sharded_params - x)
+        local_x = x / ep
         if opts.zero3_gather_unit == "module":
             unit = l.largest_module_params / (t if l.largest_module_sharded else 1) \
                 / (ep if l.largest_module_expert else 1)

@@ -22,9 +22,11 @@ from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize"]
 
-# Linear roles whose weight is split by tensor parallelism (Megatron pattern).
-_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.EXPERT_COLUMN,
-                            LinearRole.EXPERT_ROW, LinearRole.VOCAB_EMBEDDING,
+# Linear roles whose weight is split by tensor parallelism (Megatron pattern).  Expert
+# banks are not: the runtime keeps the experts (and the router) whole on every rank of the
+# tensor-parallel group, which all run the block's tokens through them
+# (:mod:`autoplan.runtime.tp`); expert parallelism splits them over dp x cp instead.
+_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.VOCAB_EMBEDDING,
                             LinearRole.VOCAB_HEAD})
 # Fused attention operators: the whole attention core in one node.
 _FUSED_ATTENTION_TARGETS = ("scaled_dot_product", "flash_attention", "efficient_attention",
@@ -156,12 +158,13 @@ class GraphSummary:
                 self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
                                                         graph.seq_len, mb)
                 self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
-                                                              graph.seq_len, mb)
+                                                              graph.seq_len, mb, _in_bank(rec))
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
             layers.append(_layer_cost(i, rec, mb, owners, core_flops, streams[i], shared_next,
-                                      self.templates[rec.template]))
+                                      self.templates[rec.template],
+                                      graph.templates[rec.template]))
         self.layers: tuple[LayerCost, ...] = tuple(layers)
         self.index = {l.name: l.index for l in self.layers}
         attrs = graph.attributes
@@ -262,10 +265,22 @@ def _stream_bytes(graph: ModelGraph) -> list[int]:
 
 def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
                 core_flops: float, stream: int, shared_next: int,
-                matmuls: tuple[MatmulNode, ...] = ()) -> LayerCost:
+                matmuls: tuple[MatmulNode, ...] = (),
+                nodes: tuple[NodeRecord, ...] = ()) -> LayerCost:
     quad = rec.saved_quadratic_bytes
     shd = max(rec.saved_tp_sharded_bytes - quad, 0)
     rep = max(rec.saved_bytes - rec.saved_tp_sharded_bytes, 0)
+    in_bank = _in_bank(rec)
+    tp_colls, sp_colls = rec.tp.tp_collectives, rec.tp.sp_collectives
+    if in_bank is not None:
+        # the expert region is whole on every tp rank: what it saves does not shrink with
+        # tp, and it all-reduces nothing over tp
+        moved = sum(n.saved_tp_sharded_bytes - n.saved_quadratic_bytes for n in nodes
+                    if in_bank(n.module))
+        moved = min(max(moved, 0), shd)
+        shd, rep = shd - moved, rep + moved
+        tp_colls = tuple(c for c in tp_colls if not in_bank(c.where))
+        sp_colls = tuple(c for c in sp_colls if not in_bank(c.where))
     return LayerCost(
         index=i, name=rec.name, kind=rec.kind, template=rec.template,
         fwd_flops=rec.fwd_flops / mb, bwd_flops=rec.bwd_flops / mb,
@@ -278,8 +293,8 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         stream_bytes=stream / mb,
         shared_input_bytes=max(0, rec.input_bytes - stream) / mb,
         send_bytes=max(0, rec.cut_bytes - shared_next) / mb,
-        tp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.tp_collectives),
-        sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in rec.tp.sp_collectives),
+        tp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in tp_colls),
+        sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in sp_colls),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
         **_experts(rec, matmuls),
@@ -290,6 +305,18 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
 def _expert_linears(rec: LayerRecord) -> list:
     return [lin for lin in rec.tp.linears
             if lin.role in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW) and lin.num_experts > 1]
+
+
+def _in_bank(rec: LayerRecord):
+    """A test of whether a module path (relative to the layer) is in one of ``rec``'s expert
+    banks, or None for a dense layer.  A bank is a module (``experts.w1``) or a 3-D
+    parameter of one (``experts.gate_up_proj`` of module ``experts``): its GEMMs and
+    element-wise operators run in either."""
+    banks = {lin.name for lin in _expert_linears(rec)}
+    if not banks:
+        return None
+    owners = banks | {b.rsplit(".", 1)[0] for b in banks if "." in b}
+    return lambda module: module in owners or any(module.startswith(b + ".") for b in banks)
 
 
 def _experts(rec: LayerRecord, matmuls: tuple[MatmulNode, ...]) -> dict:
@@ -329,34 +356,33 @@ def _largest_module(rec: LayerRecord) -> dict:
 def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | None,
              mb: int) -> tuple[MatmulNode, ...]:
     sharded_modules = {lin.name for lin in rec.tp.linears if lin.role in _SHARDED_ROLES}
-    # an expert bank is a module (``experts.w1``) or a 3-D parameter of one
-    # (``experts.gate_up_proj`` of module ``experts``): its GEMMs run in either
-    banks = {lin.name for lin in _expert_linears(rec)}
-    bank_modules = banks | {b.rsplit(".", 1)[0] for b in banks if "." in b}
+    in_bank = _in_bank(rec)
     core = {n.name for n in _attention_core(nodes, seq_len)}
     out = []
     for n in nodes:
         if not (n.fwd_flops or n.bwd_flops):
             continue
-        expert = n.module in bank_modules or any(n.module.startswith(b + ".") for b in banks)
+        expert = in_bank is not None and in_bank(n.module)
         weight = n.param_bytes > 0 or n.module in sharded_modules or expert
         fused = any(t in n.target for t in _FUSED_ATTENTION_TARGETS)
         # the shape test alone also matches (b, s, h) activations when h == s: a node
         # that multiplies a weight is never part of the attention core
         is_core = not weight and (n.name in core or fused)
-        sharded = n.tp_region or n.module in sharded_modules or is_core
+        # expert GEMMs run whole on every tensor-parallel rank (see _SHARDED_ROLES)
+        sharded = not expert and (n.tp_region or n.module in sharded_modules or is_core)
         out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert))
     return tuple(out)
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
-                 mb: int) -> tuple[float, float, float]:
+                 mb: int, in_bank=None) -> tuple[float, float, float]:
     """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``.
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:
     ``out_bytes`` plus the ``out_bytes`` of its inputs inside the template (an
     input from outside the template is counted at the node's own output size).
+    Nodes of an expert bank (``in_bank``) are replicated over tensor parallelism.
     """
     size = {n.name: n.out_bytes for n in nodes}
     target = {n.name: n.target for n in nodes}
@@ -374,7 +400,7 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
         moved = n.out_bytes + sum(size.get(i, n.out_bytes) for i in n.inputs)
         if _is_scores(n.shape, seq_len, mb):
             quad += moved
-        elif n.tp_region:
+        elif n.tp_region and not (in_bank is not None and in_bank(n.module)):
             shd += moved
         else:
             rep += moved

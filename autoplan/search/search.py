@@ -64,7 +64,11 @@ class SearchSpace:
     ``context_parallel`` degrees are tried wherever the sequence splits into ``2 cp``
     chunks (the load-balanced split the runtime uses); whether they pay is the cost
     model's call (memory of long sequences against the key/value all-gather).
-    ``even_batches`` keeps every replica's batch equal (no speed-proportional split)."""
+    ``even_batches`` keeps every replica's batch equal (no speed-proportional split).
+    ``expert_parallel`` degrees are tried for models with expert banks, where they divide
+    ``dp x cp`` and every layer's experts; for those models the search also leaves out
+    sequence parallelism and selective recompute, which the runtime does not run on MoE
+    blocks."""
 
     schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
                                        Schedule.ZERO_BUBBLE, Schedule.GPIPE)
@@ -193,6 +197,7 @@ class _Builder:
         self.blocks = list(self.summary.block_indices)
         self.devices = tuple(range(self.n))
         self._speed: dict[tuple[int, ...], float] = {}
+        self.recompute: tuple[Recompute, ...] = tuple(Recompute)   # what refinement may use
         self._bounds: dict[tuple, float] = {}
         self._replica_speeds: dict[tuple, tuple[float, ...]] = {}
         self._is_block = [l.is_block for l in self.summary.layers]
@@ -505,7 +510,8 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
     act_scale = lay.precision.bytes / s.activation_bytes
     m = max(lay.replica_micro_batches)
     opts = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-            if not (r is Recompute.SELECTIVE and engine.options.fused_attention)]
+            if r in builder.recompute
+            and not (r is Recompute.SELECTIVE and engine.options.fused_attention)]
     mid = s.layers[builder.blocks[len(builder.blocks) // 2]]
     zero_deg = c.dp * c.cp
 
@@ -517,8 +523,8 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
     # expert banks: 1/ep of them per device, their states sharded over dp x cp / ep
     ep = c.ep if mid.expert_params else 1
     x = mid.expert_params if ep > 1 else 0
-    local_params = (mid.sharded_params - x) / c.tp + (mid.params - mid.sharded_params)
-    local_x, state_x = x / c.tp / ep, state_bytes_over(zero_deg // c.ep)
+    local_params = mid.sharded_params / c.tp + (mid.params - mid.sharded_params - x)
+    local_x, state_x = x / ep, state_bytes_over(zero_deg // c.ep)
     time_us, mem_mib, fixed_t, fixed_m, cap = [], [], [], [], []
     counts_now = []
     for p in range(c.pp):
@@ -627,11 +633,18 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         raise ConfigError(f"top_k must be a positive integer, got {top_k!r}")
     precision = Precision(precision)
     space = space or SearchSpace()
+    moe = bool(expert_counts(graph))
+    if moe:
+        # what autoplan.parallelize runs on MoE blocks: no sequence parallelism (their
+        # experts stay whole on every tp rank), no selective recompute (a Hugging Face MoE
+        # block's operators differ from the captured ones); see the README's limitations
+        space = replace(space, sequence_parallel=(False,),
+                        recompute=tuple(r for r in space.recompute if r is not Recompute.SELECTIVE))
     options = replace(options or CostOptions(), memory_fraction=memory_fraction)
     engine = CostEngine(graph, cluster, options=options)
     builder = _Builder(graph, engine, cluster, precision)
+    builder.recompute = tuple(space.recompute)
 
-    moe = bool(expert_counts(graph))
     combos = list(_combos(graph, cluster, global_batch, space,
                           attention=engine.summary.kv_bytes_per_token is not None))
     if not combos:
