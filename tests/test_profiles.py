@@ -92,9 +92,9 @@ def test_datasheet_values_converted_to_si():
     assert h100.node.bw_unidir_bytes_per_s == 450e9
     assert h100.network.bw_per_node_bytes_per_s == 400e9  # 8x 400 Gb/s
     h200 = load_profile("h200-sxm-141gb")
-    # the same Hopper compute as H100; the H200 profile also lists the datasheet's FP8
-    assert {k: v for k, v in h200.device.peak_flops_per_s.items() if k != "fp8"} == \
-        h100.device.peak_flops_per_s
+    # the same Hopper compute as H100, FP8 included (3,958 sparse on both datasheets)
+    assert h200.device.peak_flops_per_s == h100.device.peak_flops_per_s
+    assert h100.device.architecture == h200.device.architecture == "hopper"
     assert h200.device.peak_flops_per_s["fp8"] == 1979e12  # 3,958 with sparsity, halved
     assert h200.device.memory_bytes == 141 * 2**30
     assert h200.device.memory_bw_bytes_per_s == 4.8e12

@@ -18,7 +18,7 @@ from functools import lru_cache
 from ..errors import ConfigError, ProfileError
 from ..records import Record
 
-__all__ = ["DTYPES", "DTYPE_FALLBACK", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
+__all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
            "EfficiencyTable", "DeviceType", "CollectiveEfficiency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
 
@@ -29,6 +29,26 @@ DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 #: device without TF32 units (V100, CPU) computes in FP32; a device without BF16
 #: units (V100) trains in FP16 instead.
 DTYPE_FALLBACK: dict[str, str] = {"tf32": "fp32", "bf16": "fp16"}
+
+#: Device architectures a profile may name (:attr:`DeviceType.architecture`): NVIDIA GPU
+#: generations, keyed by CUDA compute capability major version in :func:`cuda_architecture`,
+#: and ``"cpu"`` for profiles measured on CPU ranks.
+ARCHITECTURES: tuple[str, ...] = ("volta", "ampere", "hopper", "blackwell", "cpu")
+_CUDA_MAJOR = {7: "volta", 8: "ampere", 9: "hopper", 10: "blackwell", 12: "blackwell"}
+
+
+def cuda_architecture(major: int, minor: int = 0) -> str:
+    """The architecture of a CUDA device of compute capability ``major.minor``.
+
+    7.0 Volta (7.5 Turing is listed as Volta: same tensor-core generation for
+    FP16), 8.x Ampere (8.9 Ada is listed as Ampere), 9.0 Hopper, 10.x/12.x
+    Blackwell (CUDA C Programming Guide, "Compute Capabilities"); ``""`` otherwise.
+
+    >>> cuda_architecture(9, 0), cuda_architecture(8, 6), cuda_architecture(3, 5)
+    ('hopper', 'ampere', '')
+    """
+    return _CUDA_MAJOR.get(int(major), "")
+
 
 #: Operations a :class:`CollectiveEfficiency` gives a figure for.
 COLLECTIVE_OPS: tuple[str, ...] = (
@@ -160,6 +180,11 @@ class DeviceType(Record):
         ``"default"`` for every dtype without its own table.
     source : str
         Where the peak, memory and bandwidth figures come from.
+    architecture : str
+        The device's architecture, one of :data:`ARCHITECTURES` (``"volta"``,
+        ``"ampere"``, ``"hopper"``, ``"blackwell"``, ``"cpu"``) or ``""`` when not
+        known.  Fitted figures (``autoplan.cost.calibration``) are kept per
+        architecture and scaled by each device's own datasheet peaks and links.
     """
 
     name: str
@@ -168,6 +193,7 @@ class DeviceType(Record):
     memory_bw_bytes_per_s: float
     matmul_efficiency: dict[str, EfficiencyTable]
     source: str
+    architecture: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "expected a non-empty device name")
@@ -191,6 +217,9 @@ class DeviceType(Record):
                      f"no efficiency table for dtype {dtype!r}: add a {dtype!r} or "
                      f"{_DEFAULT_TABLE_KEY!r} table")
         _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(self.architecture in ARCHITECTURES or self.architecture == "", "architecture",
+                 f"unknown architecture {self.architecture!r}; expected one of "
+                 f"{list(ARCHITECTURES)} or ''")
 
     def resolve_dtype(self, dtype: str) -> str:
         """The dtype a matmul requested in ``dtype`` runs in on this device.

@@ -226,9 +226,12 @@ def _parse_device(sec: _Section) -> DeviceType:
             tables[key] = _parse_efficiency_table(table_sec)
     tables_sec.finish()
     source = sec.text("source", "where the peak, memory and bandwidth figures come from")
+    architecture = sec.text("architecture", "the device architecture (e.g. hopper)",
+                            required=False) or ""
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
-                  memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source)
+                  memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
+                  architecture=architecture)
 
 
 def _parse_collective_efficiency(sec: _Section) -> CollectiveEfficiency:
@@ -398,6 +401,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                               for k, t in d.matmul_efficiency.items()},
         "source": d.source,
     }
+    if d.architecture:
+        device["architecture"] = d.architecture
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,
         "bw_unidir_bytes_per_s": n.bw_unidir_bytes_per_s, "latency_s": n.latency_s,

@@ -61,6 +61,7 @@ from typing import Any, Callable
 
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
+from .profile_records import cuda_architecture
 from .profiles import (
     COLLECTIVE_OPS,
     CollectiveEfficiency,
@@ -312,7 +313,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
 
     if cuda:
         props = torch.cuda.get_device_properties(rank)
-        info = {"name": torch.cuda.get_device_name(rank), "memory_bytes": int(props.total_memory)}
+        info = {"name": torch.cuda.get_device_name(rank), "memory_bytes": int(props.total_memory),
+                "capability": [int(props.major), int(props.minor)]}
     else:
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info}
@@ -439,8 +441,12 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     names = sorted({r["info"]["name"] for r in ranks})
     device_name = (" / ".join(names) if cuda
                    else f"CPU {names[0]} ({threads} thread{'s' if threads > 1 else ''} per rank)")
+    # the architecture keys the fitted figures (autoplan.cost.calibration); the slowest
+    # rank's capability stands for all (ranks of one profile are one device kind)
+    architecture = (cuda_architecture(*min(tuple(r["info"].get("capability", (0, 0)))
+                                           for r in ranks)) if cuda else "cpu")
     device = DeviceType(
-        name=device_name, peak_flops_per_s=peaks, memory_bytes=memory,
+        name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
