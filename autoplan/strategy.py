@@ -54,12 +54,20 @@ class Schedule(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
+    """Training precision.  ``FP8``: the weight GEMMs (linear layers) run in FP8 at the
+    device's FP8 peak, as Transformer Engine recipes do; everything else (attention core,
+    norms, activations between operators, bf16 weights with fp32 master weights and
+    gradients) is as ``BF16`` (Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
+    """
+
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
+    FP8 = "fp8"
 
     @property
     def bytes(self) -> int:
+        """Bytes of an activation element kept between operators."""
         return 4 if self is Precision.FP32 else 2
 
 

@@ -38,8 +38,8 @@ def engine_for(graph: ModelGraph | GraphSummary, cluster, *, options: CostOption
     """The (cached) engine for ``graph`` on ``cluster``; what a search should hold on to.
 
     ``calibration`` (default: the fit to published runs,
-    ``profiles/cost/published-fit.yaml``) overlays fitted device figures on the
-    cluster's profiles for the device types it names; ``None`` disables it.
+    ``profiles/cost/published-fit.yaml``) overlays fitted figures on the cluster's
+    GPU profiles by architecture and link kind; ``None`` disables it.
     """
     summary = summarize(graph)
     cal = resolve_calibration(calibration)

@@ -1,14 +1,37 @@
-"""Fitted device figures, kept apart from the datasheet profiles until they move there.
+"""Fitted device figures, per GPU architecture and link kind, scaled by each device's datasheet.
 
-A :class:`Calibration` holds, per device type name, an achievable matmul
-efficiency curve and the collective efficiencies of the intra-node and
-inter-node links, each fitted against published runs by
-``benchmarks/published_runs.py --fit`` and stored with its source in
-``profiles/cost/<name>.yaml``.  :func:`apply_calibration` returns a copy of a
-cluster whose device profiles carry the fitted figures; every formula then
-reads them through the ordinary hardware API (``DeviceType.efficiency``,
-``Cluster.collective_time``).  Only what carries over between runs is fitted:
-one curve per GPU type, one efficiency per link kind.
+A :class:`Calibration` holds few parameters, each with a physical meaning, fitted
+against published runs by ``benchmarks/published_runs.py --fit`` and stored with
+their source in ``profiles/cost/<name>.yaml``:
+
+* per GPU *architecture* (:data:`autoplan.hardware.profile_records.ARCHITECTURES`,
+  a profile's ``device.architecture``), an :class:`ArchitectureCalibration`: the
+  fraction of the dense datasheet peak a large matmul reaches
+  (``matmul_peak_fraction``), a fixed time per matmul kernel
+  (``matmul_overhead_s``: launch, wave quantization, tails), the fraction a fused
+  attention kernel reaches (``attention_peak_fraction``) and, for FP8 matmuls,
+  the fraction of the FP8 peak (``fp8_peak_fraction``).  A matmul of ``F`` FLOPs
+  on a device of peak ``P`` then takes ``F / (P e) + t0``, i.e. runs at the
+  fraction ``e / (1 + e P t0 / F)`` of peak (a roofline with a per-kernel
+  latency; Williams et al. 2009 for the roofline, the latency term as in
+  Calculon, Isaev et al. 2023).  Because the curve is built from each device's
+  own peak, the same figures carry over to every device of the architecture
+  (H100 -> H200, A100-80GB -> A100-40GB, B200 -> GB200);
+* per *link kind*, a :class:`LinkCalibration`: the bus bandwidth NCCL collectives
+  reach over the raw link, for NVLink (intra-node NVSwitch / NVLink mesh) and for
+  the inter-node network (InfiniBand / RoCE).
+
+An architecture without fitted figures (no published run on it) gets the mean of
+the fitted architectures' figures (:meth:`Calibration.for_architecture`, its
+source says so).  Devices whose architecture is ``"cpu"`` or not stated (measured
+profiles) keep their own measured matmul tables and links; their fused attention
+is priced from their own matmul table scaled by the fitted attention / matmul
+ratio.  So every device gets a fused-attention model.
+
+:func:`apply_calibration` returns a copy of a cluster whose device profiles carry
+the fitted figures; every formula then reads them through the ordinary hardware
+API (``DeviceType.efficiency``, ``Cluster.collective_time``), and
+:func:`attention_tables` gives the fused-attention curve of each device type.
 
 Examples
 --------
@@ -21,46 +44,121 @@ True
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-
 from ..errors import ConfigError
 from ..hardware import Cluster, CollectiveEfficiency, EfficiencyTable
+from ..hardware.profile_records import ARCHITECTURES, DeviceType, IntraNodeTopology
 from ..records import Record
 from .constants import cost_profiles_dir, read_yaml_record
 
-__all__ = ["DeviceCalibration", "Calibration", "load_calibration", "apply_calibration",
-           "resolve_calibration", "DEFAULT_CALIBRATION"]
+__all__ = ["ArchitectureCalibration", "LinkCalibration", "Calibration", "load_calibration",
+           "apply_calibration", "attention_tables", "resolve_calibration", "DEFAULT_CALIBRATION"]
 
 #: The calibration fitted to the published runs in the repository's
 #: ``validation/published_public.csv`` (``benchmarks/published_runs.py --fit``).
 DEFAULT_CALIBRATION = "published-fit"
 
+#: Matmul sizes (FLOPs of one matmul on one device) at which the fitted curve is
+#: tabulated for a device (half-decades; the table interpolates in log size).
+CURVE_FLOPS = tuple(10.0 ** (k / 2) for k in range(12, 31))
+
+_NVLINK = (IntraNodeTopology.NVSWITCH, IntraNodeTopology.HYBRID_CUBE_MESH)
+
 
 @dataclass(frozen=True)
-class DeviceCalibration(Record):
-    """Fitted figures of one device type (``None``: keep the profile's).
+class ArchitectureCalibration(Record):
+    """Fitted figures of one GPU architecture (fractions of the dense datasheet peak).
 
-    ``attention_efficiency`` is the achieved fraction of peak of a fused
-    attention kernel (FlashAttention) versus the FLOPs of its ``QK^T`` product
-    on one device; the device profiles have no such table yet.
+    ``attention_peak_fraction`` / ``fp8_peak_fraction``: ``None`` where no run
+    measured them (the mean of the other architectures' figures is used).
     """
 
-    matmul_efficiency: EfficiencyTable | None = None
-    attention_efficiency: EfficiencyTable | None = None
-    intra_node_efficiency: CollectiveEfficiency | None = None
-    inter_node_efficiency: CollectiveEfficiency | None = None
+    matmul_peak_fraction: float
+    matmul_overhead_s: float
+    attention_peak_fraction: float | None
+    fp8_peak_fraction: float | None
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("matmul_peak_fraction", "attention_peak_fraction", "fp8_peak_fraction"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {v!r}")
+        if not 0 <= self.matmul_overhead_s < 1:
+            raise ConfigError(f"matmul_overhead_s must be in [0, 1) s, got "
+                              f"{self.matmul_overhead_s!r}")
+
+    def curve(self, peak_flops_per_s: float, fraction: float, source: str) -> EfficiencyTable:
+        """The achieved fraction of ``peak_flops_per_s`` vs matmul FLOPs:
+        ``e / (1 + e P t0 / F)`` at :data:`CURVE_FLOPS` (see the module docstring)."""
+        e, t0 = fraction, self.matmul_overhead_s
+        return EfficiencyTable(tuple((f, e / (1 + e * peak_flops_per_s * t0 / f))
+                                     for f in CURVE_FLOPS), source=source)
+
+
+@dataclass(frozen=True)
+class LinkCalibration(Record):
+    """Collective bus bandwidth over the raw link, per link kind (NCCL busbw / link)."""
+
+    nvlink: float
+    network: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("nvlink", "network"):
+            v = getattr(self, name)
+            if not 0 < v <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {v!r}")
 
 
 @dataclass(frozen=True)
 class Calibration(Record):
-    """Fitted figures per device type name (e.g. ``"H100-SXM5-80GB"``)."""
+    """Fitted figures per GPU architecture (e.g. ``"hopper"``) and per link kind."""
 
     name: str
     source: str
-    devices: dict[str, DeviceCalibration]
+    architectures: dict[str, ArchitectureCalibration]
+    links: LinkCalibration
+
+    def __post_init__(self) -> None:
+        for arch in self.architectures:
+            if arch not in ARCHITECTURES or arch == "cpu":
+                raise ConfigError(f"architectures.{arch}: unknown GPU architecture; expected one "
+                                  f"of {[a for a in ARCHITECTURES if a != 'cpu']}")
+        if not self.architectures:
+            raise ConfigError("architectures: expected at least one fitted architecture")
+
+    def for_architecture(self, arch: str) -> ArchitectureCalibration:
+        """The fitted figures of ``arch``, with every missing figure the mean of the
+        fitted architectures' (an architecture with no published run gets all of them
+        that way; the source says so)."""
+        fitted = self.architectures
+
+        def mean(name: str) -> float | None:
+            vals = [getattr(a, name) for a in fitted.values() if getattr(a, name) is not None]
+            if not vals:
+                return None
+            if name == "matmul_overhead_s":
+                return sum(vals) / len(vals)
+            return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+        own = fitted.get(arch)
+        if own is None:
+            return ArchitectureCalibration(
+                mean("matmul_peak_fraction"), mean("matmul_overhead_s"),
+                mean("attention_peak_fraction"), mean("fp8_peak_fraction"),
+                source=(f"carried over: mean of the figures fitted for {sorted(fitted)} "
+                        f"(no published run on {arch or 'this device'}); {self.source}"))
+        return replace(own,
+                       attention_peak_fraction=(own.attention_peak_fraction
+                                                if own.attention_peak_fraction is not None
+                                                else mean("attention_peak_fraction")),
+                       fp8_peak_fraction=(own.fp8_peak_fraction if own.fp8_peak_fraction
+                                          is not None else mean("fp8_peak_fraction")))
 
 
 def _load(path: str, mtime_ns: int) -> Calibration:
@@ -83,34 +181,99 @@ def load_calibration(name_or_path: str | os.PathLike[str] = DEFAULT_CALIBRATION)
     return _load(str(p.resolve()), p.stat().st_mtime_ns)
 
 
-def apply_calibration(cluster: Cluster, calibration: Calibration) -> Cluster:
-    """A copy of ``cluster`` whose profiles carry the fitted figures of ``calibration``.
+def _is_gpu(device: DeviceType) -> bool:
+    return device.architecture not in ("", "cpu")
 
-    The fitted matmul curve replaces the ``default`` table (tables for other
-    dtypes, e.g. ``fp32``, stay); fitted collective efficiencies replace the
-    node's and the network's.
+
+def _half_peak(device: DeviceType) -> float:
+    return device.peak(device.resolve_dtype("bf16"))
+
+
+#: The last calibrated clusters, so engines of one cluster and calibration share one
+#: copy (and its device index); keyed by the two objects' ids, checked by identity.
+_APPLIED: dict[tuple[int, int], tuple[Cluster, Calibration, Cluster]] = {}
+
+
+def apply_calibration(cluster: Cluster, calibration: Calibration) -> Cluster:
+    """A copy of ``cluster`` with the fitted figures (see :func:`_apply`), cached per
+    cluster and calibration object."""
+    key = (id(cluster), id(calibration))
+    hit = _APPLIED.get(key)
+    if hit is not None and hit[0] is cluster and hit[1] is calibration:
+        return hit[2]
+    out = _apply(cluster, calibration)
+    if len(_APPLIED) >= 64:
+        _APPLIED.pop(next(iter(_APPLIED)))
+    _APPLIED[key] = (cluster, calibration, out)
+    return out
+
+
+def _apply(cluster: Cluster, calibration: Calibration) -> Cluster:
+    """A copy of ``cluster`` whose GPU profiles carry the fitted figures of ``calibration``.
+
+    For a GPU (a profile naming a GPU architecture): the fitted matmul curve,
+    built from the device's 16-bit peak, replaces the ``default`` table (its
+    ``bf16``/``fp16`` tables go; ``fp32``/``tf32`` stay); the FP8 curve, from its
+    FP8 peak, becomes the ``fp8`` table where the device has one; the NVLink
+    figure replaces the node's collective efficiency on NVLink nodes, the network
+    figure the network's.  CPU and unstated-architecture profiles (measured) are
+    kept as they are.
     """
     profiles = {}
+    links = calibration.links
     for name, profile in cluster.profiles.items():
-        cal = calibration.devices.get(profile.device.name)
-        if cal is None:
+        device = profile.device
+        if not _is_gpu(device):
             profiles[name] = profile
             continue
-        device = profile.device
-        if cal.matmul_efficiency is not None:
-            tables = dict(device.matmul_efficiency)
-            tables["default"] = cal.matmul_efficiency
-            for dtype in ("bf16", "fp16"):
-                tables.pop(dtype, None)
-            device = replace(device, matmul_efficiency=tables)
+        arch = calibration.for_architecture(device.architecture)
+        tables = dict(device.matmul_efficiency)
+        for dtype in ("bf16", "fp16"):
+            tables.pop(dtype, None)
+        tables["default"] = arch.curve(_half_peak(device), arch.matmul_peak_fraction,
+                                       arch.source)
+        if "fp8" in device.peak_flops_per_s and arch.fp8_peak_fraction is not None:
+            tables["fp8"] = arch.curve(device.peak("fp8"), arch.fp8_peak_fraction, arch.source)
+        device = replace(device, matmul_efficiency=tables)
         node = profile.node
-        if cal.intra_node_efficiency is not None:
-            node = replace(node, collective_efficiency=cal.intra_node_efficiency)
+        if node.topology in _NVLINK:
+            node = replace(node, collective_efficiency=CollectiveEfficiency.uniform(
+                links.nvlink, links.source))
         network = profile.network
-        if network is not None and cal.inter_node_efficiency is not None:
-            network = replace(network, collective_efficiency=cal.inter_node_efficiency)
+        if network is not None:
+            network = replace(network, collective_efficiency=CollectiveEfficiency.uniform(
+                links.network, links.source))
         profiles[name] = replace(profile, device=device, node=node, network=network)
     return Cluster(cluster.name, profiles, cluster.nodes, cluster.site_links)
+
+
+def attention_tables(cluster: Cluster, calibration: Calibration) -> dict[str, EfficiencyTable]:
+    """Device type name -> fused-attention efficiency curve (fraction of the 16-bit peak vs
+    the FLOPs of one ``QK^T`` product on one device), for every device type of ``cluster``.
+
+    GPUs: the architecture's ``attention_peak_fraction`` with its matmul overhead.
+    CPU and unstated-architecture devices: their own matmul table scaled by the
+    fitted attention / matmul ratio (mean over the fitted architectures).
+    """
+    out: dict[str, EfficiencyTable] = {}
+    for profile in cluster.profiles.values():
+        device = profile.device
+        arch = calibration.for_architecture(device.architecture if _is_gpu(device) else "")
+        if arch.attention_peak_fraction is None:
+            continue
+        if _is_gpu(device):
+            out[device.name] = arch.curve(_half_peak(device), arch.attention_peak_fraction,
+                                          arch.source)
+        else:
+            ratio = arch.attention_peak_fraction / arch.matmul_peak_fraction
+            dtype = device.resolve_dtype("bf16") if any(
+                d in device.peak_flops_per_s for d in ("bf16", "fp16")) else "fp32"
+            own = device.matmul_efficiency.get(dtype) or device.matmul_efficiency["default"]
+            out[device.name] = EfficiencyTable(
+                tuple((f, min(1.0, e * ratio)) for f, e in own.points),
+                source=f"the device's own {dtype} matmul table x the fitted attention/matmul "
+                       f"ratio {ratio:.3f}; {arch.source}")
+    return out
 
 
 def resolve_calibration(calibration: "Calibration | str | os.PathLike[str] | None"

@@ -162,6 +162,12 @@ class CostOptions(Record):
         rank holding ``experts / ep`` of them; and the published MoE benchmark runs
         (``validation/published_moe.csv``) balance their routing by force or drop
         tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
+    fp8_scaling : {"tensor", "block"}
+        With ``Precision.FP8``, how tensors are scaled to FP8: per-tensor current scaling
+        (``"tensor"``, Transformer Engine ``Float8CurrentScaling``, the Hopper default of
+        Megatron-Bridge's FP8-CS recipes) or block scaling (``"block"``: row-wise, MXFP8
+        1x32 on Blackwell, DeepSeek-V3 1x128).  Sets the bytes each quantized element moves
+        (``engine.FP8_CAST_BYTES_PER_ELEMENT``).
     """
 
     fused_attention: bool = False
@@ -174,8 +180,11 @@ class CostOptions(Record):
     dp_nic_per_device: bool = False
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
+    fp8_scaling: str = "tensor"
 
     def __post_init__(self) -> None:
+        if self.fp8_scaling not in ("tensor", "block"):
+            raise ConfigError(f"fp8_scaling must be 'tensor' or 'block', got {self.fp8_scaling!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
             raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
                               f"{self.zero3_gather_unit!r}")

@@ -16,7 +16,11 @@ and backward times of all its chunks:
   context parallelism), ``peak`` and the efficiency table from the device
   profile (:meth:`DeviceType.efficiency`).  The backward of a matmul runs two
   matmuls of the forward's size (input and weight gradients), so it is priced at
-  the forward's efficiency.
+  the forward's efficiency.  Under ``Precision.FP8`` the weight GEMMs run at the
+  FP8 peak and efficiency, and their inputs, output gradients and weights are
+  quantized first: ``FP8_CAST_BYTES_PER_ELEMENT[options.fp8_scaling]`` bytes
+  per element over the memory bandwidth, with ``m (k + n) ~ 2 m sqrt(kn)``
+  activation elements (``kn`` from the GEMM's FLOPs and ``m`` tokens).
 * **memory-bound operators** (norms, activations, softmax, residual adds,
   copies; the roofline of Williams et al. 2009): the bytes each captured node
   without FLOPs reads and writes, over the device's memory bandwidth, twice that
@@ -98,7 +102,8 @@ from typing import NamedTuple
 from ..errors import ConfigError, StrategyError
 from ..graph import LayerKind
 from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks
-from .calibration import DEFAULT_CALIBRATION, Calibration, apply_calibration, resolve_calibration
+from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
+                          resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
 from .memory import activation_bytes, model_state_bytes
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
@@ -117,7 +122,18 @@ ELEMENTWISE_BACKWARD_FACTOR = 2.0
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
 CAUSAL_BLOCK_FRACTION = 0.5
 
-_DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32"}
+#: Device-memory bytes moved per element quantized to FP8, per scaling recipe
+#: (``CostOptions.fp8_scaling``).  ``"tensor"`` (per-tensor current scaling, Transformer
+#: Engine Float8CurrentScaling): an amax pass reads the 16-bit tensor (2 B), then the cast
+#: reads it again (2 B) and writes the FP8 copy and its transpose (1 + 1 B) = 6 B.
+#: ``"block"`` (row-wise / MXFP8 1x32 / DeepSeek 1x128 block scaling): one pass reads the
+#: 16-bit tensor (2 B) and writes both FP8 layouts (1 + 1 B) plus one 8-bit scale per 32
+#: elements for each (2/32 B) = 4.0625 B.  (Transformer Engine user guide, "Using FP8 with
+#: Transformer Engine"; OCP Microscaling Formats (MX) v1.0 specification, Sec. 5.)
+FP8_CAST_BYTES_PER_ELEMENT = {"tensor": 6.0, "block": 4.0625}
+
+_DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32",
+          Precision.FP8: "fp8"}
 
 
 # --------------------------------------------------------------------------- layout
@@ -285,10 +301,7 @@ class CostEngine:
         calibration = resolve_calibration(calibration)
         self.calibration = calibration
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
-        self._attention_tables = {
-            name: dc.attention_efficiency for name, dc in (calibration.devices.items()
-                                                           if calibration else ())
-            if dc.attention_efficiency is not None}
+        self._attention_tables = attention_tables(cluster, calibration) if calibration else {}
         self.options = options or CostOptions()
         self.constants = constants or load_constants()
         self._template_time: dict[tuple, tuple[float, float, float, float]] = {}
@@ -386,6 +399,14 @@ class CostEngine:
         hit = self._template_time.get(key)
         if hit is not None:
             return hit
+        fp8 = dtype == "fp8"
+        if fp8:
+            # weight GEMMs in FP8 at the FP8 peak; the rest in bf16 (Precision.FP8)
+            dtype = "bf16"
+            fp8_peak = device.peak("fp8")
+            cast_bytes = FP8_CAST_BYTES_PER_ELEMENT[self.options.fp8_scaling]
+            tokens = b * (self.summary.seq_len or 1) / cp
+            cast = 0.0
         peak = device.peak(dtype)
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
@@ -404,6 +425,11 @@ class CostEngine:
                 ref = ref * imbalance * ep / experts     # one expert's GEMM
             if n.core and attention is not None:
                 rate = peak * attention.efficiency(ref)
+            elif fp8 and n.weight and not n.core:
+                rate = fp8_peak * device.efficiency(ref, "fp8")
+                # quantize inputs, grads (~ m sqrt(kn) each, k ~ n) and the weight (kn)
+                kn = f / (2 * tokens)
+                cast += cast_bytes * (2 * tokens * math.sqrt(kn) + kn)
             else:
                 rate = peak * device.efficiency(ref, dtype)
             tf, tb = f / rate, g / rate
@@ -425,6 +451,10 @@ class CostEngine:
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
+        if fp8:
+            # FP8 scaling/quantization kernels: memory-bound, half in each direction
+            fwd += cast / 2 / device.memory_bw_bytes_per_s
+            bwd += cast / 2 / device.memory_bw_bytes_per_s
         core += quad * b / (tp * cp) / device.memory_bw_bytes_per_s   # softmax, mask, dropout
         hit = (fwd, bwd, core, wgrad)
         self._template_time[key] = hit
@@ -545,7 +575,8 @@ class CostEngine:
                     rc_flops += s.total("selective_flops", seg.lo, seg.hi)
         hw_flops = model_flops + rc_flops * lay.global_batch
         n_dev = sum(len(d) for d in lay.rank_devices)
-        peak_sum = sum(self.cluster.device_type_of(i).peak(dtype)
+        # MFU against the 16-bit peak also for FP8 (as Megatron-Bridge and NeMo report it)
+        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if dtype == "fp8" else dtype)
                        for devs in lay.rank_devices for i in devs)
         stages = tuple(StageEstimate(
             rank=p, device_type=rk.device_type, layers=rk.layers,

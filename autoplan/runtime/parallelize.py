@@ -485,6 +485,10 @@ def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int
     if plan.precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
+    if plan.precision is Precision.FP8:
+        raise ConfigError("precision='fp8' is priced by the cost model (FP8 GEMMs as "
+                          "Transformer Engine runs them) but the runtime has no FP8 kernels; "
+                          "run the plan with precision 'bf16'")
     if plan.cp > 1:
         if not token_model or loss_fn is not None:
             raise ConfigError(f"cp={plan.cp}: context parallelism trains token models with the "
