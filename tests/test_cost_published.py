@@ -114,3 +114,17 @@ def test_fitted_values_name_their_source_and_carry_over():
         assert dev.name in attention_tables(c, cal), name
     v100 = apply_calibration(load_cluster("v100-sxm2-32gb"), cal).device_type_of(0)
     assert v100.matmul_efficiency["default"].source.startswith("carried over")
+
+
+def test_measured_profiles_keep_their_tables_and_get_an_attention_curve():
+    from autoplan.cost.calibration import apply_calibration, attention_tables
+    from autoplan.cost.toy import toy_cluster
+    cal = load_calibration()
+    c = toy_cluster()                       # no architecture: as a measured profile
+    assert apply_calibration(c, cal).device_type_of(0) == c.device_type_of(0)
+    dev = c.device_type_of(0)
+    table = attention_tables(c, cal)[dev.name]
+    ratio = (cal.for_architecture("").attention_peak_fraction
+             / cal.for_architecture("").matmul_peak_fraction)
+    own = dev.matmul_efficiency["default"].points[0][1]
+    assert table.points[0][1] == pytest.approx(min(1.0, own * ratio))

@@ -47,6 +47,7 @@ def test_build_profile_from_measurements():
         pytest.approx(0.5, rel=1e-9), pytest.approx(0.25, rel=1e-9), pytest.approx(1.0, rel=1e-9))
     assert profile.network is None
     assert "measured by `autoplan profile --quick`" in d.source
+    assert d.architecture == "cpu"     # keys the fitted figures (none for CPUs: kept as measured)
     assert set(measurements["collective_fits"]) == set(synthetic_measurements()["comm"])
 
 
