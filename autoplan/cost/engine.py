@@ -421,11 +421,13 @@ class CostEngine:
         rep, shd, quad = self.summary.elementwise[template]
         if fused:
             quad = 0.0      # inside the attention kernel
-        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp
+        # captured bytes are in the graph's activation dtype; the recipe's dtype moves
+        act_scale = Precision(dtype).bytes / self.summary.activation_bytes
+        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp * act_scale
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
-        core += quad * b / (tp * cp) / device.memory_bw_bytes_per_s   # softmax, mask, dropout
+        core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
         hit = (fwd, bwd, core, wgrad)
         self._template_time[key] = hit
         return hit
