@@ -867,8 +867,11 @@ class CostEngine:
         acts = ev.in_flight * (act_per_mb + shared) + work
         buffers = 0.0
         if (params_by_zero[3] or x3) and z > 1:
-            buffers += max_layer_params * (kmem.zero3_gathered_layers * pb
-                                           + kmem.zero3_unsharded_grad_layers * gb)
+            buffers += max_layer_params * kmem.zero3_gathered_layers * pb
+        if (params_by_zero[2] or params_by_zero[3] or x2 or x3) and z > 1:
+            # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
+            # does (FSDP2 for both): they wait unsharded for their reduce-scatter
+            buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * gb
         if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
                            (params_by_zero[0] + params_by_zero[1] + x0 + x1) * gb)
