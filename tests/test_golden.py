@@ -66,6 +66,11 @@ CASES = [
          "memory-bound: recompute and sharding forced by 40 GB GPUs"),
     Case("mixtral-8x7b-a100-x32", "zoo:mixtral-8x7b", 4096, "a100-sxm4-80gb", 4, 128,
          "mixture of experts"),
+    Case("qwen3-235b-a22b-h100-x128", "zoo:qwen3-235b-a22b", 4096, "h100-sxm5-80gb", 16, 512,
+         "a 128-expert top-8 MoE across 16 nodes: expert parallelism inside and across nodes"),
+    Case("deepseek-v3-gb200-nvl72-x144", "zoo:deepseek-v3", 4096, "gb200-nvl72", 2, 1152,
+         "DeepSeek-V3 671B (MLA, 256 experts, shared expert, dense first layers) on two "
+         "72-GPU NVLink domains"),
     Case("gpt3-175b-a100-x128", "zoo:gpt3-175b", 2048, "a100-sxm4-80gb", 16, 512,
          "GPT-3 175B on 128 GPUs"),
     Case("gpt3-175b-a100-x1024", "zoo:gpt3-175b", 2048, "a100-sxm4-80gb", 128, 1536,
@@ -114,7 +119,7 @@ def plan_digest(plan) -> dict[str, Any]:
         "layout": plan_label(plan),
         "degrees": {
             "dp": plan.dp, "tp": sorted({s.tp for s in plan.stages}), "pp": plan.pp,
-            "cp": plan.mesh.degree("cp"), "micro_batch": plan.micro_batch,
+            "cp": plan.mesh.degree("cp"), "ep": plan.ep, "micro_batch": plan.micro_batch,
             "num_micro_batches": plan.num_micro_batches, "schedule": plan.schedule.value,
             "virtual_stages": plan.virtual_stages, "precision": plan.precision.value,
             "sequence_parallel": any(lp.sequence_parallel for lp in plan.layers)},
