@@ -17,7 +17,7 @@ import weakref
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..capture import _attention_core
+from ..capture.probe import _attention_core
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..capture import token_cross_entropy
+from .loss import token_cross_entropy
 from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
