@@ -113,6 +113,24 @@ class _Step:
             sys.stderr.flush()
 
 
+def _add_stack_arg(p: argparse.ArgumentParser) -> None:
+    from .cost.constants import STACKS
+    p.add_argument("--stack", default="autoplan", metavar="NAME",
+                   help="the training software the layout runs on, which sets what overlaps "
+                        f"and fuses: {', '.join(STACKS)} (default autoplan: what "
+                        "autoplan.parallelize runs)")
+
+
+def _stack_options(args: argparse.Namespace):
+    """The :class:`CostOptions` of ``--stack`` (an unknown name: a one-line usage error)."""
+    from .cost import CostOptions
+    from .errors import ConfigError
+    try:
+        return CostOptions(stack=getattr(args, "stack", "autoplan"))
+    except ConfigError as exc:
+        raise _UsageError(f"--stack: {exc}") from None
+
+
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True,
                    help="a shipped profile name (autoplan.available_profiles()) or a YAML path")
@@ -171,8 +189,9 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                         virtual_stages=args.virtual_stages, precision=args.precision)
     strategy.check_world(cluster.num_devices)
     _check_fraction(args.memory_fraction)
+    options = _stack_options(args)
     graph = _trace_cached(args, args.json)
-    est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction)
+    est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction, options=options)
     text = f"{strategy.describe()} on {cluster.num_devices} devices of {cluster.name}\n" + \
         _estimate_text(est)
     _emit(args, {"strategy": strategy.to_dict(), "estimate": est.to_dict()}, text)
@@ -191,6 +210,7 @@ def _build_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--memory-fraction", type=float, default=0.9)
+    _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -219,11 +239,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .search import plan as make_plan
     cluster = _load_cluster(args)           # names and numbers first: capture takes seconds
     _check_search_args(args)
+    options = _stack_options(args)
     graph = _trace_cached(args, args.json)
     with _Step(f"searching layouts for {cluster.num_devices} devices of {cluster.name}", args.json):
         best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
                          memory_fraction=args.memory_fraction, time_limit_s=args.time_limit,
-                         precision=args.precision)
+                         precision=args.precision, options=options)
     if args.out:
         atomic_write_text(args.out, best.to_json())
     payload = {"plan": best.to_dict(),
@@ -244,6 +265,7 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    _add_stack_arg(p)
     p.add_argument("--out", help="write the best plan's JSON here")
     p.add_argument("--explain", action="store_true",
                    help="add a legend of the layout terms (dp, tp, mb, zero, rc-, ...)")
@@ -265,14 +287,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"on {DEMO['nodes']} DGX A100 nodes (1024 GPUs, shipped profile {DEMO['cluster']}), "
             f"global batch {DEMO['global_batch']} x 2048 tokens\n\n")
         sys.stdout.flush()
+    options = _stack_options(args)
     graph = _trace_cached(ns, args.json)
     cluster = _load_cluster(ns)
     with _Step("searching layouts", args.json):
-        best = make_plan(graph, cluster, global_batch=DEMO["global_batch"], top_k=5)
+        best = make_plan(graph, cluster, global_batch=DEMO["global_batch"], top_k=5,
+                         options=options)
     # the layout Megatron-LM's authors ran (Narayanan et al. 2021, Sec. 5.1 / Table 1 style)
     published = Strategy(dp=16, tp=8, pp=8, micro_batch=1, global_batch=DEMO["global_batch"],
                          recompute="full", schedule="interleaved", virtual_stages=2)
-    ref = estimate(graph, cluster, published, memory_fraction=0.9)
+    ref = estimate(graph, cluster, published, memory_fraction=0.9, options=options)
     text = _plan_text(best, cluster) + (
         f"\n\nthe published Megatron-LM layout for this run ({published.describe()}), priced by the "
         f"same cost model:\n  {ref.summary()}\n  the plan is "
@@ -283,6 +307,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _build_demo(p: argparse.ArgumentParser) -> None:
+    _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -414,6 +439,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     if args.top_k < 1:
         raise _UsageError(f"--top-k must be at least 1, got {args.top_k} (default 1)")
     _check_fraction(args.memory_fraction)
+    options = _stack_options(args)
     price = _parse_price(args.price)
     model, default_seq = build_model(args.model, parse_model_args(args.model_arg))
     seqs = args.seq_len or ([default_seq] if default_seq else None)
@@ -423,7 +449,7 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     df = whatif(model, clusters=clusters, global_batch=args.global_batch, seq_len=seqs,
                 price_per_gpu_hour=price, memory_fraction=args.memory_fraction,
-                top_k=args.top_k, progress=progress)
+                top_k=args.top_k, progress=progress, options=options)
     if args.csv:
         atomic_write_text(args.csv, df.to_csv(index=False))
     if args.json:
@@ -445,6 +471,7 @@ def _build_whatif(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--csv", help="also write the table as CSV")
+    _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
 
 
@@ -462,9 +489,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
         if args.global_batch is None:
             raise _UsageError("report MODEL needs --global-batch")
         _check_search_args(args)
+        options = _stack_options(args)
         graph = _trace_cached(args, args.json)
         with _Step("searching layouts", args.json):
-            best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k)
+            best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
+                             options=options)
     if args.out:
         write_plan_report(best, args.out, cluster=cluster, graph=graph, figures=not args.no_figures)
     _emit(args, {"plan": best.to_dict(), "html": args.out},
@@ -482,6 +511,7 @@ def _build_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--out", help="write a self-contained HTML report here")
     p.add_argument("--no-figures", action="store_true", help="HTML without figures")
+    _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
 
 

@@ -1,7 +1,7 @@
 """How a block's dispatched operators are named and counted, for capture and runtime alike.
 
 Selective recompute must re-run exactly the operators the capture put in a
-block's attention core (:func:`autoplan.capture._attention_core`), whose FLOPs
+block's attention core (:func:`autoplan.capture.probe._attention_core`), whose FLOPs
 the cost model charges.  The capture knows them as ``torch.fx`` nodes; the
 runtime sees the block run eagerly, one dispatched ATen operator at a time
 (torch's selective-checkpoint mode sits below autograd, so composite operators

@@ -54,10 +54,31 @@ class Schedule(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
-    """Training precision.  ``FP8``: the weight GEMMs (linear layers) run in FP8 at the
-    device's FP8 peak, as Transformer Engine recipes do; everything else (attention core,
-    norms, activations between operators, bf16 weights with fp32 master weights and
-    gradients) is as ``BF16`` (Micikevicius et al. 2022, "FP8 Formats for Deep Learning").
+    """The mixed-precision recipe of a layout; it, not the dtype the model was built in,
+    sets what the cost model counts (a model built in fp32, in bf16 or on the meta device
+    is estimated the same).
+
+    ========  ===================  =============  ========  ===================================
+    recipe    compute/activations  weights        gradients optimizer (Adam)
+    ========  ===================  =============  ========  ===================================
+    bf16      bf16                 bf16 + fp32    bf16      fp32 master copy, m and v
+                                   master
+    fp16      fp16 (loss scaling)  fp16 + fp32    fp16      fp32 master copy, m and v
+                                   master
+    fp32      fp32                 fp32           fp32      fp32 m and v
+    fp8       weight GEMMs in FP8  bf16 + fp32    bf16      fp32 master copy, m and v
+              (TE), the rest bf16  master
+    ========  ===================  =============  ========  ===================================
+
+    Bytes per parameter: ``2 + 2 + 12`` under bf16/fp16 (Rajbhandari et al. 2020, Sec. 3.1),
+    ``4 + 4 + 8`` under fp32 (``profiles/cost/cost-model.yaml``).  Every floating
+    activation is counted at :attr:`bytes` per element (norms or softmax a model upcasts
+    to fp32 inside included); integer and boolean tensors (token ids, masks) at their own.
+    autoplan's runtime runs bf16 as ``torch.autocast`` over fp32 parameters: the same
+    16 bytes per parameter, held as 4 (weights) + 4 (gradients) + 8 (m, v).
+    ``fp8``: the weight GEMMs (linear layers) run at the device's FP8 peak, as Transformer
+    Engine recipes do (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"); the
+    transient FP8 copies of weights and inputs are not counted; the runtime cannot run it.
     """
 
     BF16 = "bf16"

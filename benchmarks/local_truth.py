@@ -17,6 +17,18 @@
 The CPU profile has no fitted calibration (``calibration=None``): the
 prediction uses only what the profiler measured on this machine, with no
 communication overlapped (gloo on CPU runs collectives on the computing cores).
+
+Memory (``--memory``): predicted vs measured peak memory per rank for DP, ZeRO-1/2/3,
+TP, PP and recompute layouts on 2 and 4 processes (fp32).  Measured: the peak of the
+bytes of live tensor storages during one training step after a warm-up step (so the
+optimizer states exist), counted by :class:`LiveBytes` (every storage alive at the step's
+start, then every op's outputs until their storage is freed).  Predicted: the estimate's
+per-rank allocated bytes (model states, activations, buffers) without the runtime
+reserve and allocator fragmentation, which CPU tensors do not have; the memory estimate
+does not depend on the device, so a profile of the A100 node with the world's number of
+devices stands in for this machine.
+
+    python benchmarks/local_truth.py --memory        # memory only (~3 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -160,6 +173,229 @@ def runtime_available() -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- memory
+
+#: Layouts whose memory is compared, with their process count (fp32, CONFIG).
+MEMORY_LAYOUTS = {
+    "DP=2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, precision="fp32")),
+    "ZeRO-1 dp2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, zero=1,
+                               precision="fp32")),
+    "ZeRO-2 dp2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, zero=2,
+                               precision="fp32")),
+    "ZeRO-3 dp2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, zero=3,
+                               precision="fp32")),
+    "TP=2": (2, Strategy(tp=2, micro_batch=2, global_batch=GLOBAL_BATCH, precision="fp32")),
+    "PP=2 1F1B": (2, Strategy(pp=2, micro_batch=2, global_batch=GLOBAL_BATCH, precision="fp32")),
+    "DP=2 full rc": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                                 recompute="full", precision="fp32")),
+    "TP=2 sel rc": (2, Strategy(tp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                                recompute="selective", precision="fp32")),
+    "ZeRO-3 dp4": (4, Strategy(dp=4, micro_batch=2, global_batch=GLOBAL_BATCH, zero=3,
+                               precision="fp32")),
+    "DP2 x TP2": (4, Strategy(dp=2, tp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                              precision="fp32")),
+    "DP2 x PP2": (4, Strategy(dp=2, pp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                              precision="fp32")),
+    "TP2 x PP2 full rc": (4, Strategy(tp=2, pp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                                      recompute="full", precision="fp32")),
+}
+#: The issue's target for predicted vs measured peak memory per layout.
+MEMORY_TARGET = 0.10
+
+
+class LiveBytes:
+    """Peak bytes of live tensor storages on this process (CPU has no allocator statistics).
+
+    At entry every tensor the garbage collector can reach is counted (parameters,
+    gradients, optimizer states, runtime buffers; a DTensor by its local shard); then a
+    ``TorchDispatchMode`` counts the storage of every operator output, and a weak
+    reference to each storage subtracts it when it is freed.  Temporaries an operator
+    allocates and frees inside itself are not seen (nor are those inside a DTensor's
+    dispatch): the peak is of what operators hand to each other.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, object] = {}
+
+    def _add(self, t) -> None:
+        import weakref
+
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch._subclasses.fake_tensor import is_fake
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or is_fake(t) or t.is_meta:
+            return   # fake and meta tensors (left from capturing the model) hold no memory
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if st.device.type == "meta":
+            return
+        key = st._cdata
+        if key in self._refs or st.nbytes() == 0:
+            return
+        n = st.nbytes()
+
+        def freed(_ref, key=key, n=n) -> None:
+            if self._refs.pop(key, None) is not None:
+                self.current -= n
+
+        self._refs[key] = weakref.ref(st, freed)
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> "LiveBytes":
+        import gc
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        gc.collect()   # garbage is not memory in use
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # isinstance on some tracked objects warns
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    self._add(obj)
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    tracker._add(t)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _memory_worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    status = 0
+    try:
+        from autoplan.models import GPT
+        from autoplan.runtime import parallelize
+        strategy = MEMORY_LAYOUTS[name][1]
+        torch.manual_seed(0)
+        pm = parallelize(GPT(CONFIG), strategy, global_batch=GLOBAL_BATCH, seq_len=CONFIG.seq_len)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len), generator=gen)
+        pm.step(ids)   # warm-up: the optimizer creates its states
+        dist.barrier()
+        with LiveBytes() as live:
+            start = live.current
+            pm.step(ids)
+        Path(outdir, f"mem{rank}.json").write_text(json.dumps(
+            {"peak_bytes": live.peak, "start_bytes": start, "pp_rank": pm.coords.get("pp", 0)}))
+    except BaseException as exc:  # report, then still tear down cleanly
+        Path(outdir, f"error{rank}.txt").write_text(repr(exc))
+        status = 1
+    finally:
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+
+
+def measure_memory(name: str, timeout_s: float = 600.0) -> list[dict]:
+    """Per rank: the peak live tensor bytes of one step of layout ``name`` and its pipeline rank."""
+    import multiprocessing as mp
+    world = MEMORY_LAYOUTS[name][0]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as outdir:
+        port = _free_port()
+        procs = [ctx.Process(target=_memory_worker, args=(r, world, port, name, outdir))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        errors = sorted(Path(outdir).glob("error*.txt"))
+        if errors:
+            raise RuntimeError(f"{name}: " + "; ".join(e.read_text() for e in errors))
+        return [json.loads(Path(outdir, f"mem{r}.json").read_text()) for r in range(world)]
+
+
+def _memory_cluster(world: int, tmp: Path):
+    """The shipped A100 node profile with ``world`` devices (memory does not depend on it)."""
+    import yaml
+
+    from autoplan.hardware import load_cluster
+    from autoplan.hardware.profiles import shipped_profiles_dir
+    data = yaml.safe_load((shipped_profiles_dir() / "a100-sxm4-80gb.yaml").read_text())
+    data["name"] = f"a100-x{world}-memory-check"
+    data["node"]["devices_per_node"] = world
+    data["network"]["nics_per_node"] = world
+    path = tmp / f"a100-x{world}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_cluster(str(path))
+
+
+def predict_memory() -> dict[str, list[float]]:
+    """Per layout: the predicted allocated bytes of each pipeline rank (no runtime reserve)."""
+    from autoplan import trace
+    from autoplan.cost import estimate
+    from autoplan.models import GPT
+    graph = trace(GPT(CONFIG), seq_len=CONFIG.seq_len)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        clusters = {w: _memory_cluster(w, Path(tmp)) for w in {w for w, _ in MEMORY_LAYOUTS.values()}}
+        for name, (world, s) in MEMORY_LAYOUTS.items():
+            e = estimate(graph, clusters[world], s, calibration=None, options=GLOO_ON_CPU)
+            out[name] = [(st.memory.total_bytes - st.memory.reserve_bytes,
+                          st.memory.params_bytes + st.memory.optimizer_bytes) for st in e.stages]
+    return out
+
+
+def memory_main(names: list[str] | None = None) -> int:
+    names = names or list(MEMORY_LAYOUTS)
+    predicted = predict_memory()
+    print(f"memory: GPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {CONFIG.seq_len}, "
+          f"vocab {CONFIG.vocab_size}; global batch {GLOBAL_BATCH}, micro-batch 2, fp32; "
+          "peak live tensor bytes of one step after a warm-up step, worst rank; predicted "
+          "without the runtime reserve")
+    print("(columns 'between steps': parameters and optimizer states predicted, live bytes "
+          "at the step's start measured; the rest of the peak is gradients, activations and "
+          "buffers)")
+    print(f"\n{'layout':<18} {'procs':>5} {'predicted MB':>13} {'measured MB':>12} {'error':>8}  "
+          f"{'target':<7} {'between steps: predicted':>25} {'measured':>9}")
+    errors = []
+    for name in names:
+        world = MEMORY_LAYOUTS[name][0]
+        ranks = measure_memory(name)
+        # the worst rank against the prediction for its pipeline rank
+        worst = max(ranks, key=lambda r: abs(predicted[name][r["pp_rank"]][0] / r["peak_bytes"] - 1))
+        (pred, pred_states), meas = predicted[name][worst["pp_rank"]], worst["peak_bytes"]
+        err = (pred - meas) / meas
+        errors.append(abs(err))
+        ok = "ok" if abs(err) <= MEMORY_TARGET else f"> {MEMORY_TARGET:.0%}"
+        print(f"{name:<18} {world:>5} {pred / 1e6:13.2f} {meas / 1e6:12.2f} {err:+8.1%}  {ok:<7} "
+              f"{pred_states / 1e6:25.2f} {worst['start_bytes'] / 1e6:9.2f}")
+    print(f"\nmean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%} "
+          f"(target {MEMORY_TARGET:.0%})")
+    return 0
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -172,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, default=None,
                     help="use this profile instead of profiling the machine")
     ap.add_argument("--no-run", action="store_true", help="estimate only")
+    ap.add_argument("--memory", nargs="*", metavar="LAYOUT", default=None,
+                    help="compare peak memory instead of step time (all layouts, or those named: "
+                         + ", ".join(MEMORY_LAYOUTS) + ")")
     args = ap.parse_args(argv)
+    if args.memory is not None:
+        return memory_main(args.memory)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         profile = args.profile or profile_machine(Path(tmp) / "local-truth.yaml")

@@ -178,8 +178,9 @@ def _capture_fingerprint() -> str:
     import torch
     import transformers
     h = hashlib.sha1()
-    for f in ("capture.py", "graph.py"):
-        h.update((REPO / "autoplan" / f).read_bytes())
+    pkg = REPO / "autoplan"
+    for f in (*sorted((pkg / "capture").glob("*.py")), pkg / "runtime" / "loss.py", pkg / "graph.py"):
+        h.update(f.read_bytes())
     h.update(torch.__version__.encode())
     h.update(transformers.__version__.encode())
     return h.hexdigest()[:12]

@@ -52,7 +52,7 @@ def _llama(seed: int = 0):
 
 
 def _loss(logits, ids):
-    from autoplan.capture import token_cross_entropy
+    from autoplan.runtime.loss import token_cross_entropy
 
     return token_cross_entropy(logits, ids, shift=True)
 

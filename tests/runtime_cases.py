@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autoplan.capture import token_cross_entropy
+from autoplan.runtime.loss import token_cross_entropy
 
 #: fp32 parity tolerance (absolute) for losses and parameters, from the issue;
 #: measured errors are ~1e-7 (see the notes), so this leaves two orders of margin.

@@ -41,6 +41,15 @@ def test_estimate_json():
     assert data["strategy"]["dp"] == 4 and data["estimate"]["step_time_s"] > 0
 
 
+def test_estimate_takes_a_stack():
+    base = ["estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "4", "--tp", "2",
+            "--global-batch", "8", "--json"]
+    times = {stack: json.loads(run(*base, "--stack", stack).stdout)["estimate"]["step_time_s"]
+             for stack in ("autoplan", "megatron-2021", "megatron-core")}
+    # tensor-parallel overlap and overlapped gradient reduction only take time away
+    assert times["megatron-core"] < times["autoplan"] <= times["megatron-2021"]
+
+
 def test_plan_writes_a_plan_that_round_trips(tmp_path: Path):
     dest = tmp_path / "plan.json"
     out = run("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "16", "--top-k", "2",
@@ -105,6 +114,10 @@ def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Pa
     (("trace", "hf:lama", "--seq-len", "8"), "did you mean"),
     (("estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "3", "--global-batch", "8"),
      "dp=3"),
+    (("estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "8", "--global-batch", "8",
+      "--stack", "megatron"), "did you mean megatron-core, megatron-2021"),
+    (("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "8", "--stack", "fdsp"),
+     "did you mean fsdp"),
 ])
 def test_bad_input_gets_a_clear_message_and_code_2(args, expect):
     out = run(*args, check_rc=2)

@@ -92,7 +92,7 @@ def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
 def _reference_losses(steps: int, args: tuple | None = None,
                       global_batch: int = GLOBAL_BATCH) -> dict[int, float]:
     """One plain process, no autoplan runtime: same seed, same model, same per-step data."""
-    from autoplan.capture import token_cross_entropy
+    from autoplan.runtime.loss import token_cross_entropy
 
     torch.manual_seed(SEED)
     model = _gpt(args)

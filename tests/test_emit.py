@@ -14,9 +14,9 @@ import torch
 
 import autoplan
 from autoplan.errors import ConfigError
-from autoplan.capture import token_cross_entropy
 from autoplan.elastic import batch_for_step
 from autoplan.emit import RESTART_ENV, emit_script, launch_commands
+from autoplan.runtime.loss import token_cross_entropy
 from autoplan.zoo import build_model
 
 ARGS = dict(vocab_size=128, seq_len=32, hidden=32, heads=4, layers=4)

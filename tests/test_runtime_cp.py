@@ -21,7 +21,6 @@ import torch
 
 import cp_cases
 import runtime_cases as rc
-from autoplan.capture import token_cross_entropy
 from autoplan.errors import ConfigError, StrategyError
 from autoplan.runtime.cp import (
     IGNORE_INDEX,
@@ -32,6 +31,7 @@ from autoplan.runtime.cp import (
     shard_batch,
     shard_sequence,
 )
+from autoplan.runtime.loss import token_cross_entropy
 from dist_harness import run
 
 

@@ -9,7 +9,7 @@
   :class:`CostConstants` holds the constants of ``profiles/cost/cost-model.yaml``.
 """
 
-from .constants import CostConstants, CostOptions, load_constants
+from .constants import STACKS, CostConstants, CostOptions, load_constants
 from .engine import CostEngine, Layout, QuickEstimate, Segment, layout_from_plan
 from .api import clear_engines, engine_for, estimate, estimate_plan
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
@@ -24,6 +24,7 @@ __all__ = [
     "CostEngine",
     "QuickEstimate",
     "CostOptions",
+    "STACKS",
     "CostConstants",
     "load_constants",
     "Estimate",

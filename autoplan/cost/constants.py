@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,6 +40,8 @@ __all__ = [
     "MemoryConstants",
     "CostConstants",
     "CostOptions",
+    "Stack",
+    "STACKS",
     "cost_profiles_dir",
     "load_constants",
 ]
@@ -168,21 +171,44 @@ class CostOptions(Record):
         Megatron-Bridge's FP8-CS recipes) or block scaling (``"block"``: row-wise, MXFP8
         1x32 on Blackwell, DeepSeek-V3 1x128).  Sets the bytes each quantized element moves
         (``engine.FP8_CAST_BYTES_PER_ELEMENT``).
+    stack : str
+        The training software the layout runs on (:data:`STACKS`): the implementation
+        fields above that are not given take its values.  Default ``"autoplan"``, what
+        :func:`autoplan.parallelize` runs.  ``CostOptions.preset(name, **overrides)`` is
+        the same as ``CostOptions(stack=name, **overrides)``.
+
+    Examples
+    --------
+    >>> CostOptions.preset("megatron-core").tp_comm_overlap
+    True
+    >>> CostOptions(stack="megatron-2021", fused_attention=True).overlap_grad_reduce
+    False
     """
 
-    fused_attention: bool = False
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = True
-    tp_comm_overlap: bool = False
-    pp_comm_overlap: bool = False
-    zero3_regather_for_recompute: bool = False
-    zero3_gather_unit: str = "layer"
-    dp_nic_per_device: bool = False
+    fused_attention: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    overlap_param_gather: bool | None = None
+    tp_comm_overlap: bool | None = None
+    pp_comm_overlap: bool | None = None
+    zero3_regather_for_recompute: bool | None = None
+    zero3_gather_unit: str | None = None
+    dp_nic_per_device: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
+    stack: str = "autoplan"
 
     def __post_init__(self) -> None:
+        preset = STACKS.get(self.stack)
+        if preset is None:
+            near = difflib.get_close_matches(str(self.stack), list(STACKS), n=3, cutoff=0.3)
+            raise ConfigError(f"unknown software stack {self.stack!r}; "
+                              + (f"did you mean {', '.join(near)}? " if near else "")
+                              + f"known: {', '.join(STACKS)}")
+        # the fields left unset take the stack's value
+        for name, value in preset.settings.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.fp8_scaling not in ("tensor", "block"):
             raise ConfigError(f"fp8_scaling must be 'tensor' or 'block', got {self.fp8_scaling!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
@@ -193,6 +219,91 @@ class CostOptions(Record):
         if not 1 <= self.expert_imbalance < float("inf"):
             raise ConfigError("expert_imbalance (busiest expert-parallel rank's load over the "
                               f"mean) must be a number >= 1, got {self.expert_imbalance!r}")
+
+
+    @classmethod
+    def preset(cls, stack: str, **overrides) -> "CostOptions":
+        """The options of the named software stack (:data:`STACKS`), with ``overrides``."""
+        return cls(stack=stack, **overrides)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A named software stack: what its implementation overlaps and fuses.
+
+    ``settings`` are :class:`CostOptions` implementation fields; ``assumes`` says in
+    words what the stack runs (documented in the README's table of stacks).
+    """
+
+    name: str
+    assumes: str
+    settings: dict
+
+    def __post_init__(self) -> None:
+        unknown = set(self.settings) - set(_IMPLEMENTATION_FIELDS)
+        missing = set(_IMPLEMENTATION_FIELDS) - set(self.settings)
+        if unknown or missing:
+            raise ConfigError(f"stack {self.name!r}: unknown settings {sorted(unknown)}, "
+                              f"missing {sorted(missing)}")
+
+
+#: The :class:`CostOptions` fields a stack sets (the rest are per-run: memory_fraction,
+#: expert_imbalance).
+_IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_param_gather",
+                          "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
+                          "zero3_gather_unit", "dp_nic_per_device")
+
+
+def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
+           overlap_param_gather: bool, tp_comm_overlap: bool, pp_comm_overlap: bool,
+           zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
+           dp_nic_per_device: bool = False) -> Stack:
+    return Stack(name, assumes, dict(
+        fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
+        pp_comm_overlap=pp_comm_overlap,
+        zero3_regather_for_recompute=zero3_regather_for_recompute,
+        zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device))
+
+
+#: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
+#: choices a stack offers (ZeRO stage, Megatron's distributed optimizer = ``zero=1``) are
+#: part of the Strategy/Plan, not of the stack.
+STACKS: dict[str, Stack] = {s.name: s for s in (
+    _stack("autoplan",
+           "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce) or "
+           "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
+           "backward); tensor-parallel collectives not overlapped (DTensor); torch.distributed"
+           ".pipelining sends not overlapped; the model's own attention as captured",
+           fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
+           tp_comm_overlap=False, pp_comm_overlap=False),
+    _stack("megatron-2021",
+           "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
+           "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "
+           "attention core materialised (fused softmax, no FlashAttention)",
+           fused_attention=False, overlap_grad_reduce=False, overlap_param_gather=True,
+           tp_comm_overlap=False, pp_comm_overlap=False),
+    _stack("megatron-core",
+           "Megatron-Core with Transformer Engine: --overlap-grad-reduce, "
+           "--overlap-param-gather (with the distributed optimizer, zero=1), "
+           "--tp-comm-overlap (userbuffers), overlapped pipeline p2p, fused (flash) attention",
+           fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
+           tp_comm_overlap=True, pp_comm_overlap=True),
+    _stack("deepspeed-zero3",
+           "DeepSpeed ZeRO-3: overlap_comm (gradient reduction under the backward), parameter "
+           "prefetch per submodule (stage3_max_live_parameters), parameters released after "
+           "every forward so a recomputed forward gathers again; no tensor- or "
+           "pipeline-parallel overlap; the model's attention as captured",
+           fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
+           tp_comm_overlap=False, pp_comm_overlap=False, zero3_regather_for_recompute=True,
+           zero3_gather_unit="module"),
+    _stack("fsdp",
+           "PyTorch FSDP2 with flash (SDPA) attention: all-gathers prefetched, reduce-scatters "
+           "under the backward, one gather per layer for recompute and backward; no tensor- "
+           "or pipeline-parallel overlap (e.g. MosaicML LLM Foundry, torchtitan without async TP)",
+           fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
+           tp_comm_overlap=False, pp_comm_overlap=False),
+)}
 
 
 def cost_profiles_dir() -> Path:

@@ -447,7 +447,9 @@ class CostEngine:
         rep, shd, quad = self.summary.elementwise[template]
         if fused:
             quad = 0.0      # inside the attention kernel
-        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp
+        # captured bytes are in the graph's activation dtype; the recipe's dtype moves
+        act_scale = Precision(dtype).bytes / self.summary.activation_bytes
+        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp * act_scale
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
@@ -455,7 +457,7 @@ class CostEngine:
             # FP8 scaling/quantization kernels: memory-bound, half in each direction
             fwd += cast / 2 / device.memory_bw_bytes_per_s
             bwd += cast / 2 / device.memory_bw_bytes_per_s
-        core += quad * b / (tp * cp) / device.memory_bw_bytes_per_s   # softmax, mask, dropout
+        core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
         hit = (fwd, bwd, core, wgrad)
         self._template_time[key] = hit
         return hit
@@ -896,8 +898,11 @@ class CostEngine:
         acts = ev.in_flight * (act_per_mb + shared) + work
         buffers = 0.0
         if (params_by_zero[3] or x3) and z > 1:
-            buffers += max_layer_params * (kmem.zero3_gathered_layers * pb
-                                           + kmem.zero3_unsharded_grad_layers * gb)
+            buffers += max_layer_params * kmem.zero3_gathered_layers * pb
+        if (params_by_zero[2] or params_by_zero[3] or x2 or x3) and z > 1:
+            # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
+            # does (FSDP2 for both): they wait unsharded for their reduce-scatter
+            buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * gb
         if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
                            (params_by_zero[0] + params_by_zero[1] + x0 + x1) * gb)

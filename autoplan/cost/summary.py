@@ -17,10 +17,10 @@ import weakref
 from dataclasses import dataclass
 from itertools import accumulate
 
-from ..capture import _attention_core
+from ..capture.probe import _attention_core
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
 
-__all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize"]
+__all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]
 
 # Linear roles whose weight is split by tensor parallelism (Megatron pattern).  Expert
 # banks are not: the runtime keeps the experts (and the router) whole on every rank of the
@@ -39,6 +39,40 @@ _FREE_OPS = ("view", "_unsafe_view", "alias", "transpose", "permute", "expand", 
 _MAYBE_COPY_OPS = ("reshape", "flatten")
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
                 "float8_e5m2": 1}
+#: Bytes per element at which the summary counts every floating tensor of a graph (bf16's):
+#: the figures do not depend on the dtype the model was built or captured in.  Integer and
+#: boolean tensors (token ids, masks) keep their own bytes, exact under a 2-byte recipe.
+ACTIVATION_UNIT_BYTES = 2
+# Floating dtypes a model computes in: under a mixed-precision recipe every one of them is
+# the recipe's activation dtype, whatever dtype the model was built in.
+_COMPUTE_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+
+
+# Operators whose backward keeps only their integer or boolean arguments (indices, masks,
+# targets): what they save is not in their output's dtype.
+_SAVE_INDEX_OPS = ("embedding", "masked_fill", "where", "nll_loss", "gather", "index",
+                   "scatter")
+
+
+def _saved_scale(n: NodeRecord, activation_bytes: int) -> float:
+    """:func:`_unit_scale` of what node ``n`` saves."""
+    if any(op in n.target for op in _SAVE_INDEX_OPS):
+        return 1.0
+    return _unit_scale(n.dtype, activation_bytes)
+
+
+def _unit_scale(dtype: str, activation_bytes: int) -> float:
+    """What a node's bytes are multiplied by to count them in the graph's activation dtype.
+
+    A floating tensor is counted by its elements at ``activation_bytes`` each, so a model
+    built in fp32 and the same one built in bf16 (whose norms and softmax may upcast to
+    fp32 inside) give the same figures, which the engine then prices at the recipe's
+    activation dtype (:class:`~autoplan.strategy.Precision`).  Integer and boolean
+    tensors keep their bytes.
+    """
+    if dtype in _COMPUTE_DTYPES:
+        return activation_bytes / _DTYPE_BYTES[dtype]
+    return 1.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +165,9 @@ class GraphSummary:
         softmax, residual adds, copies) read and write in the forward pass;
         ``quadratic`` is the attention core's ``s x s`` part.
     ``activation_bytes``
-        Bytes per element of the captured activations (``graph.param_dtype``).
+        Bytes per element every floating captured tensor is counted at
+        (:data:`ACTIVATION_UNIT_BYTES`, whatever dtype the model was built in); the
+        engine scales them to the recipe's activation dtype (``Strategy.precision``).
     ``causal``
         The objective is next-token prediction (a causal attention mask).
     ``kv_bytes_per_token``
@@ -145,26 +181,30 @@ class GraphSummary:
         self.title = graph.title
         self.seq_len = graph.seq_len
         self.num_params = graph.num_params
-        self.activation_bytes = _DTYPE_BYTES.get(graph.param_dtype, 4)
+        self.activation_bytes = ACTIVATION_UNIT_BYTES
         self.causal = graph.objective.startswith("next-token")
         mb = graph.micro_batch
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
         self.elementwise: dict[str, tuple[float, float, float]] = {}
         layers = []
         owners = _param_owners(graph)
+        # a layer's input and output (the residual stream) are in the dtype it was built in
+        boundary = ACTIVATION_UNIT_BYTES / _DTYPE_BYTES.get(graph.param_dtype, 4)
         streams = _stream_bytes(graph)
         for i, rec in enumerate(graph.layers):
             if rec.template not in self.templates:
                 self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
                                                         graph.seq_len, mb)
                 self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
-                                                              graph.seq_len, mb, _in_bank(rec))
+                                                              graph.seq_len, mb, _in_bank(rec),
+                                                              self.activation_bytes)
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
             layers.append(_layer_cost(i, rec, mb, owners, core_flops, streams[i], shared_next,
                                       self.templates[rec.template],
-                                      graph.templates[rec.template]))
+                                      graph.templates[rec.template], self.activation_bytes,
+                                      boundary))
         self.layers: tuple[LayerCost, ...] = tuple(layers)
         self.index = {l.name: l.index for l in self.layers}
         attrs = graph.attributes
@@ -266,17 +306,26 @@ def _stream_bytes(graph: ModelGraph) -> list[int]:
 def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
                 core_flops: float, stream: int, shared_next: int,
                 matmuls: tuple[MatmulNode, ...] = (),
-                nodes: tuple[NodeRecord, ...] = ()) -> LayerCost:
-    quad = rec.saved_quadratic_bytes
-    shd = max(rec.saved_tp_sharded_bytes - quad, 0)
-    rep = max(rec.saved_bytes - rec.saved_tp_sharded_bytes, 0)
+                nodes: tuple[NodeRecord, ...] = (), activation_bytes: int = 0,
+                boundary: float = 1.0) -> LayerCost:
+    quad, sharded, saved = (rec.saved_quadratic_bytes, rec.saved_tp_sharded_bytes,
+                            rec.saved_bytes)
+    if nodes and activation_bytes:
+        # the layer's saved bytes are its nodes' (capture), counted in the activation dtype
+        unit = [_saved_scale(n, activation_bytes) for n in nodes]
+        quad = sum(u * n.saved_quadratic_bytes for u, n in zip(unit, nodes))
+        sharded = sum(u * n.saved_tp_sharded_bytes for u, n in zip(unit, nodes))
+        saved = sum(u * n.saved_bytes for u, n in zip(unit, nodes))
+    shd = max(sharded - quad, 0)
+    rep = max(saved - sharded, 0)
     in_bank = _in_bank(rec)
     tp_colls, sp_colls = rec.tp.tp_collectives, rec.tp.sp_collectives
     if in_bank is not None:
         # the expert region is whole on every tp rank: what it saves does not shrink with
         # tp, and it all-reduces nothing over tp
-        moved = sum(n.saved_tp_sharded_bytes - n.saved_quadratic_bytes for n in nodes
-                    if in_bank(n.module))
+        moved = sum((n.saved_tp_sharded_bytes - n.saved_quadratic_bytes)
+                    * (_saved_scale(n, activation_bytes) if activation_bytes else 1.0)
+                    for n in nodes if in_bank(n.module))
         moved = min(max(moved, 0), shd)
         shd, rep = shd - moved, rep + moved
         tp_colls = tuple(c for c in tp_colls if not in_bank(c.where))
@@ -288,13 +337,13 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         params=rec.param_count, sharded_params=_sharded_count(rec),
         tied_params=_tied_count(rec) if i in owners else 0,
         saved_replicated_bytes=rep / mb, saved_sharded_bytes=shd / mb,
-        saved_quadratic_bytes=quad / mb, input_bytes=rec.input_bytes / mb,
-        cut_bytes=rec.cut_bytes / mb,
-        stream_bytes=stream / mb,
-        shared_input_bytes=max(0, rec.input_bytes - stream) / mb,
-        send_bytes=max(0, rec.cut_bytes - shared_next) / mb,
-        tp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in tp_colls),
-        sp_collectives=tuple((c.op, c.phase, c.nbytes / mb) for c in sp_colls),
+        saved_quadratic_bytes=quad / mb, input_bytes=rec.input_bytes * boundary / mb,
+        cut_bytes=rec.cut_bytes * boundary / mb,
+        stream_bytes=stream * boundary / mb,
+        shared_input_bytes=max(0, rec.input_bytes - stream) * boundary / mb,
+        send_bytes=max(0, rec.cut_bytes - shared_next) * boundary / mb,
+        tp_collectives=tuple((c.op, c.phase, c.nbytes * boundary / mb) for c in tp_colls),
+        sp_collectives=tuple((c.op, c.phase, c.nbytes * boundary / mb) for c in sp_colls),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
         **_experts(rec, matmuls),
@@ -375,7 +424,7 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
-                 mb: int, in_bank=None) -> tuple[float, float, float]:
+                 mb: int, in_bank=None, activation_bytes: int = 0) -> tuple[float, float, float]:
     """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``.
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
@@ -383,8 +432,12 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
     ``out_bytes`` plus the ``out_bytes`` of its inputs inside the template (an
     input from outside the template is counted at the node's own output size).
     Nodes of an expert bank (``in_bank``) are replicated over tensor parallelism.
+    With ``activation_bytes``, floating tensors are counted in that dtype (:func:`_unit_scale`).
     """
-    size = {n.name: n.out_bytes for n in nodes}
+    def nbytes(n: NodeRecord) -> float:
+        return n.out_bytes * (_unit_scale(n.dtype, activation_bytes) if activation_bytes else 1.0)
+
+    size = {n.name: nbytes(n) for n in nodes}
     target = {n.name: n.target for n in nodes}
     rep = shd = quad = 0.0
     for n in nodes:
@@ -397,7 +450,7 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
             src = target.get(n.inputs[0], "") if n.inputs else ""
             if "transpose" not in src and "permute" not in src:
                 continue
-        moved = n.out_bytes + sum(size.get(i, n.out_bytes) for i in n.inputs)
+        moved = size[n.name] + sum(size.get(i, size[n.name]) for i in n.inputs)
         if _is_scores(n.shape, seq_len, mb):
             quad += moved
         elif n.tp_region and not (in_bank is not None and in_bank(n.module)):

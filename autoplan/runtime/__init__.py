@@ -6,11 +6,17 @@ Mechanism only: each parallelism is one small module (:mod:`.tp`, :mod:`.cp`,
 through them.  Policy (which degrees, where to cut) comes from a
 :class:`~autoplan.Strategy` (laid out by :meth:`Plan.from_strategy`), a
 searched plan, or a plan built by hand (``blocks_per_stage`` for an uneven split).
+
+The names below load on first use: :mod:`.parallelize` and :mod:`.checkpoint` pull in
+torch.distributed's tensor, FSDP, pipelining and checkpoint stacks, and the capture
+imports :mod:`.loss` (the training loss) from this package without them.
 """
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .layout import check_plan, plan_of
-from .parallelize import ParallelModel, parallelize, resolve_plan
+from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 __all__ = [
     "parallelize",
@@ -21,3 +27,39 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
 ]
+
+_LAZY = {
+    "parallelize": ".parallelize",
+    "ParallelModel": ".parallelize",
+    "resolve_plan": ".parallelize",
+    "plan_of": ".layout",
+    "check_plan": ".layout",
+    "save_checkpoint": ".checkpoint",
+    "load_checkpoint": ".checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``autoplan.runtime.parallelize`` the function: importing the submodule of
+    the same name (``from autoplan.runtime.parallelize import ...``) sets the package's
+    attribute to the submodule, which would hide the function."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAZY and isinstance(value, types.ModuleType) and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

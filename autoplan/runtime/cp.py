@@ -201,7 +201,7 @@ class NextTokenLoss:
     ``loss(logits, targets)`` with this rank's logits ``(batch, seq/cp, vocab)`` and
     targets from :func:`shard_batch` is ``cp * sum(token losses) / (batch * (seq_len - 1))``:
     the mean over the ``cp`` ranks is the mean loss over every predicted token of the
-    whole sequences, as :func:`autoplan.capture.token_cross_entropy` computes it in one
+    whole sequences, as :func:`autoplan.runtime.loss.token_cross_entropy` computes it in one
     process (fp32 upcast), and the mean of the ranks' gradients is its gradient.
     Sequences are whole (no padding): each predicts ``seq_len - 1`` tokens.
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..capture import token_cross_entropy
+from .loss import token_cross_entropy
 from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
@@ -70,7 +70,10 @@ def _graph_of(model: nn.Module, seq_len: int | None, example_inputs: Any) -> Mod
     if key not in _GRAPHS:
         if len(_GRAPHS) > 16:
             _GRAPHS.clear()
-        _GRAPHS[key] = trace(model, seq_len=seq_len, example_inputs=example_inputs)
+        # without its fx GraphModule, which holds the captured model's own parameters: kept,
+        # it keeps a whole unsharded copy of them alive on every rank after sharding
+        _GRAPHS[key] = replace(trace(model, seq_len=seq_len, example_inputs=example_inputs),
+                               fx_graph=None)
     return _GRAPHS[key]
 
 

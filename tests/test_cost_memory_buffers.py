@@ -1,0 +1,43 @@
+"""Communication buffers of the memory model, exactly, on a tiny GPT (fp32, dp=2)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from autoplan import trace
+from autoplan.cost import estimate, summarize
+from autoplan.cost.constants import load_constants
+from autoplan.hardware import load_cluster
+from autoplan.models import GPT, GPTConfig
+from autoplan.strategy import Strategy
+
+
+@functools.lru_cache(maxsize=None)
+def _graph():
+    return trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)), seq_len=16)
+
+
+def _buffers(zero: int) -> float:
+    cluster = load_cluster("a100-sxm4-80gb")
+    s = Strategy(dp=8, micro_batch=1, global_batch=8, zero=zero, precision="fp32")
+    return estimate(_graph(), cluster, s, calibration=None).stages[0].memory.buffers_bytes
+
+
+def test_zero2_and_zero3_hold_unsharded_gradients_of_the_largest_layer():
+    k = load_constants()
+    largest = max(l.params for l in summarize(_graph()).layers)
+    grads = largest * k.memory.zero3_unsharded_grad_layers * k.model_states.fp32_grad_bytes
+    gathered = largest * k.memory.zero3_gathered_layers * k.model_states.fp32_param_bytes
+    assert _buffers(2) == pytest.approx(grads, rel=1e-12)
+    assert _buffers(3) == pytest.approx(grads + gathered, rel=1e-12)
+
+
+def test_zero0_and_zero1_hold_gradient_buckets_only():
+    k = load_constants()
+    params = sum(l.params for l in summarize(_graph()).layers)
+    bucket = min(k.memory.grad_bucket_bytes * k.memory.grad_buckets_in_flight,
+                 params * k.model_states.fp32_grad_bytes)
+    assert _buffers(0) == pytest.approx(bucket, rel=1e-12)
+    assert _buffers(1) == pytest.approx(bucket, rel=1e-12)
