@@ -766,7 +766,7 @@ def report(df: pd.DataFrame, out=print, verbose: bool = False, specs=None,
         out("worst rows held out: " + ", ".join(f"{r.run_id} {r.held_out:+.1%}"
                                                for r in worst.itertuples()))
     out(f"every layout fits in predicted memory: {stats['all_fit']}")
-    worst = df.reindex(df["error"].abs().sort_values(ascending=False).index).head(5)
+    worst = fitted.reindex(fitted["error"].abs().sort_values(ascending=False).index).head(5)
     out("worst rows in-sample: " + ", ".join(f"{r.run_id} {r.error:+.1%}" for r in worst.itertuples()))
     return stats
 
