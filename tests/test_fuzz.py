@@ -7,7 +7,6 @@ A few hundred cases here; ``python benchmarks/fuzz.py`` runs thousands.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,18 +19,6 @@ from autoplan.hardware.profiles import find_profile_file
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                          HealthCheck.function_scoped_fixture])
 PROFILE_TEXT = find_profile_file("a100-sxm4-80gb").read_text()
-
-
-@pytest.fixture(scope="module")
-def plan_file(tmp_path_factory) -> Path:
-    import autoplan
-    from autoplan.models import GPT, GPTConfig
-    graph = autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)),
-                           seq_len=16)
-    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=8)
-    path = tmp_path_factory.mktemp("fuzz") / "plan.json"
-    path.write_text(plan.to_json())
-    return path
 
 
 @settings(max_examples=200, **SETTINGS)
@@ -50,12 +37,12 @@ def test_corrupted_profiles_load_or_say_why(tmp_path_factory, data):
         assert str(path) in message or "'a100-sxm4-80gb'" in message, message
 
 
-def test_fuzz_plan_corruptions(plan_file, tmp_path):
+def test_fuzz_plan_corruptions(small_plan_file, tmp_path):
     import json
 
     from hypothesis import given as given_
 
-    doc = json.loads(plan_file.read_text())
+    doc = json.loads(small_plan_file.read_text())
 
     @settings(max_examples=100, **SETTINGS)
     @given_(data=fc.corrupted_json_values(doc))
