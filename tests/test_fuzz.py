@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import fuzz_cases as fc
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, ConfigError, ProfileError
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -58,3 +58,48 @@ def test_fuzz_plan_corruptions(small_plan_file, tmp_path):
 @given(argv=fc.command_lines())
 def test_command_lines_exit_cleanly_and_repeat(argv):
     assert fc.check_case(argv) is None
+
+
+# ---------------------------------------------------------------------- found by fuzzing
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(profile="a100-sxm4-80gb", nodes=1, site=None), "site"),
+    (dict(profile="a100-sxm4-80gb", nodes=1, site=3), "site"),
+    (dict(profile="a100-sxm4-80gb", nodes=True), "nodes"),
+    (dict(profile=3, nodes=1), "profile"),
+    (dict(profile=None, nodes=1), "profile"),
+])
+def test_a_node_group_of_the_wrong_types_is_a_profile_error(kwargs, field):
+    from autoplan.hardware import NodeGroup
+    with pytest.raises(ProfileError) as err:       # was AttributeError / TypeError
+        NodeGroup(**kwargs)
+    assert err.value.path == field
+
+
+@pytest.mark.parametrize("sites", [("", "west"), (None, "west"), ("east",)])
+def test_a_site_link_without_two_site_names_is_a_profile_error(sites):
+    from autoplan.hardware import SiteLink
+    from autoplan.hardware.profiles import COLLECTIVE_OPS, CollectiveEfficiency
+    efficiency = CollectiveEfficiency(**dict.fromkeys(COLLECTIVE_OPS, 0.8), source="x")
+    with pytest.raises(ProfileError, match="expected two site names"):   # was AttributeError
+        SiteLink(sites=sites, bw_bytes_per_s=1e9, latency_s=0.0,
+                 collective_efficiency=efficiency, source="x")
+
+
+def test_a_cluster_name_that_is_no_string_is_refused():
+    import autoplan
+    from autoplan.hardware import NodeGroup
+    with pytest.raises(ConfigError, match="name must be a string, got 7"):
+        autoplan.compose_cluster([NodeGroup("a100-sxm4-80gb", 1)], name=7)   # did not round-trip
+
+
+@pytest.mark.parametrize("group,expect", [
+    ("two-sites", "'two-sites' is a composite profile"),
+    ("a100-sxm4-8gb", "unknown profile 'a100-sxm4-8gb'"),
+])
+def test_a_composite_file_whose_group_fails_is_named(tmp_path, group, expect):
+    path = tmp_path / "mine.yaml"
+    path.write_text(f"kind: composite\nname: mine\ndescription: one group\n"
+                    f"groups:\n  - {{profile: {group}, nodes: 1, site: east}}\n")
+    with pytest.raises(ProfileError) as err:
+        load_cluster(path)
+    assert str(err.value).startswith(f"{path}: ") and expect in str(err.value)
