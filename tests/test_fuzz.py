@@ -103,3 +103,9 @@ def test_a_composite_file_whose_group_fails_is_named(tmp_path, group, expect):
     with pytest.raises(ProfileError) as err:
         load_cluster(path)
     assert str(err.value).startswith(f"{path}: ") and expect in str(err.value)
+
+
+def test_an_hf_config_the_model_code_refuses_is_a_config_error():
+    from autoplan.zoo import build_model
+    with pytest.raises(ConfigError, match="embed_dim` must be divisible by num_heads"):
+        build_model("hf:gpt2", dict(n_embd=20, n_head=3, n_layer=1))     # was a raw ValueError
