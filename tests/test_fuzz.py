@@ -7,12 +7,15 @@ A few hundred cases here; ``python benchmarks/fuzz.py`` runs thousands.
 
 from __future__ import annotations
 
+import logging
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
+from torch import nn
 
 import fuzz_cases as fc
-from autoplan.errors import AutoplanError, ConfigError, ProfileError
+from autoplan.errors import AutoplanError, ConfigError, ProfileError, TraceError
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -109,3 +112,25 @@ def test_an_hf_config_the_model_code_refuses_is_a_config_error():
     from autoplan.zoo import build_model
     with pytest.raises(ConfigError, match="embed_dim` must be divisible by num_heads"):
         build_model("hf:gpt2", dict(n_embd=20, n_head=3, n_layer=1))     # was a raw ValueError
+
+
+class _MisfitStack(nn.Module):
+    """The second Linear expects 5 features, the first gives 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_model_whose_shapes_do_not_fit_says_so_without_torch_logs(caplog):
+    import autoplan
+    with caplog.at_level(logging.ERROR), pytest.raises(TraceError) as err:
+        autoplan.trace(_MisfitStack(), example_inputs=torch.randn(2, 4))
+    message = str(err.value)
+    assert "same reduction dim" in message and "in module: b (Linear)" in message
+    assert "two shapes there do not fit together" in message and "traceable" not in message
+    # torch logged the fake-tensor failure, with its traceback, at ERROR level
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
