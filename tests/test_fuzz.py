@@ -7,7 +7,9 @@ A few hundred cases here; ``python benchmarks/fuzz.py`` runs thousands.
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import fuzz_cases as fc
-from autoplan.errors import AutoplanError, ConfigError, ProfileError, TraceError
+from autoplan.errors import AutoplanError, CheckpointError, ConfigError, ProfileError, TraceError
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -134,3 +136,32 @@ def test_a_model_whose_shapes_do_not_fit_says_so_without_torch_logs(caplog):
     assert "two shapes there do not fit together" in message and "traceable" not in message
     # torch logged the fake-tensor failure, with its traceback, at ERROR level
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+def _manifest_step_dir(root: Path, manifest: dict) -> Path:
+    step = root / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"x")
+    (step / "manifest.json").write_text(json.dumps({"version": 1, **manifest}))
+    return step
+
+
+@pytest.mark.parametrize("manifest,expect", [
+    (dict(step=3, files={".metadata": "x"}), "files['.metadata'] is 'x'"),
+    (dict(step=3, files={".metadata": {"size_bytes": 1}}), "files['.metadata']"),
+    (dict(step=3, files={".metadata": None}), "files['.metadata'] is None"),
+    (dict(step="three", files={".metadata": {"size_bytes": 1, "sha256": "0"}}), "step 'three'"),
+    (dict(step=3, files={".metadata": {"size_bytes": 1, "sha256": "0"},
+                         "../../outside": {"size_bytes": 1, "sha256": "0"}}),
+     "outside the checkpoint directory"),
+])
+def test_a_malformed_manifest_is_a_checkpoint_error(tmp_path, manifest, expect):
+    """Was a TypeError / KeyError / ValueError out of verify() and latest_good(), or (a
+    path outside the checkpoint) a file elsewhere read and hashed."""
+    from autoplan.elastic import latest_good, verify
+    step = _manifest_step_dir(tmp_path, manifest)
+    with pytest.raises(CheckpointError, match="malformed") as err:
+        verify(step)
+    assert expect in str(err.value) and str(step) in str(err.value)
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert latest_good(tmp_path) is None
