@@ -30,6 +30,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import traceback
 import warnings
@@ -177,6 +178,11 @@ class Failure:
     __repr__ = __str__
 
 
+def _blockless(f: Failure) -> bool:
+    return f.kind == WRONG and ("cannot be split over any data-parallel degree" in f.detail
+                                or "fewer than the 1 pipeline" in f.detail)
+
+
 def _unverified_load(f: Failure) -> bool:
     return (f.kind == TRACEBACK and f.detail.startswith("load step")
             and "in load_checkpoint" in f.detail)
@@ -191,6 +197,11 @@ KNOWN_BUGS: dict[str, Callable[[Failure], bool]] = {
     "CheckpointException (a BaseException: runtime/checkpoint.py's `except Exception` misses "
     "it), or json's JSONDecodeError for a corrupt autoplan.json, instead of a CheckpointError":
         _unverified_load,
+    "A model without a repeated block (a 2-layer MLP, one block, T5 with under 3 layers a "
+    "stack) captures as one 'pre' layer and then neither plans (search._combos skips pp=1 > 0 "
+    "blocks; the ConfigError blames a global batch that dp=1 divides) nor estimates "
+    "(Plan.from_strategy: 'has 0 blocks, fewer than the 1 pipeline stages; lower pp')":
+        _blockless,
 }
 
 
@@ -226,7 +237,6 @@ def run_cli(argv: list[str]) -> Outcome:
 
 def _timing_free(text: str) -> str:
     """Output with the seconds a step took removed (they differ run to run)."""
-    import re
     return re.sub(r"\d+(\.\d+)? s\b|in \d+(\.\d+)? s", "<t>", text)
 
 
@@ -332,6 +342,22 @@ def memory_problem(plan, cluster) -> str | None:
         return (f"predicted peak {est.peak_memory_bytes / 2**30:.3f} GiB exceeds every device's "
                 f"share of memory ({max(cap_of.values()) / 2**30:.3f} GiB), yet it fits")
     return None
+
+
+_SPLIT = re.compile(r"global_batch=(\d+) cannot be split over any data-parallel degree the "
+                    r"cluster allows \(\[([\d, ]*)\]\)")
+
+
+def _check_advice(record: list) -> None:
+    """Refuse an error (the last in ``record``) whose advice cannot be followed."""
+    what, message = record[-1]
+    split = _SPLIT.search(message)
+    if split and any(int(split.group(1)) % int(d) == 0 for d in split.group(2).split(",")
+                     if d.strip()):
+        raise _Broken(WRONG, f"{what} blames the global batch, which a degree it lists "
+                             f"divides: {message}")
+    if "fewer than the 1 pipeline" in message:
+        raise _Broken(WRONG, f"{what} asks for fewer than one pipeline stage: {message}")
 
 
 def _check_memory(plan, cluster) -> None:
@@ -462,6 +488,7 @@ def _estimate_record(record: list, graph, cluster, kwargs: tuple,
     est = attempt(record, "estimate", lambda: autoplan.estimate(
         graph, cluster, strategy, memory_fraction=memory_fraction))
     if est is None:
+        _check_advice(record)
         return
     if est.fits:
         plan = attempt(record, "Plan.from_strategy",
@@ -706,7 +733,9 @@ def _run_model_case(case: ModelCase) -> list:
     plan = attempt(record, "plan", lambda: autoplan.plan(
         graph, cluster, global_batch=case.global_batch, memory_fraction=case.memory_fraction,
         time_limit_s=PLAN_TIME_LIMIT_S))
-    if plan is not None:
+    if plan is None:
+        _check_advice(record)
+    else:
         _check_memory(plan, cluster)
         for alt in getattr(plan, "runners_up", ()):
             _check_memory(alt, cluster)

@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fuzz_cases as fc
-from autoplan.errors import AutoplanError, CheckpointError, ConfigError, ProfileError, TraceError
+from autoplan.errors import (AutoplanError, CheckpointError, ConfigError, ProfileError,
+                             StrategyError, TraceError)
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -266,3 +267,28 @@ def test_load_checkpoint_with_corrupt_dcp_metadata_is_a_checkpoint_error(one_ten
     (one_tensor_checkpoint / ".metadata").write_bytes(b"\x80\x04K\x01.")
     with pytest.raises(CheckpointError, match="cannot load"):
         load_checkpoint(_State(), one_tensor_checkpoint)
+
+
+def _two_layer_mlp_graph():
+    import autoplan
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))   # no repeated block
+    return autoplan.trace(model, example_inputs=torch.randn(2, 4))
+
+
+@pytest.mark.xfail(strict=True, raises=ConfigError,
+                   reason="fuzz_cases.KNOWN_BUGS: search._combos skips pp=1 for a model of "
+                          "0 blocks and blames the global batch")
+def test_a_model_without_repeated_blocks_plans():
+    import autoplan
+    plan = autoplan.plan(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"), global_batch=8)
+    assert plan.estimate.fits
+
+
+@pytest.mark.xfail(strict=True, raises=StrategyError,
+                   reason="fuzz_cases.KNOWN_BUGS: Plan.from_strategy wants a block per stage, "
+                          "even for pp=1")
+def test_a_model_without_repeated_blocks_estimates():
+    import autoplan
+    est = autoplan.estimate(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"),
+                            autoplan.Strategy(dp=8, global_batch=8))
+    assert est.fits
