@@ -292,3 +292,12 @@ def test_a_model_without_repeated_blocks_estimates():
     est = autoplan.estimate(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"),
                             autoplan.Strategy(dp=8, global_batch=8))
     assert est.fits
+
+
+def test_a_plan_file_with_mesh_ep_0_is_one_line(small_plan_file, tmp_path):
+    doc = json.loads(small_plan_file.read_text())
+    doc["mesh"]["ep"] = 0                              # was a ZeroDivisionError in ep_problem
+    bad = fc.write(tmp_path / "plan.json", json.dumps(doc).encode())
+    out = fc.run_cli(["report", "--plan", str(bad), "--cluster", "a100-sxm4-80gb"])
+    assert out.traceback is None and out.code == 2, out
+    assert "Plan.mesh: mesh ep=0 must be a positive integer" in out.stderr
