@@ -45,6 +45,7 @@ from torch import nn
 import autoplan
 from autoplan.cli import main
 from autoplan.errors import AutoplanError
+from autoplan.hardware.profiles import COLLECTIVE_OPS
 
 #: A model small enough to capture in well under a second.
 TINY_GPT = ["gpt", "--seq-len", "16", "--model-arg", "vocab_size=64", "--model-arg", "seq_len=16",
@@ -178,9 +179,12 @@ class Failure:
     __repr__ = __str__
 
 
+def _no_combination(f: Failure) -> bool:
+    return f.kind == WRONG and "cannot be split over any data-parallel degree" in f.detail
+
+
 def _blockless(f: Failure) -> bool:
-    return f.kind == WRONG and ("cannot be split over any data-parallel degree" in f.detail
-                                or "fewer than the 1 pipeline" in f.detail)
+    return f.kind == WRONG and "fewer than the 1 pipeline" in f.detail
 
 
 def _unverified_load(f: Failure) -> bool:
@@ -197,10 +201,14 @@ KNOWN_BUGS: dict[str, Callable[[Failure], bool]] = {
     "CheckpointException (a BaseException: runtime/checkpoint.py's `except Exception` misses "
     "it), or json's JSONDecodeError for a corrupt autoplan.json, instead of a CheckpointError":
         _unverified_load,
-    "A model without a repeated block (a 2-layer MLP, one block, T5 with under 3 layers a "
-    "stack) captures as one 'pre' layer and then neither plans (search._combos skips pp=1 > 0 "
-    "blocks; the ConfigError blames a global batch that dp=1 divides) nor estimates "
-    "(Plan.from_strategy: 'has 0 blocks, fewer than the 1 pipeline stages; lower pp')":
+    "search: when no degree combination exists, the ConfigError blames the global batch "
+    "('cannot be split over any data-parallel degree the cluster allows [1, 2, 4, 8]') even "
+    "when a listed degree divides it; what binds is tp x pp: pp above the block count (pp=1 "
+    "for a model of 0 blocks, which search._combos skips) or tp above the layers' limit":
+        _no_combination,
+    "A model without a repeated block (a 2-layer MLP, one block, T5 with fewer than 3 layers "
+    "a stack) captures as one 'pre' layer and no Strategy estimates: Plan.from_strategy says "
+    "'the model has 0 blocks, fewer than the 1 pipeline (virtual) stages; lower pp'":
         _blockless,
 }
 
@@ -309,7 +317,9 @@ def twice(case: str, run: Callable[[], list]) -> Failure | None:
             records.append(run())
         except _Broken as broken:
             return Failure(broken.kind, case, str(broken))
-        except Exception:  # noqa: BLE001 - raised outside attempt(): by a result's own methods
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - raised outside attempt(): by a result's methods
             return Failure(TRACEBACK, case, traceback.format_exc())
     if records[0] != records[1]:
         diff = next((f"{a!r:.300}\n  then\n{b!r:.300}" for a, b in zip(*records) if a != b),
@@ -370,7 +380,6 @@ def _check_memory(plan, cluster) -> None:
 NODE_PROFILES = ("a100-sxm4-80gb", "a100-sxm4-40gb", "h100-sxm5-80gb", "h200-sxm-141gb",
                  "v100-sxm2-32gb")
 COMPOSITE_PROFILES = ("mixed-a100-v100", "two-sites")
-_EFFICIENCY_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
 
 
 def site_link(a: str, b: str, bw_gbps: float = 100.0, latency_ms: float = 10.0,
@@ -378,10 +387,11 @@ def site_link(a: str, b: str, bw_gbps: float = 100.0, latency_ms: float = 10.0,
     """A link between sites ``a`` and ``b`` (figures in the YAML's units)."""
     from autoplan.hardware import SiteLink
     from autoplan.hardware.profiles import CollectiveEfficiency
+
     def si(value: Any, scale: float) -> Any:       # a figure that is no number stays as it is
         return value * scale if isinstance(value, (int, float)) else value
 
-    eff = CollectiveEfficiency(**{op: efficiency for op in _EFFICIENCY_OPS}, source="fuzz")
+    eff = CollectiveEfficiency(**dict.fromkeys(COLLECTIVE_OPS, efficiency), source="fuzz")
     return SiteLink(sites=(a, b), bw_bytes_per_s=si(bw_gbps, 1e9 / 8), latency_s=si(latency_ms, 1e-3),
                     collective_efficiency=eff, source="fuzz")
 
@@ -501,25 +511,38 @@ def _estimate_record(record: list, graph, cluster, kwargs: tuple,
     record.append(("estimate", est.to_json()))
 
 
-#: Tiny models the strategy and cluster cases estimate on (traced once per process).
+#: Models the strategy, cluster and memory-bound cases run on, built on the meta device and
+#: traced once per process: ``name -> (spec, config overrides, seq_len)``.  The tiny ones
+#: trace in a second or two; the mid-size ones (0.1-0.3 B parameters) hold gigabytes of
+#: state, so a small ``memory_fraction`` makes memory bind.
+MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "gpt": ("gpt", dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4), 16),
+    "mixtral": ("hf:mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                   num_local_experts=4, num_experts_per_tok=2), 16),
+    "gpt2-mid": ("hf:gpt2", dict(n_embd=2048, n_layer=3, n_head=16, vocab_size=32000,
+                                 n_positions=512, bos_token_id=0, eos_token_id=0), 512),
+    "llama-mid": ("hf:llama", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=2,
+                                   vocab_size=32000), 1024),
+    "mixtral-mid": ("hf:mixtral", dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=2,
+                                       vocab_size=32000, num_local_experts=8,
+                                       num_experts_per_tok=2), 512),
+}
 TINY_MODELS = ("gpt", "mixtral")
-_TINY_GRAPHS: dict[str, Any] = {}
+MID_MODELS = ("gpt2-mid", "llama-mid", "mixtral-mid")
+_GRAPHS: dict[str, Any] = {}
 
 
 def tiny_graph(name: str):
-    """The traced graph of a tiny GPT (``"gpt"``) or a tiny 4-expert Mixtral (``"mixtral"``)."""
-    if name not in _TINY_GRAPHS:
+    """The traced graph of :data:`MODELS` ``[name]`` (cached)."""
+    if name not in _GRAPHS:
         from autoplan.zoo import build_model
-        if name == "gpt":
-            spec, args = "gpt", dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4)
-        else:
-            spec, args = "hf:mixtral", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                            num_attention_heads=4, num_key_value_heads=2,
-                                            vocab_size=64, num_local_experts=4,
-                                            num_experts_per_tok=2)
-        model, _ = build_model(spec, args)
-        _TINY_GRAPHS[name] = autoplan.trace(model, seq_len=16)
-    return _TINY_GRAPHS[name]
+        spec, args, seq = MODELS[name]
+        model, _ = build_model(spec, dict(args))
+        _GRAPHS[name] = autoplan.trace(model, seq_len=seq)
+    return _GRAPHS[name]
 
 
 #: Clusters the strategy cases run on (small, so the degrees often match the world).
@@ -548,6 +571,47 @@ def check_strategy_case(case: tuple[str, tuple, tuple]) -> Failure | None:
         return record
 
     return twice(f"Strategy(**{dict(kwargs)}) on {model} / {spec}", run)
+
+
+@st.composite
+def memory_bound_cases(draw, models: tuple[str, ...] = MID_MODELS) -> tuple:
+    """``(model, cluster spec, global batch, memory_fraction, Strategy keywords)`` where the
+    memory fraction (1-30 % of each device) makes a mid-size model's memory bind."""
+    model = draw(st.sampled_from(models))
+    spec = draw(cluster_choices())
+    return (model, spec, draw(st.sampled_from((1, 4, 8, 16, 32, 64, 128))),
+            draw(st.sampled_from((0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2, 0.3))),
+            draw(strategy_kwargs(make_cluster(spec).num_devices)))
+
+
+def check_memory_bound_case(case: tuple) -> Failure | None:
+    """Plan a mid-size model where memory binds, and estimate a strategy for it: every
+    plan, runner-up and estimate that fits stays within ``memory_fraction`` of its devices'
+    memory, and re-estimating the plan gives its estimate; the same twice."""
+    from autoplan.cost import estimate_plan
+    model, spec, global_batch, fraction, kwargs = case
+
+    def run() -> list:
+        record: list = []
+        graph, cluster = tiny_graph(model), make_cluster(spec)
+        plan = attempt(record, "plan", lambda: autoplan.plan(
+            graph, cluster, global_batch=global_batch, memory_fraction=fraction,
+            time_limit_s=PLAN_TIME_LIMIT_S))
+        if plan is None:
+            _check_advice(record)
+        else:
+            for p in (plan, *getattr(plan, "runners_up", ())):
+                _check_memory(p, cluster)
+            again = estimate_plan(graph, cluster, plan, memory_fraction=fraction)
+            if (again.fits, again.peak_memory_bytes) != (plan.estimate.fits,
+                                                         plan.estimate.peak_memory_bytes):
+                raise _Broken(WRONG, f"{plan.summary()}\nre-estimated: {again.summary()}")
+            record.append(("plan", plan.to_json()))
+        _estimate_record(record, graph, cluster, kwargs, fraction)
+        return record
+
+    return twice(f"{model} on {spec}, global batch {global_batch}, memory_fraction {fraction}, "
+                 f"Strategy(**{dict(kwargs)})", run)
 
 
 # ---------------------------------------------------------------------- model shapes
@@ -823,7 +887,7 @@ def cluster_yaml(case: ClusterCase) -> str:
         "kind": "composite", "name": case.name, "description": "a fuzz case",
         "groups": [{"profile": p, "nodes": n, "site": s} for p, n, s in case.groups],
         "site_links": [{"sites": [a, b], "bw_Gbps": bw, "latency_ms": lat, "source": "fuzz",
-                        "collective_efficiency": {**{op: eff for op in _EFFICIENCY_OPS},
+                        "collective_efficiency": {**dict.fromkeys(COLLECTIVE_OPS, eff),
                                                   "source": "fuzz"}}
                        for a, b, bw, lat, eff in case.links]}
     for kind, seed in case.edits:
