@@ -187,20 +187,11 @@ def _blockless(f: Failure) -> bool:
     return f.kind == WRONG and "fewer than the 1 pipeline" in f.detail
 
 
-def _unverified_load(f: Failure) -> bool:
-    return (f.kind == TRACEBACK and f.detail.startswith("load step")
-            and "in load_checkpoint" in f.detail)
-
-
 #: Failures this fuzzing found in code that others are changing now (``autoplan/runtime``),
 #: reported and left to them: name -> how to recognise one.  Each is reproduced by a strict
 #: xfail test in ``tests/test_fuzz.py``; the CI tests let them pass, ``benchmarks/fuzz.py``
 #: counts them apart.  Delete the entry (and the xfail) when the fix lands.
 KNOWN_BUGS: dict[str, Callable[[Failure], bool]] = {
-    "ParallelModel.load of a corrupt checkpoint that was not verified raises DCP's "
-    "CheckpointException (a BaseException: runtime/checkpoint.py's `except Exception` misses "
-    "it), or json's JSONDecodeError for a corrupt autoplan.json, instead of a CheckpointError":
-        _unverified_load,
     "search: when no degree combination exists, the ConfigError blames the global batch "
     "('cannot be split over any data-parallel degree the cluster allows [1, 2, 4, 8]') even "
     "when a listed degree divides it; what binds is tp x pp: pp above the block count (pp=1 "

@@ -24,7 +24,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 import fuzz_cases as fc
 from autoplan.errors import (AutoplanError, CheckpointError, ConfigError, ProfileError,
@@ -256,9 +255,6 @@ def one_tensor_checkpoint(tmp_path) -> Path:
 
 
 @ONE_PROCESS
-@pytest.mark.xfail(strict=True, raises=json.JSONDecodeError,
-                   reason="fuzz_cases.KNOWN_BUGS: runtime/checkpoint.load_checkpoint reads "
-                          "autoplan.json unguarded")
 def test_load_checkpoint_with_a_corrupt_autoplan_json_is_a_checkpoint_error(one_tensor_checkpoint):
     from autoplan.runtime.checkpoint import load_checkpoint
     (one_tensor_checkpoint / "autoplan.json").write_text('{"steps": ')
@@ -267,9 +263,6 @@ def test_load_checkpoint_with_a_corrupt_autoplan_json_is_a_checkpoint_error(one_
 
 
 @ONE_PROCESS
-@pytest.mark.xfail(strict=True, raises=CheckpointException,
-                   reason="fuzz_cases.KNOWN_BUGS: DCP's CheckpointException is a BaseException, "
-                          "which load_checkpoint's `except Exception` lets through")
 def test_load_checkpoint_with_corrupt_dcp_metadata_is_a_checkpoint_error(one_tensor_checkpoint):
     from autoplan.runtime.checkpoint import load_checkpoint
     (one_tensor_checkpoint / ".metadata").write_bytes(b"\x80\x04K\x01.")
