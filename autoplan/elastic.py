@@ -159,7 +159,15 @@ def verify(path: str | os.PathLike[str]) -> None:
         files = manifest["files"]
         if manifest.get("version") != MANIFEST_VERSION or not isinstance(files, dict):
             raise ValueError(f"version {manifest.get('version')!r}, expected {MANIFEST_VERSION}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        if not _is_count(manifest.get("step")):
+            raise ValueError(f"step {manifest.get('step')!r} is not a step number")
+        for rel, want in files.items():
+            if not (isinstance(want, dict) and _is_count(want.get("size_bytes"))
+                    and isinstance(want.get("sha256"), str)):
+                raise ValueError(f"files[{rel!r}] is {want!r}, not {{sha256, size_bytes}}")
+            if os.path.isabs(rel) or os.path.normpath(rel).split(os.sep)[0] in ("..", ""):
+                raise ValueError(f"files[{rel!r}] is outside the checkpoint directory")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{manifest_path} is unreadable or malformed ({e}): "
                               "the checkpoint cannot be trusted") from None
     if ".metadata" not in files:
@@ -174,6 +182,11 @@ def verify(path: str | os.PathLike[str]) -> None:
                                   f"says {want['size_bytes']}")
         if _sha256(full) != want["sha256"]:
             raise CheckpointError(f"{full} is corrupt: its sha256 differs from the manifest's")
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int (not a bool): a step number or a size in bytes."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _manifest_step(path: str) -> int:

@@ -116,6 +116,8 @@ class MeshPlan(Record):
                                 "are mapped; the product of the degrees must equal the devices")
         if len(set(self.devices)) != len(self.devices):
             raise StrategyError("a device appears twice in the mesh's rank -> device map")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise StrategyError(f"mesh ep={self.ep!r} must be a positive integer")
         problem = ep_problem(self.ep, self.degree("dp"), self.degree("cp"))
         if problem:
             raise StrategyError(problem)

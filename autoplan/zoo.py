@@ -284,11 +284,17 @@ def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtyp
         head = "seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"
     auto = {"causal": tf.AutoModelForCausalLM, "masked": tf.AutoModelForMaskedLM,
             "seq2seq": tf.AutoModelForSeq2SeqLM}[head]
+    # a model type without this head (BERT has no seq2seq head) is built bare
+    bare = type(config) not in getattr(auto, "_model_mapping", {type(config): None})
+    cls = tf.AutoModel if bare else auto
     with torch.device(device):
         try:
-            model = auto.from_config(config)
-        except ValueError:
-            model = tf.AutoModel.from_config(config)
+            model = cls.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - a config the model code refuses, as one line
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise ConfigError(f"cannot build a {model_type} model from this config "
+                              f"({type(exc).__name__}: {reason[:300]}); check the --model-arg "
+                              "values") from None
     return model.to(dtype)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +32,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
+
+
+@pytest.fixture(scope="session")
+def small_plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A plan of a small GPT for one a100-sxm4-80gb node, written as ``plan --out`` would
+    (shared by the CLI tests and the plan-file fuzzing)."""
+    import autoplan
+    from autoplan.models import GPT, GPTConfig
+    graph = autoplan.trace(GPT(GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4)),
+                           seq_len=64)
+    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=16)
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    path.write_text(plan.to_json())
+    return path

@@ -131,19 +131,6 @@ def test_debug_shows_the_traceback():
 
 
 # ------------------------------------------------------------ no traceback reaches a user
-@pytest.fixture(scope="module")
-def small_plan_file(tmp_path_factory) -> Path:
-    """A plan of the small GPT for one a100-sxm4-80gb node, written as `plan --out` would."""
-    import autoplan
-    from autoplan.models import GPT, GPTConfig
-    graph = autoplan.trace(GPT(GPTConfig(vocab_size=256, seq_len=64, hidden=64, heads=4, layers=4)),
-                           seq_len=64)
-    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=16)
-    path = tmp_path_factory.mktemp("plans") / "plan.json"
-    path.write_text(plan.to_json())
-    return path
-
-
 def _one_line_error(out: subprocess.CompletedProcess, command: str) -> str:
     assert "Traceback" not in out.stderr, out.stderr
     lines = out.stderr.strip().splitlines()

@@ -11,6 +11,7 @@ fail, the :class:`~autoplan.errors.TraceError` names the module being run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from typing import Any
@@ -153,14 +154,18 @@ def _capture_fx(wrapper: nn.Module, args: tuple, kwargs: dict, method: str) -> t
     if method in ("auto", "export"):
         stack, handles = _module_tracker(wrapper)
         try:
-            return _export(wrapper, args, kwargs), "torch.export"
+            with _quiet_fake_tensor_log():
+                return _export(wrapper, args, kwargs), "torch.export"
         except Exception as exc:  # noqa: BLE001 - turned into a TraceError below
             where = _strip(stack[-1]) if stack else None
             errors.append(("torch.export", exc, where, _user_frame(exc.__traceback__)))
         finally:
             for h in handles:
                 h.remove()
-    if method in ("auto", "symbolic_trace") and not kwargs:
+    # a shape error: the model does not run on these inputs, traced or not (symbolic_trace
+    # checks no shapes, so it would pass and the measurement fail with a raw torch error)
+    shape_error = bool(errors) and _is_shape_error(errors[0][1])
+    if method in ("auto", "symbolic_trace") and not kwargs and not shape_error:
         try:
             return _symbolic(wrapper, len(args)), "torch.fx.symbolic_trace"
         except Exception as exc:  # noqa: BLE001
@@ -173,10 +178,42 @@ def _capture_fx(wrapper: nn.Module, args: tuple, kwargs: dict, method: str) -> t
         msg.append(f"  in module: {where or '<root>'} ({type(wrapper.model.get_submodule(where)).__name__ if where else ''})")
     if line:
         msg.append(f"  at: {line}")
-    msg.append("  what to do: make that code traceable (no data-dependent Python control flow, "
-               "no .item()/.tolist() on tensors), or move it into a function wrapped with "
-               "torch.fx.wrap / a custom op so tracing treats it as one leaf operation")
+    if _is_shape_error(exc):
+        msg.append("  what to do: the model does not run on these inputs: two shapes there do not "
+                   "fit together; check its configuration (a hidden size that the heads, or heads "
+                   "that the key/value heads, do not divide; an odd head size) and the inputs' shape")
+    else:
+        msg.append("  what to do: make that code traceable (no data-dependent Python control flow, "
+                   "no .item()/.tolist() on tensors), or move it into a function wrapped with "
+                   "torch.fx.wrap / a custom op so tracing treats it as one leaf operation")
     raise TraceError("\n".join(msg), module_path=where, source_line=line) from None
+
+
+#: Words of torch's errors for operands whose shapes do not fit (a model that would fail
+#: the same way run eagerly), as opposed to code that cannot be traced.
+_SHAPE_WORDS = ("shapes cannot be multiplied", "same reduction dim", "attempting to broadcast",
+                "must match the size of tensor", "size mismatch", "invalid for input of size",
+                "expected input with shape", "expected size", "is invalid for input",
+                "channels, but got")
+
+
+def _is_shape_error(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "data-dependent" not in text and any(w in text for w in _SHAPE_WORDS)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch logs a traceback at ERROR level when an operator fails on fake tensors during
+    export; that failure becomes a TraceError here, so the log line is only noise."""
+    import logging
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fix_device(x: Any) -> Any:

@@ -69,6 +69,7 @@ from .profiles import (
     NodeSpec,
     Profile,
     SiteLink,
+    find_profile_file,
     load_profile,
 )
 
@@ -148,6 +149,8 @@ class Cluster(Record):
     site_links: tuple[SiteLink, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise ConfigError(f"a cluster's name must be a string, got {self.name!r}")
         if not self.nodes:
             raise ConfigError("a cluster needs at least one node")
         for name, profile in self.profiles.items():
@@ -607,7 +610,9 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None)
     UnknownProfileError
         For an unknown name (lists the available profiles).
     ProfileError
-        For a malformed profile file.
+        For a malformed profile file, or a composite one whose groups or site links
+        do not make a cluster (an unknown or composite profile in a group, a missing
+        link); the message names the file.
     ConfigError
         For a bad node count.
     """
@@ -620,5 +625,9 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None)
                 f"profile {profile.name!r} is a composite of {profile.total_nodes} nodes "
                 f"({', '.join(f'{g.nodes}x {g.profile_name} at {g.site}' for g in profile.groups)}); "
                 f"got nodes={nodes}. Use compose_cluster() for other sizes")
-        return compose_cluster(profile.groups, profile.site_links, name=profile.name)
+        try:
+            return compose_cluster(profile.groups, profile.site_links, name=profile.name)
+        except (ProfileError, ConfigError) as exc:   # name the file whose groups or links fail
+            kind = type(exc) if isinstance(exc, ProfileError) else ProfileError
+            raise kind(str(exc), file=str(find_profile_file(name_or_path))) from None
     return compose_cluster([NodeGroup(profile, nodes or 1)], name=profile.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -96,6 +97,11 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise exc
 
 
+def _text(value: object) -> bool:
+    """A non-empty string (a name, a site, a source)."""
+    return isinstance(value, str) and bool(value.strip())
+
+
 def _finite_positive(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -143,7 +149,7 @@ class EfficiencyTable(Record):
                 _require(flops > self.points[i - 1][0], f"points[{i}][0]",
                          f"expected FLOPs strictly increasing, got {flops!r} after "
                          f"{self.points[i - 1][0]!r}")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
 
     def efficiency(self, flops: float) -> float:
         """Efficiency at ``flops`` FLOPs per matmul: linear in log10(flops), clamped."""
@@ -196,7 +202,7 @@ class DeviceType(Record):
     architecture: str = ""
 
     def __post_init__(self) -> None:
-        _require(bool(self.name.strip()), "name", "expected a non-empty device name")
+        _require(_text(self.name), "name", "expected a non-empty device name")
         _require(bool(self.peak_flops_per_s), "peak_flops_per_s", "expected at least one dtype")
         for dtype, flops in self.peak_flops_per_s.items():
             _require(dtype in DTYPES, f"peak_flops_per_s.{dtype}",
@@ -216,7 +222,7 @@ class DeviceType(Record):
                      "matmul_efficiency",
                      f"no efficiency table for dtype {dtype!r}: add a {dtype!r} or "
                      f"{_DEFAULT_TABLE_KEY!r} table")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
         _require(self.architecture in ARCHITECTURES or self.architecture == "", "architecture",
                  f"unknown architecture {self.architecture!r}; expected one of "
                  f"{list(ARCHITECTURES)} or ''")
@@ -279,7 +285,7 @@ class CollectiveEfficiency(Record):
         for op in COLLECTIVE_OPS:
             value = getattr(self, op)
             _require(_is_fraction(value), op, f"expected an efficiency in (0, 1], got {value!r}")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
 
     def of(self, op: str) -> float:
         """The efficiency of ``op`` (one of :data:`COLLECTIVE_OPS`)."""
@@ -346,8 +352,8 @@ class NodeSpec(Record):
                  f"expected a bandwidth > 0, got {self.bw_unidir_bytes_per_s!r}")
         _require(_finite_nonnegative(self.latency_s), "latency_s",
                  f"expected a latency >= 0, got {self.latency_s!r}")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
-        _require(bool(self.latency_source.strip()), "latency_source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
+        _require(_text(self.latency_source), "latency_source", "expected a non-empty source")
         if not self.topology.is_mesh:
             _require(not self.links, "links",
                      f"links are only for mesh topologies, not {self.topology.value!r}")
@@ -424,8 +430,8 @@ class NetworkSpec(Record):
         _require(isinstance(self.oversubscription, (int, float)) and math.isfinite(self.oversubscription)
                  and self.oversubscription >= 1, "oversubscription",
                  f"expected a ratio >= 1 (1 = non-blocking), got {self.oversubscription!r}")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
-        _require(bool(self.latency_source.strip()), "latency_source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
+        _require(_text(self.latency_source), "latency_source", "expected a non-empty source")
 
     @property
     def bw_per_node_bytes_per_s(self) -> float:
@@ -453,7 +459,7 @@ class Profile(Record):
     network: NetworkSpec | None = None
 
     def __post_init__(self) -> None:
-        _require(bool(_NAME_RE.fullmatch(self.name)), "name",
+        _require(isinstance(self.name, str) and bool(_NAME_RE.fullmatch(self.name)), "name",
                  f"expected a profile name of lowercase letters, digits, '-', '_' and '.', "
                  f"got {self.name!r}")
 
@@ -472,9 +478,13 @@ class NodeGroup(Record):
     site: str = "site0"
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.nodes, int) and self.nodes >= 1, "nodes",
+        _require(isinstance(self.nodes, int) and not isinstance(self.nodes, bool) and self.nodes >= 1,
+                 "nodes",
                  f"expected a node count >= 1, got {self.nodes!r}")
-        _require(bool(self.site.strip()), "site", "expected a non-empty site name")
+        _require(_text(self.site), "site", "expected a non-empty site name")
+        _require(isinstance(self.profile, Profile) or _text(self.profile)
+                 or isinstance(self.profile, os.PathLike), "profile",
+                 f"expected a profile name, a path or a Profile, got {self.profile!r}")
 
     @property
     def profile_name(self) -> str:
@@ -495,13 +505,16 @@ class SiteLink(Record):
     source: str
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.sites, (tuple, list)) and len(self.sites) == 2
+                 and all(_text(site) for site in self.sites), "sites",
+                 f"expected two site names, got {self.sites!r}")
         _require(self.sites[0] != self.sites[1], "sites",
                  f"expected two different sites, got {list(self.sites)}")
         _require(_finite_positive(self.bw_bytes_per_s), "bw_bytes_per_s",
                  f"expected a bandwidth > 0, got {self.bw_bytes_per_s!r}")
         _require(_finite_nonnegative(self.latency_s), "latency_s",
                  f"expected a latency >= 0, got {self.latency_s!r}")
-        _require(bool(self.source.strip()), "source", "expected a non-empty source")
+        _require(_text(self.source), "source", "expected a non-empty source")
 
 
 @dataclass(frozen=True)
@@ -514,7 +527,7 @@ class CompositeProfile(Record):
     site_links: tuple[SiteLink, ...] = ()
 
     def __post_init__(self) -> None:
-        _require(bool(_NAME_RE.fullmatch(self.name)), "name",
+        _require(isinstance(self.name, str) and bool(_NAME_RE.fullmatch(self.name)), "name",
                  f"expected a profile name of lowercase letters, digits, '-', '_' and '.', "
                  f"got {self.name!r}")
         _require(bool(self.groups), "groups", "expected at least one node group")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from .agree import on_rank0
@@ -68,10 +69,28 @@ def load_checkpoint(pm: "ParallelModel", path: str | os.PathLike[str]) -> None:
     state = pm.state_dict()
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # DCP raises plain exceptions for missing keys / shapes
-        raise CheckpointError(f"cannot load {path} into this model: {e}") from e
+    except (Exception, CheckpointException) as e:
+        # DCP raises plain exceptions for missing keys / shapes, and its CheckpointException
+        # (not an Exception) for unreadable files, carrying every rank's traceback text
+        raise CheckpointError(f"cannot load {path} into this model: {_first_line(e)}; is it a "
+                              "complete checkpoint of this model? (autoplan's verified "
+                              "checkpoints are checked before loading)") from e
     pm.load_state_dict(state)
     meta = os.path.join(path, METADATA_FILE)
     if os.path.isfile(meta):
-        with open(meta) as f:
-            pm.steps = int(json.load(f).get("steps", pm.steps))
+        try:
+            with open(meta) as f:
+                pm.steps = int(json.load(f).get("steps", pm.steps))
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"cannot read {meta} (autoplan.json, the step count) in {path}: "
+                                  f"{_first_line(e)}") from e
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first meaningful line of an exception (DCP's carry whole tracebacks per rank)."""
+    for text in (str(exc), type(exc).__name__):
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith(("Traceback", "File ", "^")):
+                return line[:300]
+    return type(exc).__name__
