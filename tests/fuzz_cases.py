@@ -183,10 +183,6 @@ def _no_combination(f: Failure) -> bool:
     return f.kind == WRONG and "cannot be split over any data-parallel degree" in f.detail
 
 
-def _blockless(f: Failure) -> bool:
-    return f.kind == WRONG and "fewer than the 1 pipeline" in f.detail
-
-
 #: Failures this fuzzing found in code that others are changing now (``autoplan/runtime``),
 #: reported and left to them: name -> how to recognise one.  Each is reproduced by a strict
 #: xfail test in ``tests/test_fuzz.py``; the CI tests let them pass, ``benchmarks/fuzz.py``
@@ -197,10 +193,6 @@ KNOWN_BUGS: dict[str, Callable[[Failure], bool]] = {
     "when a listed degree divides it; what binds is tp x pp: pp above the block count (pp=1 "
     "for a model of 0 blocks, which search._combos skips) or tp above the layers' limit":
         _no_combination,
-    "A model without a repeated block (a 2-layer MLP, one block, T5 with fewer than 3 layers "
-    "a stack) captures as one 'pre' layer and no Strategy estimates: Plan.from_strategy says "
-    "'the model has 0 blocks, fewer than the 1 pipeline (virtual) stages; lower pp'":
-        _blockless,
 }
 
 

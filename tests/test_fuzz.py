@@ -276,9 +276,6 @@ def _two_layer_mlp_graph():
     return autoplan.trace(model, example_inputs=torch.randn(2, 4))
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="fuzz_cases.KNOWN_BUGS: search._combos skips pp=1 for a model of "
-                          "0 blocks and blames the global batch")
 def test_a_model_without_repeated_blocks_plans():
     import autoplan
     plan = autoplan.plan(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"), global_batch=8)
@@ -297,9 +294,6 @@ def test_no_layout_for_tp_x_pp_names_what_binds():
     assert "pp" in str(err.value) and "blocks" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, raises=StrategyError,
-                   reason="fuzz_cases.KNOWN_BUGS: Plan.from_strategy wants a block per stage, "
-                          "even for pp=1")
 def test_a_model_without_repeated_blocks_estimates():
     import autoplan
     est = autoplan.estimate(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"),

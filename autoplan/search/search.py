@@ -428,7 +428,7 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
             continue   # the key/value all-gather stays inside a node, as tp's collectives do
         rest = n // (tp * cp)
         for pp in _divisors(rest):
-            if pp > blocks:
+            if pp > max(blocks, 1):     # a model without repeated blocks runs as one stage
                 continue
             if space.pipeline_parallel is not None and \
                     not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
