@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import fuzz_cases as fc
-from autoplan.errors import (AutoplanError, CheckpointError, ConfigError, ProfileError,
-                             StrategyError, TraceError)
+from autoplan.errors import AutoplanError, CheckpointError, ConfigError, ProfileError, TraceError
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -282,9 +281,6 @@ def test_a_model_without_repeated_blocks_plans():
     assert plan.estimate.fits
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuzz_cases.KNOWN_BUGS: the search blames the global batch when tp x pp "
-                          "binds")
 def test_no_layout_for_tp_x_pp_names_what_binds():
     import autoplan
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
