@@ -544,6 +544,8 @@ def even_block_counts(num_blocks: int, num_chunks: int) -> list[int]:
     StrategyError
         When there are fewer blocks than chunks.
     """
+    if num_blocks == 0 and num_chunks == 1:
+        return [0]          # a model without repeated blocks runs as one stage
     if num_blocks < num_chunks:
         raise StrategyError(f"the model has {num_blocks} blocks, fewer than the {num_chunks} "
                             "pipeline (virtual) stages; lower pp or virtual_stages")
@@ -569,6 +571,8 @@ def chunk_bounds(is_block: Sequence[bool], counts: Sequence[int]) -> list[tuple[
     """
     blocks = [i for i, b in enumerate(is_block) if b]
     counts = list(counts)
+    if not blocks and counts == [0]:
+        return [(0, len(is_block))]      # no repeated blocks: one stage holds every layer
     if not counts or any(c < 1 for c in counts) or sum(counts) != len(blocks):
         raise StrategyError(f"blocks per stage {counts} must be positive and add up to the "
                             f"model's {len(blocks)} blocks")

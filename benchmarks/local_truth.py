@@ -104,7 +104,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
+def _in_worker(rank: int, world: int, port: int, outdir: str, strategy, work) -> None:
+    """One rank of a measurement: a gloo group, the small GPT laid out by ``strategy``, its
+    fixed batch, then ``work(pm, ids)``; an error is written to ``error<rank>.txt``, and the
+    process ends with os._exit after tearing the group down (gloo can abort at exit)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     import torch
@@ -116,20 +119,10 @@ def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
         from autoplan.models import GPT
         from autoplan.runtime import parallelize
         torch.manual_seed(0)
-        model = GPT(CONFIG)
-        pm = parallelize(model, LAYOUTS[name], global_batch=GLOBAL_BATCH, seq_len=CONFIG.seq_len)
+        pm = parallelize(GPT(CONFIG), strategy, global_batch=GLOBAL_BATCH, seq_len=CONFIG.seq_len)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len), generator=gen)
-        times = []
-        for i in range(WARMUP_STEPS + TIMED_STEPS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(ids)
-            dist.barrier()
-            if i >= WARMUP_STEPS:
-                times.append(time.perf_counter() - t0)
-        if rank == 0:
-            Path(outdir, "times.json").write_text(json.dumps(times))
+        work(pm, ids)
     except BaseException as exc:  # report, then still tear down cleanly
         Path(outdir, f"error{rank}.txt").write_text(repr(exc))
         status = 1
@@ -141,6 +134,23 @@ def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)
+
+
+def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
+    def timed_steps(pm, ids) -> None:
+        import torch.distributed as dist
+        times = []
+        for i in range(WARMUP_STEPS + TIMED_STEPS):
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm.step(ids)
+            dist.barrier()
+            if i >= WARMUP_STEPS:
+                times.append(time.perf_counter() - t0)
+        if rank == 0:
+            Path(outdir, "times.json").write_text(json.dumps(times))
+
+    _in_worker(rank, world, port, outdir, LAYOUTS[name], timed_steps)
 
 
 def measure(name: str, timeout_s: float = 600.0) -> list[float]:
@@ -278,21 +288,8 @@ class LiveBytes:
 
 
 def _memory_worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    status = 0
-    try:
-        from autoplan.models import GPT
-        from autoplan.runtime import parallelize
-        strategy = MEMORY_LAYOUTS[name][1]
-        torch.manual_seed(0)
-        pm = parallelize(GPT(CONFIG), strategy, global_batch=GLOBAL_BATCH, seq_len=CONFIG.seq_len)
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len), generator=gen)
+    def peak_of_a_step(pm, ids) -> None:
+        import torch.distributed as dist
         pm.step(ids)   # warm-up: the optimizer creates its states
         dist.barrier()
         with LiveBytes() as live:
@@ -300,17 +297,8 @@ def _memory_worker(rank: int, world: int, port: int, name: str, outdir: str) -> 
             pm.step(ids)
         Path(outdir, f"mem{rank}.json").write_text(json.dumps(
             {"peak_bytes": live.peak, "start_bytes": start, "pp_rank": pm.coords.get("pp", 0)}))
-    except BaseException as exc:  # report, then still tear down cleanly
-        Path(outdir, f"error{rank}.txt").write_text(repr(exc))
-        status = 1
-    finally:
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+
+    _in_worker(rank, world, port, outdir, MEMORY_LAYOUTS[name][1], peak_of_a_step)
 
 
 def measure_memory(name: str, timeout_s: float = 600.0) -> list[dict]:

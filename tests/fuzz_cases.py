@@ -179,28 +179,11 @@ class Failure:
     __repr__ = __str__
 
 
-def _no_combination(f: Failure) -> bool:
-    return f.kind == WRONG and "cannot be split over any data-parallel degree" in f.detail
-
-
-def _blockless(f: Failure) -> bool:
-    return f.kind == WRONG and "fewer than the 1 pipeline" in f.detail
-
-
 #: Failures this fuzzing found in code that others are changing now (``autoplan/runtime``),
 #: reported and left to them: name -> how to recognise one.  Each is reproduced by a strict
 #: xfail test in ``tests/test_fuzz.py``; the CI tests let them pass, ``benchmarks/fuzz.py``
 #: counts them apart.  Delete the entry (and the xfail) when the fix lands.
 KNOWN_BUGS: dict[str, Callable[[Failure], bool]] = {
-    "search: when no degree combination exists, the ConfigError blames the global batch "
-    "('cannot be split over any data-parallel degree the cluster allows [1, 2, 4, 8]') even "
-    "when a listed degree divides it; what binds is tp x pp: pp above the block count (pp=1 "
-    "for a model of 0 blocks, which search._combos skips) or tp above the layers' limit":
-        _no_combination,
-    "A model without a repeated block (a 2-layer MLP, one block, T5 with fewer than 3 layers "
-    "a stack) captures as one 'pre' layer and no Strategy estimates: Plan.from_strategy says "
-    "'the model has 0 blocks, fewer than the 1 pipeline (virtual) stages; lower pp'":
-        _blockless,
 }
 
 
@@ -345,8 +328,8 @@ def memory_problem(plan, cluster) -> str | None:
     return None
 
 
-_SPLIT = re.compile(r"global_batch=(\d+) cannot be split over any data-parallel degree the "
-                    r"cluster allows \(\[([\d, ]*)\]\)")
+_SPLIT = re.compile(r"global_batch=(\d+) cannot be split over any data-parallel degree this "
+                    r"model and cluster allow \(\[([\d, ]*)\]")
 
 
 def _check_advice(record: list) -> None:

@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from torch import nn
 
 import fuzz_cases as fc
-from autoplan.errors import (AutoplanError, CheckpointError, ConfigError, ProfileError,
-                             StrategyError, TraceError)
+from autoplan.errors import AutoplanError, CheckpointError, ConfigError, ProfileError, TraceError
 from autoplan.hardware import load_cluster
 from autoplan.hardware.profiles import find_profile_file
 
@@ -276,18 +275,12 @@ def _two_layer_mlp_graph():
     return autoplan.trace(model, example_inputs=torch.randn(2, 4))
 
 
-@pytest.mark.xfail(strict=True, raises=ConfigError,
-                   reason="fuzz_cases.KNOWN_BUGS: search._combos skips pp=1 for a model of "
-                          "0 blocks and blames the global batch")
 def test_a_model_without_repeated_blocks_plans():
     import autoplan
     plan = autoplan.plan(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"), global_batch=8)
     assert plan.estimate.fits
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="fuzz_cases.KNOWN_BUGS: the search blames the global batch when tp x pp "
-                          "binds")
 def test_no_layout_for_tp_x_pp_names_what_binds():
     import autoplan
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
@@ -297,9 +290,6 @@ def test_no_layout_for_tp_x_pp_names_what_binds():
     assert "pp" in str(err.value) and "blocks" in str(err.value)
 
 
-@pytest.mark.xfail(strict=True, raises=StrategyError,
-                   reason="fuzz_cases.KNOWN_BUGS: Plan.from_strategy wants a block per stage, "
-                          "even for pp=1")
 def test_a_model_without_repeated_blocks_estimates():
     import autoplan
     est = autoplan.estimate(_two_layer_mlp_graph(), load_cluster("a100-sxm4-80gb"),

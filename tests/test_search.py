@@ -172,8 +172,10 @@ def test_bad_arguments():
     cluster = autoplan.load_cluster("a100-sxm4-80gb")
     with pytest.raises(ConfigError, match="global_batch"):
         autoplan.plan(g, cluster, global_batch=0)
+    from autoplan.search import SearchSpace
     with pytest.raises(ConfigError, match="multiple of"):
-        autoplan.plan(g, cluster, global_batch=3)   # 1 head, 1 block: only dp=8 is possible
+        # 1 head (tp=1), one stage, no context parallelism: only dp=8 is possible
+        autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)))
     with pytest.raises(ConfigError, match="top_k"):
         autoplan.plan(g, cluster, global_batch=8, top_k=0)
 

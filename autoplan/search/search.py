@@ -428,7 +428,7 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
             continue   # the key/value all-gather stays inside a node, as tp's collectives do
         rest = n // (tp * cp)
         for pp in _divisors(rest):
-            if pp > blocks:
+            if pp > max(blocks, 1):     # a model without repeated blocks runs as one stage
                 continue
             if space.pipeline_parallel is not None and \
                     not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
@@ -648,12 +648,21 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     combos = list(_combos(graph, cluster, global_batch, space,
                           attention=engine.summary.kv_bytes_per_token is not None))
     if not combos:
-        dps = sorted({cluster.num_devices // (tp * pp) for tp in _divisors(_devices_per_node(cluster))
-                      for pp in _divisors(cluster.num_devices // tp)
-                      if cluster.num_devices % (tp * pp) == 0})
-        raise ConfigError(
-            f"global_batch={global_batch} cannot be split over any data-parallel degree the "
-            f"cluster allows ({dps[:12]}): choose a global batch that is a multiple of one of them")
+        # the data-parallel degrees this model and cluster allow: n / (tp x pp), tp inside a
+        # node and within the blocks' limit (heads, features), pp at most one block per stage
+        n, blocks = cluster.num_devices, len(graph.blocks)
+        tps = [tp for tp in _divisors(_devices_per_node(cluster)) if _blocks_tp_limit(graph) % tp == 0]
+        dps = sorted({n // (tp * pp) for tp in tps for pp in _divisors(n // tp) if pp <= max(blocks, 1)})
+        limits = (f"{n} devices / (tp x pp), with tp in {tps} (inside a node, dividing the "
+                  f"blocks' heads and features) and pp at most the model's {blocks} blocks")
+        if not any(global_batch % dp == 0 and dp <= global_batch for dp in dps):
+            raise ConfigError(
+                f"global_batch={global_batch} cannot be split over any data-parallel degree this "
+                f"model and cluster allow ({dps[:12]}: {limits}); choose a global batch that is a "
+                "multiple of one of them, or fewer devices")
+        raise ConfigError(f"no layout of {graph.model} fits the search space on {n} devices: the "
+                          f"data-parallel degrees are {dps[:12]} ({limits}), and the search "
+                          "space's micro-batch, pipeline or context-parallel limits leave none")
 
     best_time = bound_s
     ranked: list[_Candidate] = []
