@@ -362,3 +362,22 @@ def test_schedule_bars_end_by_the_predicted_step(plans, name):
     line = [l.get_xdata()[0] for l in ax.lines][0]
     ends = [path.get_extents().x1 for c in _collections(fig) for path in c.get_paths()]
     assert ends and max(ends) <= line * (1 + 1e-9)
+
+
+def test_zero_bubble_timeline_runs_torchs_zbv_order():
+    """The zero-bubble chart lays out torch's own ScheduleZBVZeroBubble order (what the
+    runtime runs), not a stand-in: each rank's F/I/W sequence is torch's."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+    pp, m = 4, 8
+    tl = simulate_schedule("zero_bubble", [4.0] * pp, [8.0] * pp, m, virtual_stages=2,
+                           stage_ranks=list(range(pp)) + list(reversed(range(pp))),
+                           weight_fraction=0.4)
+    sched = object.__new__(ScheduleZBVZeroBubble)
+    sched.pp_group_size, sched.n_local_stages, sched.num_stages = pp, 2, 2 * pp
+    sched._n_microbatches = sched.n_microbatches = m
+    letter = {"forward": "F", "backward": "I", "weight": "W"}
+    for p in range(pp):
+        want = [str(a) for a in sched._calculate_single_rank_operations(p) if a is not None]
+        got = [f"{b.stage}{letter[b.kind.value]}{b.micro_batch}"
+               for b in sorted(tl.of_rank(p), key=lambda b: b.start_s) if b.micro_batch >= 0]
+        assert got == want

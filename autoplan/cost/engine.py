@@ -585,7 +585,7 @@ class CostEngine:
             micro_batches_in_flight=rk.in_flight, forward_s=rk.fwd, backward_s=rk.bwd,
             busy_s=m * rk.per_micro_batch + rk.optimizer,
             dp_comm_exposed_s=rk.dp_step_exposed, memory=rk.memory,  # type: ignore[arg-type]
-            memory_capacity_bytes=rk.capacity,
+            memory_capacity_bytes=rk.capacity, weight_grad_s=rk.wgrad,
             fits=rk.memory.total_bytes <= rk.capacity * opts.memory_fraction)  # type: ignore[union-attr]
             for p, rk in enumerate(ranks))
         notes = []

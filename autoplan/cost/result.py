@@ -66,6 +66,9 @@ class StageEstimate(Record):
     memory: MemoryBreakdown
     memory_capacity_bytes: float
     fits: bool
+    #: the deferred weight-gradient share of ``backward_s`` (seconds per micro-batch), what
+    #: the zero-bubble schedule moves into the bubbles
+    weight_grad_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:

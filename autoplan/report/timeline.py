@@ -167,6 +167,30 @@ def _order_interleaved(p: int, pp: int, m: int, v: int) -> list[_Op]:
     return ops
 
 
+def _orders_zbv(pp: int, m: int, rank_stages: Sequence[Sequence[int]]) -> list[list[_Op]] | None:
+    """torch's own ZBV zero-bubble order (``ScheduleZBVZeroBubble``, what the runtime runs),
+    per rank; None when torch cannot lay it out (then the greedy list schedule stands in)."""
+    try:
+        from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble, _ComputationType
+        sched = object.__new__(ScheduleZBVZeroBubble)
+        sched.pp_group_size, sched.n_local_stages, sched.num_stages = pp, 2, 2 * pp
+        sched._n_microbatches = sched.n_microbatches = m
+        kinds = {_ComputationType.FORWARD: BlockKind.FORWARD,
+                 _ComputationType.BACKWARD_INPUT: BlockKind.BACKWARD,
+                 _ComputationType.BACKWARD_WEIGHT: BlockKind.WEIGHT}
+        orders = []
+        for p in range(pp):
+            ops = [a for a in sched._calculate_single_rank_operations(p) if a is not None]
+            orders.append([(kinds[a.computation_type], a.microbatch_index,
+                            list(rank_stages[p]).index(a.stage_index)) for a in ops])
+    except Exception:   # a torch without this private layout: fall back to the greedy one
+        return None
+    if any(sorted(o) != sorted((k, i, c) for k in kinds.values() for i in range(m) for c in (0, 1))
+           for o in orders):
+        return None
+    return orders
+
+
 # ------------------------------------------------------------------ simulation
 class _Pipeline:
     """Durations and dependencies of the operations of one schedule."""
@@ -352,6 +376,10 @@ def simulate_schedule(schedule: Schedule | str, forward_s: Sequence[float],
     elif schedule is Schedule.INTERLEAVED and m % pp == 0 and len(set(chunks)) == 1 \
             and list(stage_ranks) == [k % pp for k in range(len(stage_ranks))]:
         blocks = _run_orders(pipe, [_order_interleaved(p, pp, m, chunks[0]) for p in range(pp)])
+    elif schedule is Schedule.ZERO_BUBBLE and chunks == [2] * pp and list(stage_ranks) == \
+            list(range(pp)) + list(reversed(range(pp))) and \
+            (zbv := _orders_zbv(pp, m, pipe.rank_stages)) is not None:
+        blocks = _run_orders(pipe, zbv)
     else:
         limits = [max(1, math.ceil(in_flight(schedule, p, pp, m, chunks[p]) - 1e-9))
                   for p in range(pp)]
@@ -426,8 +454,12 @@ def schedule_timeline(plan, estimate=None) -> Timeline:
     tails = [((BlockKind.GRAD_SYNC, s.dp_comm_exposed_s),
               (BlockKind.OPTIMIZER, max(0.0, s.busy_s - m * (s.forward_s + s.backward_s))))
              for s in est.stages]
+    # zero bubble: the critical rank's weight-gradient share, as the Estimate priced it
+    slow = max(est.stages, key=lambda s: s.forward_s + s.backward_s)
+    weight_fraction = (min(1.0, slow.weight_grad_s / slow.backward_s)
+                       if slow.backward_s > 0 and slow.weight_grad_s > 0 else 0.5)
     tl = simulate_schedule(plan.schedule, fwd, bwd, m, virtual_stages=plan.virtual_stages,
                            stage_ranks=[st.rank for st in plan.stages], comm_fraction=comm_fraction,
-                           tail_s=tails)
+                           weight_fraction=weight_fraction, tail_s=tails)
     return Timeline(tl.schedule, tl.pp, tl.virtual_stages, tl.micro_batches, tl.blocks,
                     tl.pipeline_s, tl.end_s, est.step_time_s)
