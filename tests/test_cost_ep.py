@@ -232,3 +232,46 @@ def test_search_keeps_ep1_for_dense_models(gpt):
     result = search(gpt, c, global_batch=16, top_k=12)
     assert result.plans and all(p.ep == 1 for p in result.plans)
     _valid(result.plans, gpt, c)
+
+
+# ------------------------------------------------------------------ Megatron-Core's MoE
+def test_tokens_split_over_tp_halves_expert_work_and_all_to_all(moe):
+    """Megatron-Core routes each tp rank's sequence-parallel shard (expert tp = 1): the
+    expert GEMMs and the dispatch bytes of a tp rank are 1/tp of autoplan's runtime's,
+    where every tp rank routes all tokens."""
+    c = toy_cluster(devices_per_node=8)
+    kw = dict(dp=4, tp=2, ep=2, global_batch=16, precision="fp32", sequence_parallel=True)
+    own = estimate(moe, c, Strategy(**kw), calibration=None)
+    split = estimate(moe, c, Strategy(**kw), calibration=None,
+                     options=CostOptions(moe_tokens_split_over_tp=True))
+    assert split.comm_total["ep_comm_s"] == pytest.approx(own.comm_total["ep_comm_s"] / 2,
+                                                          rel=1e-12)
+    expert = [n for n in summarize(moe).templates[summarize(moe).layers[1].template] if n.expert]
+    m = 16 // 4
+    per_mb = LAYERS * sum(n.fwd_flops + n.bwd_flops for n in expert) / PEAK
+    assert own.breakdown["compute_s"] - split.breakdown["compute_s"] == \
+        pytest.approx(0.5 * m * per_mb, rel=1e-9)
+    # without tp nothing changes
+    kw.update(dp=8, tp=1, sequence_parallel=False)
+    assert estimate(moe, c, Strategy(**kw), calibration=None).step_time_s == estimate(
+        moe, c, Strategy(**kw), calibration=None,
+        options=CostOptions(moe_tokens_split_over_tp=True)).step_time_s
+
+
+def test_grouped_gemm_prices_local_experts_as_one_kernel():
+    """One expert's GEMM of a fine-grained MoE is small: at a per-kernel overhead it runs
+    far below peak; a grouped GEMM over the local experts pays the overhead once."""
+    cfg = transformers.MixtralConfig(hidden_size=256, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64,
+                                     num_local_experts=16, num_experts_per_tok=2)
+    graph = trace(transformers.MixtralForCausalLM(cfg), seq_len=64)
+    c = autoplan.load_cluster("h100-sxm5-80gb")
+    s = Strategy(dp=8, ep=2, global_batch=64, micro_batch=8)
+    loop = estimate(graph, c, s, options=CostOptions(stack="megatron-core",
+                                                     expert_grouped_gemm=False))
+    grouped = estimate(graph, c, s, options=CostOptions(stack="megatron-core"))
+    assert CostOptions(stack="megatron-core").expert_grouped_gemm
+    assert not CostOptions().expert_grouped_gemm          # autoplan runs the family's loop
+    assert grouped.breakdown["compute_s"] < loop.breakdown["compute_s"]
+    assert grouped.comm_total["ep_comm_s"] == loop.comm_total["ep_comm_s"]

@@ -78,3 +78,24 @@ def test_plan_does_not_depend_on_the_build_dtype(model):
     for name, p in plans.items():
         assert p.describe() == ref.describe(), name
         assert p.estimate.step_time_s == pytest.approx(ref.estimate.step_time_s, rel=REL_TOL)
+
+
+def test_attention_sink_scores_are_inside_the_fused_kernel():
+    """gpt-oss appends a learned sink column to its attention scores (s x (s + 1)); those
+    tensors are the attention core's, so a fused kernel never moves them: the memory-bound
+    bytes per token outside the core do not grow with the sequence (they did, 4.3 GB per
+    sequence and layer at s = 4096, pricing gpt-oss-120b ~70% slow)."""
+    transformers = pytest.importorskip("transformers")
+    from autoplan.cost.summary import summarize
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_local_experts=4, num_experts_per_tok=2, vocab_size=64,
+                                    sliding_window=8, layer_types=["sliding_attention",
+                                                                   "full_attention"])
+    per_token = {}
+    for seq in (32, 64):
+        s = summarize(autoplan.trace(transformers.GptOssForCausalLM(cfg), seq_len=seq))
+        rep, shd, quad = s.elementwise[[l for l in s.layers if l.is_block][0].template]
+        per_token[seq] = ((rep + shd) / seq, quad / seq)
+    assert per_token[64][1] > 1.8 * per_token[32][1] > 0                 # the scores: s^2
+    assert per_token[64][0] == pytest.approx(per_token[32][0], rel=0.05)  # the rest: s

@@ -165,6 +165,18 @@ class CostOptions(Record):
         rank holding ``experts / ep`` of them; and the published MoE benchmark runs
         (``validation/published_moe.csv``) balance their routing by force or drop
         tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
+    expert_grouped_gemm : bool
+        A rank's local experts run as one grouped GEMM per projection (Megatron-Core
+        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``): priced at the
+        efficiency of all their rows as one matmul, with one kernel's overhead.
+        ``False``: one GEMM per local expert, each at one expert's size (a loop over
+        experts, the Hugging Face families' eager expert forward).
+    moe_tokens_split_over_tp : bool
+        Under tensor parallelism, each tp rank routes, dispatches and computes the
+        experts of only its ``1/tp`` of the tokens (Megatron-Core: the MoE layer runs on
+        the sequence-parallel shard, expert tensor parallelism 1).  ``False``: every tp
+        rank routes all tokens and runs whole experts on them (what
+        :func:`autoplan.parallelize` does).
     fp8_scaling : {"tensor", "block"}
         With ``Precision.FP8``, how tensors are scaled to FP8: per-tensor current scaling
         (``"tensor"``, Transformer Engine ``Float8CurrentScaling``, the Hopper default of
@@ -193,6 +205,8 @@ class CostOptions(Record):
     zero3_regather_for_recompute: bool | None = None
     zero3_gather_unit: str | None = None
     dp_nic_per_device: bool | None = None
+    expert_grouped_gemm: bool | None = None
+    moe_tokens_split_over_tp: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -251,19 +265,22 @@ class Stack:
 #: expert_imbalance).
 _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_param_gather",
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
-                          "zero3_gather_unit", "dp_nic_per_device")
+                          "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
+                          "moe_tokens_split_over_tp")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
            overlap_param_gather: bool, tp_comm_overlap: bool, pp_comm_overlap: bool,
            zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
-           dp_nic_per_device: bool = False) -> Stack:
+           dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
+           moe_tokens_split_over_tp: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
         pp_comm_overlap=pp_comm_overlap,
         zero3_regather_for_recompute=zero3_regather_for_recompute,
-        zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device))
+        zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
+        expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -286,9 +303,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack("megatron-core",
            "Megatron-Core with Transformer Engine: --overlap-grad-reduce, "
            "--overlap-param-gather (with the distributed optimizer, zero=1), "
-           "--tp-comm-overlap (userbuffers), overlapped pipeline p2p, fused (flash) attention",
+           "--tp-comm-overlap (userbuffers), overlapped pipeline p2p, fused (flash) attention; "
+           "MoE: --moe-grouped-gemm, each tp rank routing its sequence-parallel shard",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=True, pp_comm_overlap=True),
+           tp_comm_overlap=True, pp_comm_overlap=True, expert_grouped_gemm=True,
+           moe_tokens_split_over_tp=True),
     _stack("deepspeed-zero3",
            "DeepSpeed ZeRO-3: overlap_comm (gradient reduction under the backward), parameter "
            "prefetch per submodule (stage3_max_live_parameters), parameters released after "

@@ -413,8 +413,12 @@ class CostEngine:
         attention = self._attention_tables.get(device.name) if fused else None
         experts = self._rep[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
+        grouped = self.options.expert_grouped_gemm
+        token_split = tp if self.options.moe_tokens_split_over_tp else 1
         for n in self.summary.templates[template]:
             div = (tp if n.sharded else 1) * cp
+            if n.expert and experts > 1:
+                div *= token_split                       # this tp rank's tokens only
             f = n.fwd_flops * b / div
             g = n.bwd_flops * b / div
             ref = f if f > 0 else g / 2
@@ -422,7 +426,8 @@ class CostEngine:
                 continue
             if n.expert and experts > 1:
                 f, g = f * imbalance, g * imbalance
-                ref = ref * imbalance * ep / experts     # one expert's GEMM
+                # one GEMM over all local experts' rows, or one expert's GEMM each
+                ref = ref * imbalance * (1 if grouped else ep / experts)
             if n.core and attention is not None:
                 rate = peak * attention.efficiency(ref)
             elif fp8 and n.weight and not n.core:
@@ -657,7 +662,7 @@ class CostEngine:
         xf = xb = 0.0
         if ep > 1 and l.expert_tokens:
             xf = 2 * self._collective("all_to_all", ep_group,
-                                      self.dispatch_bytes(l, b, cp, act_scale))
+                                      self.dispatch_bytes(l, b, cp, act_scale, t))
             xb = xf * (2 if seg.recompute is Recompute.FULL and l.is_block else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
@@ -697,12 +702,15 @@ class CostEngine:
         return (f, bw, rc, wg, tf + tb, ef + eb, cf + cb, cp_exp, z_tot, fwd_exp + bwd_exp,
                 lf + fwd_exp, lb + bwd_exp, local, unit, act, whole, xf + xb, xf + xb, local_x)
 
-    def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float) -> float:
+    def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float,
+                       tp: int = 1) -> float:
         """Bytes one rank sends into one token all-to-all of layer ``l`` per micro-batch
         of ``b`` sequences: ``tokens x top-k x hidden x bytes`` (tokens: this rank's
-        ``b x seq / cp``), its whole send buffer; the collective model sends the
-        ``(ep - 1) / ep`` of it bound for other ranks
-        (:mod:`autoplan.hardware.collectives`, pairwise exchange)."""
+        ``b x seq / cp``, and ``/ tp`` when ``CostOptions.moe_tokens_split_over_tp``),
+        its whole send buffer; the collective model sends the ``(ep - 1) / ep`` of it
+        bound for other ranks (:mod:`autoplan.hardware.collectives`, pairwise exchange)."""
+        if self.options.moe_tokens_split_over_tp:
+            cp = cp * tp
         return l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes * act_scale
 
     def _groups(self, all_devs: tuple[int, ...], tp: int, cp: int, ep: int, r: int) -> tuple:

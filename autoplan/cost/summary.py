@@ -461,11 +461,14 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
 
 
 def _is_scores(shape: tuple[int, ...], seq_len: int | None, mb: int) -> bool:
-    """An ``s x s`` attention-score tensor: ``(b, heads, s, s)`` or ``(b * heads, s, s)``.
+    """An ``s x s`` attention-score tensor: ``(b, heads, s, s)`` or ``(b * heads, s, s)``,
+    or ``s x (s + 1)`` when a learned attention-sink column is appended to the scores
+    (gpt-oss), as the capture's saved-bytes rule (``capture.measure._quadratic_shape``).
 
     A ``(b, s, h)`` activation with ``h == s`` has the micro-batch as its first
     dimension and is not one.
     """
-    if not seq_len or len(shape) < 3 or shape[-1] != seq_len or shape[-2] != seq_len:
+    if not seq_len or len(shape) < 3 or shape[-2] != seq_len or \
+            shape[-1] not in (seq_len, seq_len + 1):
         return False
     return len(shape) >= 4 or shape[0] != mb

@@ -536,7 +536,7 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
                                       False, ep)
         # the token all-to-alls: dispatch and combine, forward and backward
         a2a = engine._collective("all_to_all", lay.rank_devices[p][0::c.tp][:ep],
-                                 engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale)) \
+                                 engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale, c.tp)) \
             if ep > 1 else 0.0
         flight = in_flight(c.schedule, p, c.pp, m, 1)
         t_row, m_row = [], []
