@@ -8,6 +8,7 @@ time and memory of a layout; :func:`plan` searches the layouts;
 
 from __future__ import annotations
 
+from ._lazy import lazy_names as _lazy_names
 from .errors import AutoplanError
 from .graph import LayerRecord, ModelGraph
 from .hardware import Cluster, available_profiles, compose_cluster, load_cluster
@@ -25,14 +26,6 @@ __all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster"
 # Heavier entry points load on first use: the runtime pulls in torch.distributed's
 # tensor/FSDP/pipelining stacks, the reports pandas plotting and matplotlib.
 _LAZY = {"parallelize": ".runtime", "ParallelModel": ".runtime", "whatif": ".report"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY, __all__)
 
 __version__ = "0.1.0"

@@ -936,10 +936,10 @@ def check_cluster_case(case: ClusterCase, workdir: Path) -> Failure | None:
 # ---------------------------------------------------------------------- corrupted checkpoints
 class CheckpointBench:
     """Two real checkpoints (``step-1``, ``step-2``) of a tiny fp32 GPT trained on one
-    process (gloo, world size 1), written by :func:`autoplan.elastic.save_verified` into
-    ``work/pristine``; each case corrupts a copy and reads it back through
-    :func:`~autoplan.elastic.latest_good`, :func:`~autoplan.elastic.verify` and the
-    program's :meth:`load`.  Call :meth:`close` at the end (it leaves the process group
+    process (gloo, world size 1), written by
+    :func:`autoplan.runtime.checkpoint.save_verified` into ``work/pristine``; each case
+    corrupts a copy and reads it back through :func:`~autoplan.runtime.checkpoint.latest_good`,
+    :func:`~autoplan.runtime.checkpoint.verify` and the program's :meth:`load`.  Call :meth:`close` at the end (it leaves the process group
     it made)."""
 
     GPT = dict(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=2)
@@ -947,7 +947,8 @@ class CheckpointBench:
     def __init__(self, work: Path) -> None:
         import torch.distributed as dist
 
-        from autoplan.elastic import batch_for_step, save_verified
+        from autoplan.elastic import batch_for_step
+        from autoplan.runtime.checkpoint import save_verified
         from autoplan.zoo import build_model
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
@@ -1056,7 +1057,7 @@ def check_checkpoint_case(bench: CheckpointBench, ops: tuple) -> Failure | None:
     checkpoint whose files are intact (or none), warning about each newer one it skips,
     and that checkpoint loads; ``verify`` and ``load`` of each step directory either pass
     or raise an AutoplanError naming the checkpoint; the same twice."""
-    from autoplan.elastic import latest_good, verify
+    from autoplan.runtime.checkpoint import latest_good, verify
     root = bench.work / "case"
 
     def run() -> list:

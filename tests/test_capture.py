@@ -101,6 +101,11 @@ def _families():
         "mixtral": _meta(tf.MixtralForCausalLM, tf.MixtralConfig(
             hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=8,
             num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2)),
+        # a shared expert beside the routed ones, scaled by sigmoid(nn.Linear(hidden, 1))
+        "qwen2moe": _meta(tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            shared_expert_intermediate_size=96, num_hidden_layers=5, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=256, num_experts=4, num_experts_per_tok=2)),
     }
 
 
@@ -118,9 +123,17 @@ EXPECTED_ROLES = {
     "mixtral": {"self_attn.q_proj": "column", "self_attn.k_proj": "column",
                 "self_attn.v_proj": "column", "self_attn.o_proj": "row", "mlp.gate": "router",
                 "mlp.experts.gate_up_proj": "expert_column", "mlp.experts.down_proj": "expert_row"},
+    # the shared expert splits as a dense MLP (its output reaches the residual through the
+    # gate's per-token scale); the one-feature gate stays whole (replicated)
+    "qwen2moe": {"self_attn.q_proj": "column", "self_attn.k_proj": "column",
+                 "self_attn.v_proj": "column", "self_attn.o_proj": "row", "mlp.gate": "router",
+                 "mlp.experts.gate_up_proj": "expert_column", "mlp.experts.down_proj": "expert_row",
+                 "mlp.shared_expert.gate_proj": "column", "mlp.shared_expert.up_proj": "column",
+                 "mlp.shared_expert.down_proj": "row"},
 }
 EXPECTED_STACKS = {"gpt2": ["transformer.h"], "llama": ["model.layers"], "bert": ["bert.encoder.layer"],
-                   "t5": ["encoder.block", "decoder.block"], "mixtral": ["model.layers"]}
+                   "t5": ["encoder.block", "decoder.block"], "mixtral": ["model.layers"],
+                   "qwen2moe": ["model.layers"]}
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +172,19 @@ def test_tp_degrees_respect_heads(hf_graphs):
     assert g.blocks[1].tp.valid_degrees() == (1, 2)
     _, g = hf_graphs["gpt2"]
     assert g.blocks[1].tp.valid_degrees() == (1, 2, 4)
+
+
+def test_a_one_feature_gate_stays_whole_and_leaves_tp_to_the_heads(hf_graphs):
+    """Qwen2-MoE's ``shared_expert_gate`` is ``nn.Linear(hidden, 1)``: as a column its one
+    output feature made 1 a divisor and forbade any tp > 1.  Like the router it is
+    replicated, so the 2 KV heads bound tp again."""
+    _, g = hf_graphs["qwen2moe"]
+    block = g.blocks[2]
+    assert block.tp.roles()["mlp.shared_expert_gate"] == "replicated"
+    assert 1 not in block.tp.divisors
+    assert block.tp.valid_degrees() == (1, 2)
+    # attention, the shared expert and the routed experts' region: one all-reduce each way
+    assert len(block.tp.tp_collectives) == 2 * 3
 
 
 def test_t5_has_two_stacks_and_glue(hf_graphs):

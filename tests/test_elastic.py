@@ -33,9 +33,9 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.elastic import (EXIT_NO_LAYOUT, MANIFEST_FILE, NoLayoutFits, batch_for_step,
-                              choose_plan, cluster_for_world, latest_good, main_exit_code,
-                              run_elastic, verify)
+from autoplan.elastic import (EXIT_NO_LAYOUT, NoLayoutFits, batch_for_step, choose_plan,
+                              cluster_for_world, main_exit_code, run_elastic)
+from autoplan.runtime.checkpoint import MANIFEST_FILE, latest_good, verify
 from autoplan.errors import CheckpointError, ConfigError
 from autoplan.hardware.cluster import Cluster
 from autoplan.plan import Plan
@@ -179,6 +179,19 @@ def test_latest_good_skips_corrupt_and_half_written_checkpoints(tmp_path):
     with pytest.warns(UserWarning):
         assert latest_good(root) is None
     assert latest_good(tmp_path / "nowhere") is None
+
+
+def test_integrity_names_are_one_implementation_beside_the_dcp_code():
+    """The verified-checkpoint functions live in runtime.checkpoint_integrity; elastic and
+    runtime.checkpoint hand out those same objects (no second copy)."""
+    import autoplan.elastic as elastic
+    import autoplan.runtime.checkpoint as dcp_checkpoint
+    import autoplan.runtime.checkpoint_integrity as integrity
+
+    for name in ("save_verified", "verify", "latest_good", "MANIFEST_FILE"):
+        assert getattr(elastic, name) is getattr(integrity, name), name
+        assert getattr(dcp_checkpoint, name) is getattr(integrity, name), name
+        assert name in elastic.__all__ and name in dcp_checkpoint.__all__, name
 
 
 # ---------------------------------------------------------------------- (b) the policy

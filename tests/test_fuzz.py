@@ -218,7 +218,7 @@ def _manifest_step_dir(root: Path, manifest: dict) -> Path:
 def test_a_malformed_manifest_is_a_checkpoint_error(tmp_path, manifest, expect):
     """Was a TypeError / KeyError / ValueError out of verify() and latest_good(), or (a
     path outside the checkpoint) a file elsewhere read and hashed."""
-    from autoplan.elastic import latest_good, verify
+    from autoplan.runtime.checkpoint import latest_good, verify
     step = _manifest_step_dir(tmp_path, manifest)
     with pytest.raises(CheckpointError, match="malformed") as err:
         verify(step)

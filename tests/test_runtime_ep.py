@@ -18,6 +18,8 @@ Distributed tests (gloo, CPU, fp32, ``ATOL = 1e-5``):
   reference: ep2 (dp2), ep4 (dp4), ep2 with ZeRO-1/2/3, uneven replica batches
   (padded, also under pipelining), ep2 x pp2 (1F1B, and ZBV on a 4-block Mixtral),
   ep2 x tp2, ep2 x cp2 (with dp2 too), ep4 x cp2 x dp2 ZeRO-2;
+- tp2 on Qwen2-MoE: its shared expert split, its one-feature ``shared_expert_gate``
+  whole on every tp rank as the router is;
 - checkpoints of ep runs loading bit for bit under ep4, no ep, and the reverse;
 - layouts it cannot run (sequence parallelism with MoE blocks, an experts module
   whose expert count it cannot find) refused on one rank before any collective.
@@ -258,6 +260,59 @@ def test_ep_checkpoints_reshard(tmp_path, moe_graphs):
         else:
             layouts[r["layout"]] = r
     assert {f["ep"] for f in layouts.values()} == {1, 2}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_qwen2moe_tp2_parity():
+    """tp2 on Qwen2-MoE (2 ranks, fp32, ``rc.ATOL = 1e-5``): attention and the shared
+    expert split column/row over tp; the router, the routed experts and the one-feature
+    ``shared_expert_gate`` whole on both ranks.  3 AdamW steps against the single-process
+    reference (loss every step, every parameter after steps 1 and 3), with 8 micro-batches
+    and with one."""
+    graphs = {"qwen2moe": rc.graph_json("qwen2moe")}
+    targets = [("qwen2moe tp2 x8 micro", S(tp=2)),
+               ("qwen2moe tp2 x1 micro", S(tp=2, micro_batch=rc.GLOBAL_BATCH))]
+    _report("tensor parallel with a gated shared expert, 2 ranks",
+            run(functools.partial(rc.parity, graph=graphs), 2, "qwen2moe", targets)[0])
+
+
+def test_qwen2moe_tp_splits_the_shared_expert_and_keeps_its_gate_whole():
+    """Each rank of tp2 built over the fake process group: the shared expert's
+    gate/up projections are Shard(0) and its down projection Shard(1) on the tp mesh; the
+    ``shared_expert_gate`` (``nn.Linear(hidden, 1)``) and the router are whole on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import autoplan
+    from autoplan.runtime import parallelize
+
+    graph = autoplan.trace(rc.make_moe("qwen2moe"), seq_len=rc.SEQ)
+    plan = rc.plan_for(S(tp=2), graph.to_json())
+    for rank in range(plan.num_devices):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            pm = parallelize(rc.make_moe("qwen2moe"), plan, seq_len=rc.SEQ, graph=graph,
+                             optimizer=rc.make_optimizer)
+            params = dict(pm.parts[0].named_parameters())
+
+            def param(suffix: str) -> torch.Tensor:
+                return next(p for n, p in params.items() if n.endswith("layers.0." + suffix))
+
+            for name, shard in (("mlp.shared_expert.gate_proj.weight", Shard(0)),
+                                ("mlp.shared_expert.up_proj.weight", Shard(0)),
+                                ("mlp.shared_expert.down_proj.weight", Shard(1))):
+                p = param(name)
+                assert isinstance(p, DTensor) and p.placements == (shard,), (name, p)
+            for name, shape in (("mlp.shared_expert_gate.weight", (1, 32)),
+                                ("mlp.gate.weight", (rc.MOE_EXPERTS, 32))):
+                p = param(name)
+                local = p.to_local() if isinstance(p, DTensor) else p
+                assert tuple(local.shape) == shape, (name, p)
+                assert not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements)
+        finally:
+            dist.destroy_process_group()
 
 
 def test_moe_blocks_split_attention_over_tp_and_experts_over_ep():

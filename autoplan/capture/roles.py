@@ -3,8 +3,8 @@
 :func:`_weight_uses` finds where each weight is used (linear, GPT-2 Conv1D, embedding,
 expert bank); :func:`_tp_structure` gives each use of a layer its role in the Megatron
 pattern (column, row, expert column/row, router, vocabulary embedding/head, replicated:
-:func:`_is_row`, :func:`_is_router`), the head counts the degree must divide
-(:func:`_heads_of`), the tensor-parallel region, and the collectives of the tensor-,
+:func:`_is_row`, :func:`_is_router`, :func:`_is_gate`), the head counts the degree must
+divide (:func:`_heads_of`), the tensor-parallel region, and the collectives of the tensor-,
 sequence- and expert-parallel variants of the layer.
 """
 
@@ -14,7 +14,7 @@ import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -187,8 +187,10 @@ def _expert_in_out(u: _WeightUse) -> tuple[int, int]:
     return (k, n) if {k, n} == {fin, fout} else (fin, fout)
 
 
-def _users_through(node: fx.Node, passthrough: set, limit: int = 8) -> list[fx.Node]:
-    """Nodes reached from ``node`` through pass-through ops (breadth first, bounded)."""
+def _users_through(node: fx.Node, passthrough: set, limit: int = 8,
+                   through: Callable[[fx.Node], bool] | None = None) -> list[fx.Node]:
+    """Nodes reached from ``node`` through pass-through ops (breadth first, bounded);
+    ``through(user)``: a user to pass through besides the ops of ``passthrough``."""
     frontier, seen, out = [node], {node}, []
     for _ in range(limit):
         nxt = []
@@ -198,10 +200,36 @@ def _users_through(node: fx.Node, passthrough: set, limit: int = 8) -> list[fx.N
                     continue
                 seen.add(u)
                 out.append(u)
-                if u.target in passthrough:
+                if u.target in passthrough or (through is not None and through(u)):
                     nxt.append(u)
         frontier = nxt
     return out
+
+
+def _is_token_scale(node: fx.Node) -> bool:
+    """A product of a tensor and a per-token scale: one factor's last dimension is 1 and
+    the other's is not (Qwen2-MoE's ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``).
+    The scaled tensor keeps its features, so a row matmul's output passes through it."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2:
+        return False
+    widths = []
+    for a in node.args:
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() < 1:
+            return False
+        widths.append(int(val.shape[-1]))
+    return min(widths) == 1 < max(widths)
+
+
+def _is_gate(u: _WeightUse) -> bool:
+    """A linear with one output feature: a per-token gate (Qwen2-MoE's
+    ``shared_expert_gate``, ``nn.Linear(hidden, 1)``) that scales another branch.  It has
+    nothing to split, so it stays whole on every tensor-parallel rank, as a router does,
+    and constrains no tensor-parallel degree."""
+    if u.kind not in ("linear", "conv1d") or len(u.shape) != 2:
+        return False
+    out_features = u.shape[1] if u.kind == "conv1d" else u.shape[0]
+    return out_features == 1
 
 
 def _is_activation(a: Any, param_nodes: set[str]) -> bool:
@@ -222,13 +250,16 @@ def _descendants(node: fx.Node, within: set[str]) -> set[fx.Node]:
 def _is_row(node: fx.Node, param_nodes: set[str], within: set[str]) -> bool:
     """Does the matmul's output reach a residual add unchanged?
 
-    A residual add sums the (passed-through) matmul output with an activation of
-    the same shape that does *not* derive from that matmul (the residual stream);
+    Unchanged: through views, casts, dropout and per-token scales (a gated shared
+    expert's output, :func:`_is_token_scale`), not through other products.  A residual
+    add sums the (passed-through) matmul output with an activation of the same shape
+    that does *not* derive from that matmul (the residual stream);
     ``x + 0.044715 * x**3`` inside a GeLU is therefore no residual add.
     """
     chain = {node}
     derived = _descendants(node, within) | {node}
-    for u in _users_through(node, _PASSTHROUGH - _RESIDUAL_ADDS - {aten.mul.Tensor}):
+    for u in _users_through(node, _PASSTHROUGH - _RESIDUAL_ADDS - {aten.mul.Tensor},
+                            through=_is_token_scale):
         if u.target in _RESIDUAL_ADDS:
             a, b = u.args[0], u.args[1]
             other = b if a in chain else a
@@ -304,11 +335,15 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
 
     roles: dict[str, LinearRole] = {}
     if layer.kind is LayerKind.BLOCK:
-        rows = [u for u in mine if u.kind in ("linear", "conv1d") and _is_row(u.node, param_nodes, own)]
+        gates = [u for u in mine if _is_gate(u)]
+        rows = [u for u in mine if u.kind in ("linear", "conv1d") and u not in gates
+                and _is_row(u.node, param_nodes, own)]
         routers = [u for u in mine if u.kind in ("linear", "conv1d") and u not in rows and _is_router(u.node)]
         experts = [u for u in mine if u.kind == "experts"]
         for u in mine:
-            if u in rows:
+            if u in gates:
+                roles[u.param] = LinearRole.REPLICATED
+            elif u in rows:
                 roles[u.param] = LinearRole.ROW
             elif u in routers:
                 roles[u.param] = LinearRole.ROUTER

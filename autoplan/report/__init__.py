@@ -17,8 +17,7 @@ they are imported on first use, so :func:`whatif` works without it.
 
 from __future__ import annotations
 
-from typing import Any
-
+from .._lazy import lazy_names as _lazy_names
 from ._text import LEGEND, legend_text, plan_differences, plan_label
 from .tables import device_span, plan_stage_table
 from .timeline import Block, BlockKind, Timeline, schedule_timeline, simulate_schedule
@@ -30,18 +29,7 @@ __all__ = ["whatif", "WHATIF_COLUMNS", "cluster_price_per_hour", "plot_schedule"
            "plan_label", "plan_stage_table", "device_span", "LEGEND", "legend_text",
            "plan_differences"]
 
-_LAZY = {"plot_schedule": "plots", "plot_memory": "plots", "plot_scaling": "plots",
-         "plot_top_k": "plots", "save_figure": "plots", "plan_report_html": "html",
-         "write_plan_report": "html"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'autoplan.report' has no attribute {name!r}")
-    import importlib
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+_LAZY = {"plot_schedule": ".plots", "plot_memory": ".plots", "plot_scaling": ".plots",
+         "plot_top_k": ".plots", "save_figure": ".plots", "plan_report_html": ".html",
+         "write_plan_report": ".html"}
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY, __all__)

@@ -7,6 +7,8 @@ import textwrap
 from collections import Counter
 from typing import Any
 
+from ..plan_facts import PLAN_FACTS
+
 __all__ = ["plan_label", "LEGEND", "legend_text", "plan_differences"]
 
 
@@ -63,19 +65,8 @@ def legend_text() -> str:
 
 
 def _facts(p: Any) -> dict[str, str]:
-    zeros = sorted({lp.zero for lp in p.layers})
-    rcs = sorted({lp.recompute.value for lp in p.layers})
-    return {
-        "dp": str(p.dp), "tp": "/".join(map(str, sorted({s.tp for s in p.stages}))),
-        "pp": str(p.pp), "cp": str(p.cp), "ep": str(p.ep),
-        "micro-batch": str(p.micro_batch), "micro-batches per replica": str(p.num_micro_batches),
-        "schedule": p.schedule.value if p.pp > 1 else "none",
-        "chunks per rank": str(p.virtual_stages),
-        "zero": "/".join(map(str, zeros)), "recompute": "/".join(rcs),
-        "sequence parallel": "yes" if any(lp.sequence_parallel for lp in p.layers) else "no",
-        "replica batches": ",".join(map(str, p.replica_batch)) if len(set(p.replica_batch)) > 1
-        else str(p.replica_batch[0]),
-    }
+    """The plan's facts in words, by label (:data:`~autoplan.plan_facts.PLAN_FACTS`)."""
+    return {f.label: f.in_words(p) for f in PLAN_FACTS if f.label is not None}
 
 
 def _layer_changes(a: Any, b: Any) -> list[str]:

@@ -14,9 +14,10 @@ imports :mod:`.loss` (the training loss) from this package without them.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
+
+from .._lazy import lazy_names as _lazy_names
 
 __all__ = [
     "parallelize",
@@ -38,17 +39,7 @@ _LAZY = {
     "load_checkpoint": ".checkpoint",
 }
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_names(__name__, _LAZY, __all__)
 
 
 class _Package(types.ModuleType):

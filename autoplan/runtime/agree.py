@@ -11,7 +11,7 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["on_rank0"]
+__all__ = ["on_rank0", "on_rank0_named"]
 
 T = TypeVar("T")
 
@@ -37,3 +37,19 @@ def on_rank0(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise value
     return value
+
+
+def on_rank0_named(fn: Callable[[], T], what: str, error: type[Exception], *,
+                   passing: tuple[type[Exception], ...] = ()) -> T:
+    """:func:`on_rank0` of ``fn``; an exception other than those in ``passing`` is raised
+    on every rank as ``error`` saying that ``what`` failed on rank 0 (and why)."""
+
+    def named() -> T:
+        try:
+            return fn()
+        except passing:
+            raise
+        except Exception as e:  # noqa: BLE001 - every rank raises it, named
+            raise error(f"{what} failed on rank 0: {type(e).__name__}: {e}") from None
+
+    return on_rank0(named)

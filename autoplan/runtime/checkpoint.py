@@ -10,6 +10,11 @@ Writes are atomic: every rank writes into a temporary directory next to the
 target, then rank 0 renames it into place; a reader never sees a partial
 checkpoint under the final name.  The directory must be on a file system that
 every rank sees.
+
+Verified checkpoints (a manifest of sha256 digests written last; a missing,
+truncated or corrupt file is a :class:`~autoplan.errors.CheckpointError`) are
+:mod:`.checkpoint_integrity`'s, whose names are importable from here too:
+:func:`save_verified`, :func:`verify`, :func:`latest_good`, :data:`MANIFEST_FILE`.
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from .agree import on_rank0
+from .checkpoint_integrity import MANIFEST_FILE, latest_good, save_verified, verify
 
 if TYPE_CHECKING:
     from .parallelize import ParallelModel
 
-__all__ = ["save_checkpoint", "load_checkpoint", "METADATA_FILE"]
+__all__ = ["save_checkpoint", "load_checkpoint", "METADATA_FILE", "save_verified", "verify",
+           "latest_good", "MANIFEST_FILE"]
 
 METADATA_FILE = "autoplan.json"
 

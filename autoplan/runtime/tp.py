@@ -18,7 +18,10 @@ capture found (:class:`~autoplan.graph.LinearRole`), not from module names:
 Expert roles (MoE) are not applied here: in a block with an expert bank the
 experts and the router stay whole on every rank of the tensor-parallel group
 (they see the same tokens: the attention output is all-reduced before them),
-while attention and shared experts split as in a dense block.
+while attention and shared experts split as in a dense block.  A linear the
+capture marked ``replicated`` (a one-feature gate such as Qwen2-MoE's
+``shared_expert_gate``, scaling the shared expert's all-reduced output) is in no
+plan either: it too stays whole on every rank.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
     roles = {n: r for n, r in roles.items() if _has_module(module, n)}
     # MoE: the experts and the router stay whole on every tp rank (each runs the block's
     # tokens through them; expert parallelism splits the experts over dp x cp instead);
-    # attention and shared experts split as in a dense block
+    # attention and shared experts split as in a dense block; replicated linears (a
+    # one-feature gate) get no entry below and stay whole too
     roles = {n: r for n, r in roles.items()
              if r not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW, LinearRole.ROUTER)}
     plan: dict[str, object] = {}

@@ -13,11 +13,11 @@ node of 128 can make the old degrees a poor fit: 1016 GPUs are 8 x 127).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 from ..errors import ConfigError, InfeasiblePlan
 from ..graph import ModelGraph
 from ..plan import Plan
+from ..plan_facts import PLAN_FACTS
 from ..strategy import Schedule
 from .search import SearchSpace, _attach, search
 
@@ -124,24 +124,10 @@ def plan_diff(old: Plan, new: Plan) -> str:
     predicted step time.
     """
     lines = []
-
-    def fact(p: Plan) -> dict[str, Any]:
-        return {
-            "devices": p.num_devices, "dp": p.dp, "tp": "/".join(map(str, sorted({s.tp for s in p.stages}))),
-            "pp": p.pp, "cp": p.mesh.degree("cp"), "ep": p.ep, "micro_batch": p.micro_batch,
-            "micro_batches": p.num_micro_batches, "schedule": p.schedule.value,
-            "virtual_stages": p.virtual_stages,
-            "zero": "/".join(map(str, sorted({lp.zero for lp in p.layers}))),
-            "recompute": "/".join(sorted({lp.recompute.value for lp in p.layers})),
-            "sequence_parallel": any(lp.sequence_parallel for lp in p.layers),
-            "replica_batch": (f"{min(p.replica_batch)}..{max(p.replica_batch)}"
-                              if len(set(p.replica_batch)) > 1 else str(p.replica_batch[0])),
-        }
-
-    a, b = fact(old), fact(new)
-    for key in a:
-        if a[key] != b[key]:
-            lines.append(f"{key}: {a[key]} -> {b[key]}")
+    for fact in PLAN_FACTS:
+        a, b = fact.text(old), fact.text(new)
+        if a != b:
+            lines.append(f"{fact.field}: {a} -> {b}")
     sa = [len(s.layers) for s in old.stages]
     sb = [len(s.layers) for s in new.stages]
     if sa != sb:
