@@ -29,6 +29,29 @@ does not depend on the device, so a profile of the A100 node with the world's nu
 devices stands in for this machine.
 
     python benchmarks/local_truth.py --memory        # memory only (~3 min on 2 cores)
+
+Confirmation (``--confirm``): is the plan the search picks the fastest when run?  A small
+GPT (``CONFIG``) and a small Llama (Hugging Face ``LlamaForCausalLM``, same sizes, 4 query
+and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
+
+1. profile 4 ranks (``autoplan profile --quick --nproc 4``) or load ``--profile``;
+2. ``autoplan.plan(..., top_k=100000, precision="fp32", options=GLOO_ON_CPU)`` ranks every
+   layout its search keeps (the default calibration has no entry for a CPU, so the figures
+   are the profile's own, as above); :func:`confirm_layouts` says which of them are run
+   (the cap) and adds the ZeRO-2/3 and recompute options at the picked layout that the
+   search's memory ladder never reaches when memory is plentiful;
+3. layouts :func:`autoplan.parallelize` rejects are reported as not runnable with its
+   reason; the others run one after another in one launch of 4 processes per round
+   (``CONFIRM_WARMUP`` warm-up then ``CONFIRM_TIMED`` timed steps each), over
+   ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's measured step is its
+   fastest; a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S`` is reported and the
+   rest go on in fresh processes;
+4. per model: predicted and measured step and rank of each layout, the picked layout's
+   measured step over the fastest measured one (target <= 1.05), and Spearman's rank
+   correlation of predicted vs measured.
+
+    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~15-25 min on 2 cores)
+    python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
 """
 
 from __future__ import annotations
@@ -384,6 +407,401 @@ def memory_main(names: list[str] | None = None) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- confirm
+
+#: The models of ``--confirm``: the small GPT above and a Llama of the same size with
+#: grouped-query attention (4 query heads, 2 key/value heads: tp at most 2), random init.
+CONFIRM_MODELS = ("gpt", "llama")
+CONFIRM_WORLD = 4
+CONFIRM_BATCH = 8
+#: The picked plan should measure within this factor of the fastest measured layout.
+CONFIRM_TARGET = 1.05
+#: Layouts run besides the picked one's neighbourhood and each degree combination's best:
+#: a uniform sample (fixed seed) of the rest of the search's ranked list, so that what is
+#: run is not only what the cost model favours.  ``--all`` runs every layout instead.
+CONFIRM_SAMPLE = 6
+CONFIRM_SEED = 0
+CONFIRM_WARMUP, CONFIRM_TIMED, CONFIRM_ROUNDS = 2, 3, 2
+#: A layout whose rank 0 reports nothing for this long (model build, warm-up and timed
+#: steps; the first layout of a launch also spawns the ranks and traces) is killed.
+CONFIRM_LAYOUT_TIMEOUT_S = 120.0
+
+
+def _confirm_model(name: str):
+    """One of ``CONFIRM_MODELS``, freshly initialised with seed 0 (the same on every rank)."""
+    import torch
+    torch.manual_seed(0)
+    if name == "gpt":
+        from autoplan.models import GPT
+        return GPT(CONFIG)
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.hidden,
+                          intermediate_size=688, num_hidden_layers=CONFIG.layers,
+                          num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=CONFIG.seq_len)
+        cfg._attn_implementation = "eager"
+        return LlamaForCausalLM(cfg)
+    raise ValueError(f"unknown model {name!r}; choose from {CONFIRM_MODELS}")
+
+
+def profile_machine_4(out: Path) -> Path:
+    """``autoplan profile --quick`` on ``CONFIRM_WORLD`` CPU processes (one device per rank,
+    the RAM divided among them)."""
+    from autoplan.hardware import profiler
+    status = profiler.main(["--quick", "--nproc", str(CONFIRM_WORLD), "--device", "cpu",
+                            "--out", str(out), "--name", f"local-truth-{CONFIRM_WORLD}"])
+    if status != 0:
+        raise SystemExit(f"profiling failed (exit {status})")
+    return out
+
+
+def _layout_key(plan) -> tuple:
+    return (plan.dp, plan.mesh.degree("tp"), plan.pp, plan.mesh.degree("cp"))
+
+
+def _with_options(plan, zero: int, recompute):
+    """``plan`` with every layer at ZeRO stage ``zero`` and every block at ``recompute``
+    (embeddings and head never recompute, as in :meth:`Plan.from_strategy`)."""
+    from dataclasses import replace
+
+    from autoplan.graph import LayerKind
+    from autoplan.strategy import Recompute
+    kinds = {l.name: l.kind for l in plan.graph.layers}
+    layers = tuple(replace(lp, zero=zero,
+                           recompute=recompute if kinds[lp.name] is LayerKind.BLOCK else Recompute.NONE)
+                   for lp in plan.layers)
+    return replace(plan, layers=layers, estimate=None, runners_up=())
+
+
+def confirm_layouts(graph, cluster, *, run_all: bool = False) -> list[dict]:
+    """The layouts to confirm: the search's picked plan and its ranked list, capped.
+
+    Every layout the search ranks is kept when ``run_all``; otherwise (a documented cap, the
+    same rule for every model): the picked plan; every other ranked layout at the picked
+    degrees (dp, tp, pp, cp: micro-batch, ZeRO-0/1, sequence parallelism and schedule
+    variants); each other degree combination's best-ranked layout; and ``CONFIRM_SAMPLE``
+    more drawn uniformly (seed ``CONFIRM_SEED``) from the rest.  The search prices ZeRO-2/3
+    and recompute only when nothing cheaper fits (its memory ladder), which never happens
+    on this machine's RAM, so those options at the picked layout are added and priced by
+    the same engine (source ``ladder``).  Each row: ``source``, ``plan`` (with its estimate),
+    ``label``, ``predicted_s``, ``predicted_rank`` (1 = the search's pick).
+    """
+    import random
+
+    from autoplan import plan as search_plan
+    from autoplan.cost import estimate_plan
+    from autoplan.errors import AutoplanError
+    from autoplan.strategy import Recompute
+    picked = search_plan(graph, cluster, global_batch=CONFIRM_BATCH, top_k=100_000,
+                         precision="fp32", options=GLOO_ON_CPU)
+    ranked = [picked, *picked.runners_up]
+    if picked.search_stats.time_limit_hit:
+        print("warning: the search hit its time limit; its ranked list may be incomplete")
+    rows = [{"source": "search", "plan": p, "search_rank": i + 1} for i, p in enumerate(ranked)]
+    if not run_all:
+        keep = {0}
+        keep |= {i for i, r in enumerate(rows) if _layout_key(r["plan"]) == _layout_key(picked)}
+        seen = set()
+        for i, r in enumerate(rows):
+            if _layout_key(r["plan"]) not in seen:
+                seen.add(_layout_key(r["plan"]))
+                keep.add(i)
+        rest = [i for i in range(len(rows)) if i not in keep]
+        keep |= set(random.Random(CONFIRM_SEED).sample(rest, min(CONFIRM_SAMPLE, len(rest))))
+        print(f"{len(rows)} layouts ranked by the search; running {len(keep)}: the pick, "
+              f"{sum(_layout_key(r['plan']) == _layout_key(picked) for r in rows)} at its degrees, "
+              f"the best of each of {len(seen)} degree combinations, "
+              f"{min(CONFIRM_SAMPLE, len(rest))} sampled from the other {len(rest)} "
+              "(--all: every one)")
+        rows = [rows[i] for i in sorted(keep)]
+    # the options above the ladder's first rung, at the picked layout
+    have = {(p.label(), p.describe()) for p in (r["plan"] for r in rows)}
+    for zero in (0, 1, 2, 3):
+        for rc in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL):
+            try:
+                p = _with_options(picked, zero, rc)
+                p = p.with_estimate(estimate_plan(graph, cluster, p, options=GLOO_ON_CPU))
+            except AutoplanError as exc:   # e.g. what zero-bubble schedules cannot run
+                rows.append({"source": "ladder", "plan": None, "label": f"{picked.label()} "
+                             f"zero{zero} rc-{rc.value}", "status": "not runnable",
+                             "reason": f"{type(exc).__name__}: {exc}"})
+                continue
+            if (p.label(), p.describe()) not in have:
+                have.add((p.label(), p.describe()))
+                rows.append({"source": "ladder", "plan": p, "search_rank": None})
+    labels: dict[str, int] = {}
+    for r in rows:
+        if r["plan"] is None:
+            continue
+        p = r["plan"]
+        label = p.label()
+        if label in labels:   # a refined plan: the same options, other blocks per stage
+            label += " [" + "/".join(str(len(st.layers)) for st in p.stages) + " layers]"
+        labels[label] = labels.get(label, 0) + 1
+        r.update(label=label, predicted_s=p.estimate.step_time_s, status="", reason="")
+    order = sorted((r for r in rows if r["plan"] is not None), key=lambda r: r["predicted_s"])
+    for i, r in enumerate(order):
+        r["predicted_rank"] = i + 1
+    return rows
+
+
+def check_runnable(model, graph, rows: list[dict]) -> None:
+    """Mark the rows :func:`autoplan.parallelize` rejects before any collective (what it
+    raises on every rank alike) as not runnable, with its reason."""
+    import importlib
+
+    from autoplan.errors import AutoplanError
+    rt = importlib.import_module("autoplan.runtime.parallelize")  # the module, not the function
+    for r in rows:
+        if r["plan"] is None:
+            continue
+        try:
+            plan = rt.resolve_plan(model, r["plan"], graph, world_size=CONFIRM_WORLD,
+                                   global_batch=CONFIRM_BATCH)
+            rt._check_program(model, graph, plan, graph.seq_len, True, None)
+        except AutoplanError as exc:
+            r["status"], r["reason"] = "not runnable", f"{type(exc).__name__}: {exc}"
+
+
+def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
+                    jobs: list[tuple[int, str]], outdir: str) -> None:
+    """One rank of a launch: each job (index, plan JSON) in turn: lay the model out, warm-up
+    steps, timed steps; rank 0 writes ``done<i>.json`` (step times) or ``skip<i>.txt`` (the
+    plan rejected before any collective, on every rank alike).  ``graph``: the parent's
+    capture of the model (tracing on every rank costs seconds each).  Any other error is written
+    to ``error<i>_<rank>.txt`` and ends the process at once: a failed collective can leave
+    the group broken, so the parent relaunches the remaining jobs in fresh processes."""
+    import datetime
+    import gc
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=CONFIRM_LAYOUT_TIMEOUT_S))
+    from autoplan.errors import ConfigError, PlanMismatchError, StrategyError
+    from autoplan.plan import Plan
+    from autoplan.runtime import parallelize
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG.vocab_size, (CONFIRM_BATCH, CONFIG.seq_len), generator=gen)
+    for i, text in jobs:
+        try:
+            pm = parallelize(_confirm_model(model_name), Plan.from_json(text),
+                             global_batch=CONFIRM_BATCH, seq_len=CONFIG.seq_len, graph=graph)
+        except (ConfigError, StrategyError, PlanMismatchError) as exc:
+            if rank == 0:
+                Path(outdir, f"skip{i}.txt").write_text(f"{type(exc).__name__}: {exc}")
+            continue
+        try:
+            times = []
+            for k in range(CONFIRM_WARMUP + CONFIRM_TIMED):
+                dist.barrier()
+                t0 = time.perf_counter()
+                pm.step(ids)
+                dist.barrier()
+                if k >= CONFIRM_WARMUP:
+                    times.append(time.perf_counter() - t0)
+        except BaseException as exc:
+            Path(outdir, f"error{i}_{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        if rank == 0:
+            Path(outdir, f"done{i}.json").write_text(json.dumps(times))
+        del pm
+        gc.collect()
+    try:
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[int, list[float] | str]:
+    """Step times of each job (index, plan JSON) on ``CONFIRM_WORLD`` processes, run one
+    after the other in one launch; a job that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
+    gets its reason (a string) and the rest continue in a fresh launch."""
+    import multiprocessing as mp
+    from dataclasses import replace
+    ctx = mp.get_context("spawn")
+    graph = replace(graph, fx_graph=None)   # what parallelize keeps of a capture
+    out: dict[int, list[float] | str] = {}
+    todo = list(jobs)
+    while todo:
+        with tempfile.TemporaryDirectory() as outdir:
+            port = _free_port()
+            procs = [ctx.Process(target=_confirm_worker,
+                                 args=(r, CONFIRM_WORLD, port, model_name, graph, todo, outdir))
+                     for r in range(CONFIRM_WORLD)]
+            for p in procs:
+                p.start()
+            last, reported = time.monotonic(), 0
+            timed_out = False
+            while any(p.is_alive() for p in procs):
+                time.sleep(0.2)
+                n = len(list(Path(outdir).glob("done*.json")) + list(Path(outdir).glob("skip*.txt")))
+                if n != reported:
+                    last, reported = time.monotonic(), n
+                elif time.monotonic() - last > CONFIRM_LAYOUT_TIMEOUT_S:
+                    timed_out = True
+                    break
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            rest, blamed = [], False
+            for i, text in todo:
+                done, skip = Path(outdir, f"done{i}.json"), Path(outdir, f"skip{i}.txt")
+                if done.exists():
+                    out[i] = json.loads(done.read_text())
+                elif skip.exists():
+                    out[i] = "not runnable: " + skip.read_text()
+                elif not blamed:   # the first job without a result is the one that failed
+                    blamed = True
+                    errs = sorted(Path(outdir).glob(f"error{i}_*.txt"))
+                    out[i] = ("failed: " + "; ".join(e.read_text()[:300] for e in errs) if errs
+                              else f"failed: timed out after {CONFIRM_LAYOUT_TIMEOUT_S:.0f} s"
+                              if timed_out else "failed: the ranks exited without a result")
+                else:
+                    rest.append((i, text))
+            todo = rest
+    return out
+
+
+def _ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties averaged)."""
+    ra, rb = _ranks(a), _ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+CSV_FIELDS = ("model", "label", "source", "search_rank", "predicted_s", "predicted_rank",
+              "measured_s", "measured_rank", "error", "status", "reason")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """The rows to ``path``, written to a temporary name first, then renamed."""
+    import csv
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+    os.replace(tmp, path)
+
+
+def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all: bool,
+                 csv_path: Path | None) -> int:
+    from autoplan import trace
+    from autoplan.hardware import load_cluster
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = profile or profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+        cluster = load_cluster(str(profile))
+    if cluster.num_devices != CONFIRM_WORLD:
+        raise SystemExit(f"the profile has {cluster.num_devices} devices; --confirm needs "
+                         f"{CONFIRM_WORLD} (autoplan profile --nproc {CONFIRM_WORLD})")
+    all_rows = []
+    for name in models:
+        model = _confirm_model(name)
+        graph = trace(model, seq_len=CONFIG.seq_len)
+        print(f"\n=== {name}: {graph.title or graph.model}, {graph.num_params / 1e6:.2f} M parameters, "
+              f"{CONFIG.layers} blocks, seq {CONFIG.seq_len}; global batch {CONFIRM_BATCH}, fp32, "
+              f"{CONFIRM_WORLD} processes")
+        rows = confirm_layouts(graph, cluster, run_all=run_all)
+        check_runnable(model, graph, rows)
+        runnable = [i for i, r in enumerate(rows) if r["plan"] is not None and not r["status"]]
+        print(f"{len(rows)} layouts, {len(runnable)} runnable")
+        if run and runnable:
+            steps: dict[int, list[float]] = {i: [] for i in runnable}
+            for k in range(CONFIRM_ROUNDS):   # alternate the order: drift hits all alike
+                order = runnable if k % 2 == 0 else runnable[::-1]
+                got = measure_many(name, graph, [(i, rows[i]["plan"].to_json()) for i in order])
+                for i, v in got.items():
+                    if isinstance(v, str):
+                        rows[i]["status"], rows[i]["reason"] = v.split(":", 1)[0], v
+                    else:
+                        steps[i] += v
+            for i in runnable:
+                if not rows[i]["status"] and steps[i]:
+                    rows[i]["measured_s"] = min(steps[i])
+            measured = [i for i in runnable if rows[i].get("measured_s")]
+            for rank, i in enumerate(sorted(measured, key=lambda i: rows[i]["measured_s"])):
+                rows[i]["measured_rank"] = rank + 1
+                r = rows[i]
+                r["error"] = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+        for r in rows:
+            r["model"] = name
+        _print_confirm(rows, run)
+        all_rows += rows
+    if csv_path is not None:
+        write_csv(csv_path, all_rows)
+        print(f"\nwrote {len(all_rows)} rows to {csv_path}")
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    print(f"({time.perf_counter() - t0:.1f} s; 1-min load average {load:.1f} on "
+          f"{os.cpu_count()} cores)")
+    return 0
+
+
+def _print_confirm(rows: list[dict], run: bool) -> None:
+    def fmt(v, spec):
+        return f"{'-':>{spec[:-1].lstrip('+').split('.')[0]}}" if v is None else format(v, spec)
+
+    print(f"\n{'layout':<44} {'source':<7} {'pred s':>7} {'p.rank':>6} {'meas s':>7} "
+          f"{'m.rank':>6} {'error':>7}  status")
+    shown = sorted(rows, key=lambda r: (r.get("measured_rank") or 10**6,
+                                        r.get("predicted_rank") or 10**6))
+    for r in shown:
+        print(f"{r['label']:<44} {r['source']:<7} {fmt(r.get('predicted_s'), '7.3f')} "
+              f"{fmt(r.get('predicted_rank'), '6d')} {fmt(r.get('measured_s'), '7.3f')} "
+              f"{fmt(r.get('measured_rank'), '6d')} {fmt(r.get('error'), '+7.1%')}  "
+              f"{r['reason'][:110] if r.get('reason') else ''}")
+    picked = next(r for r in rows if r["source"] == "search" and r.get("search_rank") == 1)
+    measured = [r for r in rows if r.get("measured_s")]
+    if not run:
+        print(f"picked: {picked['label']} predicted {picked['predicted_s']:.3f} s "
+              "(real runs skipped: --no-run)")
+        return
+    if not measured or not picked.get("measured_s"):
+        print(f"picked: {picked['label']} was not measured ({picked.get('reason') or 'no run'})")
+        return
+    fastest = min(measured, key=lambda r: r["measured_s"])
+    ratio = picked["measured_s"] / fastest["measured_s"]
+    print(f"picked: {picked['label']} measured {picked['measured_s']:.3f} s; fastest measured: "
+          f"{fastest['label']} {fastest['measured_s']:.3f} s; ratio {ratio:.3f} "
+          f"(target <= {CONFIRM_TARGET}): {'ok' if ratio <= CONFIRM_TARGET else 'missed'}")
+    rho = spearman([r["predicted_s"] for r in measured], [r["measured_s"] for r in measured])
+    mape = statistics.mean(abs(r["error"]) for r in measured)
+    not_run = sum(1 for r in rows if r.get("status"))
+    print(f"Spearman rank correlation, predicted vs measured, over {len(measured)} measured "
+          f"layouts: {rho:+.2f}; mean |error| {mape:.1%}; {not_run} not runnable or failed")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -399,7 +817,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", nargs="*", metavar="LAYOUT", default=None,
                     help="compare peak memory instead of step time (all layouts, or those named: "
                          + ", ".join(MEMORY_LAYOUTS) + ")")
+    ap.add_argument("--confirm", action="store_true",
+                    help=f"search a small GPT and a small Llama on {CONFIRM_WORLD} processes, run "
+                         "the layouts the search ranks and compare the pick with the fastest")
+    ap.add_argument("--models", nargs="+", choices=CONFIRM_MODELS, default=list(CONFIRM_MODELS),
+                    help="with --confirm: the models (default: both)")
+    ap.add_argument("--all", action="store_true",
+                    help="with --confirm: run every ranked layout (no cap)")
+    ap.add_argument("--csv", type=Path, default=None, help="with --confirm: write the rows here")
     args = ap.parse_args(argv)
+    if args.confirm:
+        return confirm_main(args.profile, args.models, run=not args.no_run, run_all=args.all,
+                            csv_path=args.csv)
     if args.memory is not None:
         return memory_main(args.memory)
     t0 = time.perf_counter()

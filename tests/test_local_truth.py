@@ -1,0 +1,99 @@
+"""``benchmarks/local_truth.py --confirm`` without real runs: which layouts it takes from the
+search, how it labels and ranks them, the rank correlation and the CSV (a few seconds; the
+real runs take minutes and are not part of the suite)."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import local_truth as lt  # noqa: E402
+
+from autoplan import load_cluster, trace  # noqa: E402
+from autoplan.hardware.profiles import shipped_profiles_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def profile4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped A100 node profile with 4 devices (the enumeration needs some 4-device
+    cluster, not this machine's)."""
+    data = yaml.safe_load((shipped_profiles_dir() / "a100-sxm4-80gb.yaml").read_text())
+    data["name"] = "a100-x4-local-truth"
+    data["node"]["devices_per_node"] = 4
+    data["network"]["nics_per_node"] = 4
+    path = tmp_path_factory.mktemp("profile") / "a100-x4.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_rows(profile4: Path):
+    model = lt._confirm_model("gpt")
+    graph = trace(model, seq_len=lt.CONFIG.seq_len)
+    rows = lt.confirm_layouts(graph, load_cluster(str(profile4)))
+    lt.check_runnable(model, graph, rows)
+    return graph, rows
+
+
+def test_the_pick_and_its_neighbourhood(gpt_rows):
+    graph, rows = gpt_rows
+    planned = [r for r in rows if r["plan"] is not None]
+    picked = planned[0]
+    assert picked["source"] == "search" and picked["search_rank"] == 1
+    # ranks 1..n over the priced layouts, labels unique
+    assert sorted(r["predicted_rank"] for r in planned) == list(range(1, len(planned) + 1))
+    assert len({r["label"] for r in planned}) == len(planned)
+    key = lt._layout_key(picked["plan"])
+    searched = [r for r in rows if r["source"] == "search"]
+    # the best of every degree combination the search ranked, and the sample, are there
+    keys = {lt._layout_key(r["plan"]) for r in searched}
+    ranked = [picked["plan"], *picked["plan"].runners_up]
+    assert keys == {lt._layout_key(p) for p in ranked}
+    at_pick = sum(lt._layout_key(p) == key for p in ranked)
+    sampled = min(lt.CONFIRM_SAMPLE, len(ranked) - at_pick - (len(keys) - 1))
+    assert len(searched) == at_pick + len(keys) - 1 + sampled
+    # the ZeRO stages and recompute modes above the search's first rung, at the pick
+    ladder = [r for r in rows if r["source"] == "ladder"]
+    blocks = {b.name for b in graph.blocks}
+    block = next(i for i, lp in enumerate(picked["plan"].layers) if lp.name in blocks)
+    options = {(r["plan"].layers[block].zero, r["plan"].layers[block].recompute.value)
+               for r in ladder}
+    assert {(z, rc) for z in range(4) for rc in ("none", "selective", "full")} \
+        - {(0, "none"), (1, "none")} <= options
+    assert all(lt._layout_key(r["plan"]) == key for r in ladder)
+    # everything the search ranks, the runtime runs (on this world size)
+    assert not [r for r in rows if r["status"]]
+
+
+def test_the_selection_is_reproducible(gpt_rows, profile4: Path):
+    graph, rows = gpt_rows
+    again = lt.confirm_layouts(graph, load_cluster(str(profile4)))
+    assert [r["label"] for r in again] == [r["label"] for r in rows]
+
+
+def test_spearman_exact():
+    assert lt.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert lt.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert lt._ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
+    # rho = 1 - 6 sum d^2 / (n (n^2 - 1)) without ties: d = (0, 1, -1, 0) -> 1 - 12/60
+    assert lt.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+def test_no_run_prints_and_writes_csv(profile4: Path, tmp_path: Path, capsys):
+    out = tmp_path / "rows.csv"
+    assert lt.main(["--confirm", "--no-run", "--models", "gpt", "--profile", str(profile4),
+                    "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "picked: dp" in text and "real runs skipped" in text
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and set(rows[0]) == set(lt.CSV_FIELDS)
+    assert rows[0]["model"] == "gpt" and rows[0]["search_rank"] == "1"
+    assert not list(tmp_path.glob("*.tmp"))
