@@ -266,7 +266,10 @@ class ParallelModel:
             if self.holds_loss:
                 kwargs = {"target": targets, "losses": losses}
             args = (inputs,) if self.holds_input else ()
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's
+            # output (the logits) until the step ends, to merge them for a caller that
+            # only needs the losses
+            self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.tied is not None:
                 self.tied()
             # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
