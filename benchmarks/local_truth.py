@@ -380,6 +380,11 @@ def predict_memory() -> dict[str, list[float]]:
 
 def memory_main(names: list[str] | None = None) -> int:
     names = names or list(MEMORY_LAYOUTS)
+    unknown = [n for n in names if n not in MEMORY_LAYOUTS]
+    if unknown:
+        print(f"unknown layout(s) {', '.join(map(repr, unknown))}; known: "
+              + ", ".join(map(repr, MEMORY_LAYOUTS)), file=sys.stderr)
+        return 2
     predicted = predict_memory()
     print(f"memory: GPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {CONFIG.seq_len}, "
           f"vocab {CONFIG.vocab_size}; global batch {GLOBAL_BATCH}, micro-batch 2, fp32; "
