@@ -105,8 +105,8 @@ from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
 from .summary import GraphSummary, LayerCost, summarize
 
-__all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "ELEMENTWISE_BACKWARD_FACTOR",
-           "layout_from_plan", "Layout", "Segment"]
+__all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL_BLOCK_FRACTION",
+           "ELEMENTWISE_BACKWARD_FACTOR", "layout_from_plan", "Layout", "Segment"]
 
 #: Backward bytes of a memory-bound operator per forward byte: it reads the output
 #: gradient and what it saved and writes the input gradient (about twice the forward's
@@ -215,6 +215,28 @@ class QuickEstimate(NamedTuple):
     fits: bool
 
 
+class PrecisionCosts(NamedTuple):
+    """What a :class:`~autoplan.strategy.Precision` recipe costs per parameter and per
+    activation byte (``profiles/cost/cost-model.yaml``; :meth:`CostEngine.precision_costs`)."""
+
+    dtype: str                      # key of the device's peak-FLOPs table: bf16, fp16, fp32
+    param_bytes: int                # held per parameter (Rajbhandari et al. 2020, Sec. 3.1)
+    grad_bytes: int
+    optimizer_bytes: int
+    optimizer_bytes_accessed: int   # read and written per parameter by one optimizer step
+    activation_scale: float         # the recipe's activation bytes per captured byte
+
+
+class LayerTime(NamedTuple):
+    """Compute seconds of one layer and micro-batch on one device, memory-bound
+    operators included (:meth:`CostEngine.template_time`)."""
+
+    forward_s: float
+    backward_s: float
+    core_forward_s: float   # the attention core's part of forward_s (selective recompute's)
+    weight_grad_s: float    # the weight-gradient matmuls' part of backward_s (zero-bubble's W)
+
+
 @dataclass
 class _RankEval:
     """One pipeline rank on one replica: per-micro-batch times and per-step terms."""
@@ -291,15 +313,17 @@ class CostEngine:
             if dc.attention_efficiency is not None}
         self.options = options or CostOptions()
         self.constants = constants or load_constants()
-        self._template_time: dict[tuple, tuple[float, float, float, float]] = {}
-        self._coll: dict[tuple, float] = {}
+        self._template_times: dict[tuple, LayerTime] = {}
+        self._collective_times: dict[tuple, float] = {}
         self._template_counts: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
-        self._rep: dict[str, LayerCost] = {}
+        self._templates: dict[str, LayerCost] = {}
         for l in self.summary.layers:
-            self._rep.setdefault(l.template, l)
+            self._templates.setdefault(l.template, l)
         self._device_cache: dict[tuple[int, ...], object] = {}
-        self._homogeneous = len(self.cluster.device_types) == 1
+        #: Whether the cluster has one device type (then every replica costs the same).
+        self.homogeneous = len(self.cluster.device_types) == 1
         self._terms: dict[tuple, tuple[float, ...]] = {}
+        self._precision_costs: dict[Precision, PrecisionCosts] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
 
@@ -328,37 +352,33 @@ class CostEngine:
         """Step time, peak memory and fit only (what a search loop needs)."""
         return self._evaluate(self.layout(layout), full=False)  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ helpers
-    def _collective(self, op: str, group: tuple[int, ...], nbytes: float,
-                    concurrent: int | None = None, group_key: tuple | None = None) -> float:
-        """Cached collective time; ``group_key`` stands for a large ``group`` in the cache
-        key (``(first device, size, hash)``: hashing the group once per rank, not per call)."""
-        if len(group) <= 1 or nbytes <= 0:
-            return 0.0
-        key = (op, group if group_key is None else group_key, nbytes, concurrent)
-        t = self._coll.get(key)
-        if t is None:
-            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
-            self._coll[key] = t
-        return t
+    # ------------------------------------------------------------------ building blocks
+    # What the search prices a layer with when it sets up an optimisation problem; the
+    # engine itself prices layouts with them too.
 
-    def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
-        """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
-        if not self.options.dp_nic_per_device:
-            return None
-        return self.cluster.profile_of(group[0]).node.devices_per_node
+    def precision_costs(self, precision: Precision) -> PrecisionCosts:
+        """The compute dtype, bytes per parameter (weights, gradients, optimizer states),
+        optimizer traffic per parameter and activation scale of a precision recipe
+        (``profiles/cost/cost-model.yaml``; Rajbhandari et al. 2020, Sec. 3.1)."""
+        hit = self._precision_costs.get(precision)
+        if hit is None:
+            mixed = precision is not Precision.FP32
+            param_bytes, grad_bytes, optimizer_bytes = self.constants.model_states.per_param(mixed)
+            traffic = self.constants.optimizer
+            accessed = (traffic.mixed_bytes_accessed_per_param if mixed
+                        else traffic.fp32_bytes_accessed_per_param)
+            hit = PrecisionCosts(_DTYPE[precision], param_bytes, grad_bytes, optimizer_bytes,
+                                 accessed, precision.bytes / self.summary.activation_bytes)
+            self._precision_costs[precision] = hit
+        return hit
 
-    def _device(self, devices: tuple[int, ...]):
-        """The slowest device type among ``devices`` (lowest bf16-or-best peak)."""
-        d = self._device_cache.get(devices)
-        if d is None:
-            types = {self.cluster.device_type_of(i).name: self.cluster.device_type_of(i)
-                     for i in devices}
-            d = min(types.values(), key=lambda t: (max(t.peak_flops_per_s.values()), t.memory_bytes))
-            self._device_cache[devices] = d
-        return d
+    def template(self, name: str) -> LayerCost:
+        """The first layer of template ``name``; it stands for every layer of the template
+        (they cost the same)."""
+        return self._templates[name]
 
-    def _counts(self, lo: int, hi: int) -> tuple[tuple[str, int], ...]:
+    def layer_counts(self, lo: int, hi: int) -> tuple[tuple[str, int], ...]:
+        """``(template, count)`` of layers ``lo .. hi-1``, in order of first appearance."""
         key = (lo, hi)
         c = self._template_counts.get(key)
         if c is None:
@@ -369,9 +389,39 @@ class CostEngine:
             self._template_counts[key] = c
         return c
 
-    def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
-              sp: bool = False, ep: int = 1) -> tuple[float, float, float, float]:
-        """``(forward, backward, core forward, weight-gradient)`` seconds of one layer.
+    def device_of(self, devices: tuple[int, ...]):
+        """The :class:`~autoplan.hardware.DeviceType` that prices work spread over
+        ``devices``: the slowest among them (lowest bf16-or-best peak, then least memory)."""
+        d = self._device_cache.get(devices)
+        if d is None:
+            types = {self.cluster.device_type_of(i).name: self.cluster.device_type_of(i)
+                     for i in devices}
+            d = min(types.values(), key=lambda t: (max(t.peak_flops_per_s.values()), t.memory_bytes))
+            self._device_cache[devices] = d
+        return d
+
+    def collective_time(self, op: str, group: tuple[int, ...], nbytes: float,
+                        concurrent: int | None = None, group_key: tuple | None = None) -> float:
+        """Seconds of collective ``op`` sending ``nbytes`` per rank over ``group``
+        (:meth:`Cluster.collective_time <autoplan.hardware.Cluster.collective_time>`,
+        cached); ``concurrent`` its ``concurrent_groups``.  ``group_key`` stands for a
+        large ``group`` in the cache key (``(first device, size, hash)``: hashing the
+        group once per rank, not per call).  Zero for one device or no bytes."""
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        key = (op, group if group_key is None else group_key, nbytes, concurrent)
+        t = self._collective_times.get(key)
+        if t is None:
+            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
+            self._collective_times[key] = t
+        return t
+
+    def template_time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
+                      sp: bool = False, ep: int = 1) -> LayerTime:
+        """Compute seconds of one ``template`` layer and micro-batch of ``b`` sequences on
+        one ``device`` (:meth:`device_of`) in ``dtype`` (:attr:`PrecisionCosts.dtype`),
+        under tensor (``tp``, sequence parallel ``sp``), context (``cp``) and expert
+        (``ep``) parallelism, without recompute or communication.
 
         Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
         each memory-bound node: the bytes it reads and writes over the device's memory
@@ -383,14 +433,14 @@ class CostEngine:
         """
         fused = self.options.fused_attention
         key = (template, b, tp, cp, device.name, dtype, fused, sp, ep)
-        hit = self._template_time.get(key)
+        hit = self._template_times.get(key)
         if hit is not None:
             return hit
         peak = device.peak(dtype)
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
         attention = self._attention_tables.get(device.name) if fused else None
-        experts = self._rep[template].num_experts
+        experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         for n in self.summary.templates[template]:
             div = (tp if n.sharded else 1) * cp
@@ -428,14 +478,24 @@ class CostEngine:
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
         core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
-        hit = (fwd, bwd, core, wgrad)
-        self._template_time[key] = hit
+        hit = LayerTime(fwd, bwd, core, wgrad)
+        self._template_times[key] = hit
         return hit
 
-    def _activation(self, l: LayerCost, tp: int, sp: bool, rc: Recompute, cp: int) -> float:
-        """Saved activation bytes of one layer per sequence (Korthikanti et al. 2022, Sec. 4)."""
-        return activation_bytes(l, tp=tp, sequence_parallel=sp, recompute=rc, cp=cp,
+    def activation_bytes(self, layer: LayerCost, tp: int, sp: bool, recompute: Recompute,
+                         cp: int) -> float:
+        """Activation bytes one layer saves for its backward per sequence, in the graph's
+        activation dtype (Korthikanti et al. 2022, Sec. 4;
+        :func:`autoplan.cost.memory.activation_bytes` with this engine's fused attention)."""
+        return activation_bytes(layer, tp=tp, sequence_parallel=sp, recompute=recompute, cp=cp,
                                 fused_attention=self.options.fused_attention)
+
+    # ------------------------------------------------------------------ helpers
+    def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
+        """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
+        if not self.options.dp_nic_per_device:
+            return None
+        return self.cluster.profile_of(group[0]).node.devices_per_node
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, lay: Layout, full: bool):
@@ -462,11 +522,11 @@ class CostEngine:
         signatures: dict[tuple, int] = {}
         runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
                 else lay.replica_micro_batches)
-        if self._homogeneous and len(set(runs)) == 1:
+        if self.homogeneous and len(set(runs)) == 1:
             signatures[()] = 0
         else:
             for r in range(lay.dp):
-                sig = (tuple(self._device(self._replica_devices(lay, p, r)).name
+                sig = (tuple(self.device_of(self._replica_devices(lay, p, r)).name
                              for p in range(pp)), runs[r])
                 signatures.setdefault(sig, r)
 
@@ -586,7 +646,7 @@ class CostEngine:
         s = self.summary
         opts = self.options
         t = seg.tp
-        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype, seg.sequence_parallel,
+        f, bw, core, wg = self.template_time(l.template, b, t, cp, device, dtype, seg.sequence_parallel,
                                      ep if l.expert_params else 1)
         rc = 0.0
         if seg.recompute is Recompute.FULL and l.is_block:
@@ -598,7 +658,7 @@ class CostEngine:
         if t > 1:
             colls = l.sp_collectives if seg.sequence_parallel else l.tp_collectives
             for op, phase, nbytes in colls:
-                dt = self._collective(op, tp_group, nbytes * b * act_scale / cp)
+                dt = self.collective_time(op, tp_group, nbytes * b * act_scale / cp)
                 if phase == "forward":
                     tf += dt
                 else:
@@ -615,8 +675,8 @@ class CostEngine:
         cf = cb = cp_exp = 0.0
         if cp > 1 and core > 0 and l.is_block:
             kv = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
-            cf = self._collective("all_gather", cp_group, kv)
-            cb = self._collective("reduce_scatter", cp_group, kv)
+            cf = self.collective_time("all_gather", cp_group, kv)
+            cb = self.collective_time("reduce_scatter", cp_group, kv)
             if seg.recompute is Recompute.FULL:
                 cb += cf   # the recomputed forward gathers again
             cp_exp = cf + cb
@@ -625,7 +685,7 @@ class CostEngine:
         # blocking, so exposed
         xf = xb = 0.0
         if ep > 1 and l.expert_tokens:
-            xf = 2 * self._collective("all_to_all", ep_group,
+            xf = 2 * self.collective_time("all_to_all", ep_group,
                                       self.dispatch_bytes(l, b, cp, act_scale))
             xb = xf * (2 if seg.recompute is Recompute.FULL and l.is_block else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
@@ -643,10 +703,10 @@ class CostEngine:
         lb = bw + rc + eb + cb + xb
         fwd_exp = bwd_exp = z_tot = 0.0
         if seg.zero >= 2 and zero_degree > 1 and local + local_x > 0:
-            rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc) + \
-                self._collective("reduce_scatter", edp_group, local_x * gb, dp_conc)
-            ag = self._collective("all_gather", dp_group, local * pb, dp_conc) + \
-                self._collective("all_gather", edp_group, local_x * pb, dp_conc) \
+            rs = self.collective_time("reduce_scatter", dp_group, local * gb, dp_conc) + \
+                self.collective_time("reduce_scatter", edp_group, local_x * gb, dp_conc)
+            ag = self.collective_time("all_gather", dp_group, local * pb, dp_conc) + \
+                self.collective_time("all_gather", edp_group, local_x * pb, dp_conc) \
                 if seg.zero == 3 else 0.0
             # backward: one gather, or two when the recomputed forward gathers again
             ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
@@ -658,11 +718,11 @@ class CostEngine:
                 fwd_exp, bwd_exp = ag, ag_b + rs
             z_tot = ag + ag_b + rs
         # activations
-        act = self._activation(l, t, seg.sequence_parallel, seg.recompute, cp) * b * act_scale
+        act = self.activation_bytes(l, t, seg.sequence_parallel, seg.recompute, cp) * b * act_scale
         whole = act
         if seg.recompute is Recompute.FULL and l.is_block:
             # the layer being recomputed holds all it saves, its checkpoint included
-            whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp) * b * act_scale
+            whole = self.activation_bytes(l, t, seg.sequence_parallel, Recompute.NONE, cp) * b * act_scale
         return (f, bw, rc, wg, tf + tb, ef + eb, cf + cb, cp_exp, z_tot, fwd_exp + bwd_exp,
                 lf + fwd_exp, lb + bwd_exp, local, unit, act, whole, xf + xb, xf + xb, local_x)
 
@@ -705,13 +765,13 @@ class CostEngine:
         act_scale = precision.bytes / self.summary.activation_bytes
         rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
             self._groups(all_devs, tp, cp, ep, 0)
-        device = self._device(rep)
+        device = self.device_of(rep)
         seg = Segment(0, 0, tp, sp, 1, Recompute.NONE)
         key = (template, tp, sp, 1, Recompute.NONE, b, cp, device.name, dtype, act_scale,
                rep[:tp], dp_key, cp_group, ep_key)
         terms = self._terms.get(key)
         if terms is None:
-            terms = self._layer_terms(self._rep[template], seg, b, cp, device, dtype, act_scale,
+            terms = self._layer_terms(self._templates[template], seg, b, cp, device, dtype, act_scale,
                                       rep[:tp], dp_group, dp_conc, cp_group, len(dp_group), pb,
                                       gb, ep, ep_group, edp_group)
             self._terms[key] = terms
@@ -742,7 +802,7 @@ class CostEngine:
         ep = lay.ep
         rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
             self._groups(lay.rank_devices[p], tp_stage, cp, ep, r)
-        device = self._device(rep)
+        device = self.device_of(rep)
         zero_degree = len(dp_group)
         edp = zero_degree // ep
         ev = _RankEval(device_type=device.name, layers=0)
@@ -766,8 +826,8 @@ class CostEngine:
             for seg in chunk:
                 t = seg.tp
                 tp_group = rep[:t]
-                for template, count in self._counts(seg.lo, seg.hi):
-                    l = self._rep[template]
+                for template, count in self.layer_counts(seg.lo, seg.hi):
+                    l = self._templates[template]
                     n_layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
                            cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
@@ -813,7 +873,7 @@ class CostEngine:
                 nxt = lay.stage_ranks[k + 1]
                 pair = (rep[0], self._replica_devices(lay, nxt, r)[0])
                 if pair[0] != pair[1]:
-                    ev.p2p += 2 * self._collective("p2p", pair, cut)  # activation + its gradient
+                    ev.p2p += 2 * self.collective_time("p2p", pair, cut)  # activation + its gradient
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute, ev.recompute, ev.wgrad = fwd_c, bwd_c, rcp, wgr
         ev.tp_total, ev.tp_exposed, ev.cp_total, ev.cp_exposed = tp_t, tp_e, cp_t, cp_e
@@ -827,16 +887,16 @@ class CostEngine:
         # per-step data-parallel reduction of the layers with ZeRO-0/1 (and ZeRO-2's gather)
         red0 = params_by_zero[0] + tied_extra
         red1 = params_by_zero[1]
-        t_red = self._collective("all_reduce", dp_group, red0 * gb, dp_conc, dp_key) + \
-            self._collective("reduce_scatter", dp_group, red1 * gb, dp_conc, dp_key)
-        t_gather = self._collective("all_gather", dp_group, (red1 + params_by_zero[2]) * pb,
+        t_red = self.collective_time("all_reduce", dp_group, red0 * gb, dp_conc, dp_key) + \
+            self.collective_time("reduce_scatter", dp_group, red1 * gb, dp_conc, dp_key)
+        t_gather = self.collective_time("all_gather", dp_group, (red1 + params_by_zero[2]) * pb,
                                     dp_conc, dp_key)
         x0, x1, x2, x3 = experts_by_zero     # expert banks: over the edp group
         if x0 or x1 or x2:
             edp_key = (edp_group[0], len(edp_group), ep_key[2])
-            t_red += self._collective("all_reduce", edp_group, x0 * gb, dp_conc, edp_key) + \
-                self._collective("reduce_scatter", edp_group, x1 * gb, dp_conc, edp_key)
-            t_gather += self._collective("all_gather", edp_group, (x1 + x2) * pb, dp_conc, edp_key)
+            t_red += self.collective_time("all_reduce", edp_group, x0 * gb, dp_conc, edp_key) + \
+                self.collective_time("reduce_scatter", edp_group, x1 * gb, dp_conc, edp_key)
+            t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * pb, dp_conc, edp_key)
         ev.dp_step_total = t_red + t_gather
         exp_red = max(0.0, t_red - ev.bwd) if opts.overlap_grad_reduce else t_red
         exp_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
@@ -844,7 +904,7 @@ class CostEngine:
         if tied_extra and pp > 1:
             pair = (rep[0], self._replica_devices(lay, 0 if p == pp - 1 else pp - 1, r)[0])
             if pair[0] != pair[1]:
-                t_tied = self._collective("all_reduce", pair, tied_extra * gb)
+                t_tied = self.collective_time("all_reduce", pair, tied_extra * gb)
                 ev.dp_step_total += t_tied
                 ev.dp_step_exposed += t_tied
         # optimizer: memory-bound Adam over the parameters this device updates
