@@ -764,19 +764,14 @@ class CostEngine:
             # the layer being recomputed holds all it saves, its checkpoint included
             working = self.activation_bytes(layer, t, seg.sequence_parallel, Recompute.NONE, cp) \
                 * b * act_scale
-        return _LayerTerms(
-            forward_compute_s=forward, backward_compute_s=backward, recompute_s=recompute,
-            weight_grad_s=layer_time.weight_grad_s,
-            tp_total_s=tp_forward + tp_backward,
-            tp_exposed_s=tp_forward_exposed + tp_backward_exposed,
-            cp_total_s=cp_forward + cp_backward, cp_exposed_s=cp_exposed,
-            zero_total_s=zero_total, zero_exposed_s=zero_forward_exposed + zero_backward_exposed,
-            forward_s=forward_with_comm + zero_forward_exposed,
-            backward_s=backward_with_comm + zero_backward_exposed,
-            local_params=local_params, gather_unit_params=gather_unit,
-            saved_bytes=saved, working_bytes=working,
-            ep_total_s=ep_forward + ep_backward, ep_exposed_s=ep_forward + ep_backward,
-            local_expert_params=local_expert_params)
+        return _LayerTerms(   # positional, in field order (keywords cost a search time)
+            forward, backward, recompute, layer_time.weight_grad_s,
+            tp_forward + tp_backward, tp_forward_exposed + tp_backward_exposed,
+            cp_forward + cp_backward, cp_exposed,
+            zero_total, zero_forward_exposed + zero_backward_exposed,
+            forward_with_comm + zero_forward_exposed, backward_with_comm + zero_backward_exposed,
+            local_params, gather_unit, saved, working,
+            ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params)
 
     def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float) -> float:
         """Bytes one rank sends into one token all-to-all of layer ``l`` per micro-batch
@@ -847,7 +842,7 @@ class CostEngine:
         kmem = self.constants.memory
         pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
         b = lay.micro_batch
-        act_scale = recipe.activation_scale
+        dtype, act_scale = recipe.dtype, recipe.activation_scale
         ep = lay.ep
         groups = self._groups(lay.rank_devices[rank], lay.rank_tp[rank], cp, ep, replica)
         devices, dp_group, dp_concurrency = groups.replica, groups.dp, groups.dp_concurrency
@@ -882,8 +877,7 @@ class CostEngine:
                     l = self._templates[template]
                     n_layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
-                           cp, device.name, recipe.dtype, act_scale, tp_group, dp_key, cp_group,
-                           ep_key)
+                           cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
                     if terms is None:
                         terms = self._layer_terms(l, seg, b, cp, device, recipe, groups, ep)
