@@ -363,7 +363,10 @@ class CostEngine:
         self._device_cache: dict[tuple[int, ...], object] = {}
         #: Whether the cluster has one device type (then every replica costs the same).
         self.homogeneous = len(self.cluster.device_types) == 1
-        self._terms: dict[tuple, _LayerTerms] = {}
+        # _LayerTerms cached as plain tuples: the garbage collector stops tracking a tuple
+        # of floats but never a NamedTuple, and a search caches tens of thousands of them
+        # (each collection would walk them all: 15 % of a DeepSeek-V3 search)
+        self._terms: dict[tuple, tuple[float, ...]] = {}
         self._precision_costs: dict[Precision, PrecisionCosts] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
@@ -813,10 +816,10 @@ class CostEngine:
                groups.ep_key)
         terms = self._terms.get(key)
         if terms is None:
-            terms = self._layer_terms(self._templates[template], seg, b, cp, device, recipe,
-                                      groups, ep)
-            self._terms[key] = terms
-        return terms.forward_s + terms.backward_s
+            terms = self._terms[key] = tuple(self._layer_terms(self._templates[template], seg, b,
+                                                               cp, device, recipe, groups, ep))
+        named = _LayerTerms._make(terms)
+        return named.forward_s + named.backward_s
 
     def _stages_of(self, stage_ranks: tuple[int, ...]) -> dict[int, list[int]]:
         """The virtual stages of each pipeline rank, in order."""
@@ -880,8 +883,8 @@ class CostEngine:
                            cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
                     if terms is None:
-                        terms = self._layer_terms(l, seg, b, cp, device, recipe, groups, ep)
-                        self._terms[key] = terms
+                        terms = self._terms[key] = tuple(
+                            self._layer_terms(l, seg, b, cp, device, recipe, groups, ep))
                     # unpacked in field order: this is a search's hot loop, where 19
                     # attribute reads would cost time
                     (forward_compute_s, backward_compute_s, recompute_s, weight_grad_s,
