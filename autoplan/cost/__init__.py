@@ -4,7 +4,10 @@
   :func:`estimate_plan` a per-layer :class:`~autoplan.plan.Plan`; both run one
   :class:`CostEngine` (see :mod:`autoplan.cost.engine` for the formulas).
 * A search holds an engine (:func:`engine_for`) and calls
-  :meth:`CostEngine.quick` for step time, peak memory and fit without records.
+  :meth:`CostEngine.quick` for step time, peak memory and fit without records;
+  to price single layers it uses the engine's public building blocks
+  (:meth:`CostEngine.template_time`, :meth:`CostEngine.collective_time`,
+  :meth:`CostEngine.activation_bytes`, :meth:`CostEngine.precision_costs`, ...).
 * :class:`CostOptions` says how the training runs (fused attention, overlaps);
   :class:`CostConstants` holds the constants of ``profiles/cost/cost-model.yaml``.
 """

@@ -110,8 +110,8 @@ from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
 from .summary import GraphSummary, LayerCost, summarize
 
-__all__ = ["CostEngine", "QuickEstimate", "CAUSAL_BLOCK_FRACTION", "ELEMENTWISE_BACKWARD_FACTOR",
-           "layout_from_plan", "Layout", "Segment"]
+__all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL_BLOCK_FRACTION",
+           "ELEMENTWISE_BACKWARD_FACTOR", "layout_from_plan", "Layout", "Segment"]
 
 #: Backward bytes of a memory-bound operator per forward byte: it reads the output
 #: gradient and what it saved and writes the input gradient (about twice the forward's
@@ -231,6 +231,69 @@ class QuickEstimate(NamedTuple):
     fits: bool
 
 
+class PrecisionCosts(NamedTuple):
+    """What a :class:`~autoplan.strategy.Precision` recipe costs per parameter and per
+    activation byte (``profiles/cost/cost-model.yaml``; :meth:`CostEngine.precision_costs`)."""
+
+    dtype: str                      # key of the device's peak-FLOPs table: bf16, fp16, fp32
+    param_bytes: int                # held per parameter (Rajbhandari et al. 2020, Sec. 3.1)
+    grad_bytes: int
+    optimizer_bytes: int
+    optimizer_bytes_accessed: int   # read and written per parameter by one optimizer step
+    activation_scale: float         # the recipe's activation bytes per captured byte
+
+
+class LayerTime(NamedTuple):
+    """Compute seconds of one layer and micro-batch on one device, memory-bound
+    operators included (:meth:`CostEngine.template_time`)."""
+
+    forward_s: float
+    backward_s: float
+    core_forward_s: float   # the attention core's part of forward_s (selective recompute's)
+    weight_grad_s: float    # the weight-gradient matmuls' part of backward_s (zero-bubble's W)
+
+
+class _LayerTerms(NamedTuple):
+    """Everything one layer adds to its pipeline rank per micro-batch (see the module
+    docstring; :meth:`CostEngine._layer_terms`).  ``<kind>_total_s`` are the seconds of
+    that kind of communication, ``<kind>_exposed_s`` the part of them compute does not hide."""
+
+    forward_compute_s: float
+    backward_compute_s: float
+    recompute_s: float
+    weight_grad_s: float
+    tp_total_s: float
+    tp_exposed_s: float
+    cp_total_s: float
+    cp_exposed_s: float
+    zero_total_s: float
+    zero_exposed_s: float
+    forward_s: float            # forward with its exposed communication
+    backward_s: float           # backward, recompute included, with its exposed communication
+    local_params: float         # parameters on this device outside the expert banks
+    gather_unit_params: float   # parameters ZeRO-3 gathers at once (a layer or a module)
+    saved_bytes: float          # activations saved for the backward (after recompute)
+    working_bytes: float        # activations the layer holds while it is (re)computed
+    ep_total_s: float
+    ep_exposed_s: float
+    local_expert_params: float  # parameters on this device in expert banks (ZeRO shards
+                                # them over the edp group, the rest over dp x cp)
+
+
+class _RankGroups(NamedTuple):
+    """The device groups of one replica on one pipeline rank, at tensor-parallel index 0
+    (:meth:`CostEngine._groups`)."""
+
+    replica: tuple[int, ...]        # the replica's devices on this rank (cp x tp)
+    dp: tuple[int, ...]             # same tp index on every replica: dp x cp members
+    dp_concurrency: int | None      # concurrent_groups of data-parallel collectives
+    dp_key: tuple                   # stands for the dp group in collective cache keys
+    cp: tuple[int, ...]             # same tp index in this replica; () without cp
+    ep: tuple[int, ...]             # the ep members sharing one copy of the experts
+    edp: tuple[int, ...]            # the members holding the same experts (their gradients)
+    ep_key: tuple                   # stands for the ep and edp groups in cache keys
+
+
 @dataclass
 class _RankEval:
     """One pipeline rank on one replica: per-micro-batch times and per-step terms."""
@@ -304,15 +367,20 @@ class CostEngine:
         self._attention_tables = attention_tables(cluster, calibration) if calibration else {}
         self.options = options or CostOptions()
         self.constants = constants or load_constants()
-        self._template_time: dict[tuple, tuple[float, float, float, float]] = {}
-        self._coll: dict[tuple, float] = {}
+        self._template_times: dict[tuple, LayerTime] = {}
+        self._collective_times: dict[tuple, float] = {}
         self._template_counts: dict[tuple[int, int], tuple[tuple[str, int], ...]] = {}
-        self._rep: dict[str, LayerCost] = {}
+        self._templates: dict[str, LayerCost] = {}
         for l in self.summary.layers:
-            self._rep.setdefault(l.template, l)
+            self._templates.setdefault(l.template, l)
         self._device_cache: dict[tuple[int, ...], object] = {}
-        self._homogeneous = len(self.cluster.device_types) == 1
+        #: Whether the cluster has one device type (then every replica costs the same).
+        self.homogeneous = len(self.cluster.device_types) == 1
+        # _LayerTerms cached as plain tuples: the garbage collector stops tracking a tuple
+        # of floats but never a NamedTuple, and a search caches tens of thousands of them
+        # (each collection would walk them all: 15 % of a DeepSeek-V3 search)
         self._terms: dict[tuple, tuple[float, ...]] = {}
+        self._precision_costs: dict[Precision, PrecisionCosts] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
 
@@ -341,37 +409,33 @@ class CostEngine:
         """Step time, peak memory and fit only (what a search loop needs)."""
         return self._evaluate(self.layout(layout), full=False)  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ helpers
-    def _collective(self, op: str, group: tuple[int, ...], nbytes: float,
-                    concurrent: int | None = None, group_key: tuple | None = None) -> float:
-        """Cached collective time; ``group_key`` stands for a large ``group`` in the cache
-        key (``(first device, size, hash)``: hashing the group once per rank, not per call)."""
-        if len(group) <= 1 or nbytes <= 0:
-            return 0.0
-        key = (op, group if group_key is None else group_key, nbytes, concurrent)
-        t = self._coll.get(key)
-        if t is None:
-            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
-            self._coll[key] = t
-        return t
+    # ------------------------------------------------------------------ building blocks
+    # What the search prices a layer with when it sets up an optimisation problem; the
+    # engine itself prices layouts with them too.
 
-    def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
-        """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
-        if not self.options.dp_nic_per_device:
-            return None
-        return self.cluster.profile_of(group[0]).node.devices_per_node
+    def precision_costs(self, precision: Precision) -> PrecisionCosts:
+        """The compute dtype, bytes per parameter (weights, gradients, optimizer states),
+        optimizer traffic per parameter and activation scale of a precision recipe
+        (``profiles/cost/cost-model.yaml``; Rajbhandari et al. 2020, Sec. 3.1)."""
+        hit = self._precision_costs.get(precision)
+        if hit is None:
+            mixed = precision is not Precision.FP32
+            param_bytes, grad_bytes, optimizer_bytes = self.constants.model_states.per_param(mixed)
+            traffic = self.constants.optimizer
+            accessed = (traffic.mixed_bytes_accessed_per_param if mixed
+                        else traffic.fp32_bytes_accessed_per_param)
+            hit = PrecisionCosts(_DTYPE[precision], param_bytes, grad_bytes, optimizer_bytes,
+                                 accessed, precision.bytes / self.summary.activation_bytes)
+            self._precision_costs[precision] = hit
+        return hit
 
-    def _device(self, devices: tuple[int, ...]):
-        """The slowest device type among ``devices`` (lowest bf16-or-best peak)."""
-        d = self._device_cache.get(devices)
-        if d is None:
-            types = {self.cluster.device_type_of(i).name: self.cluster.device_type_of(i)
-                     for i in devices}
-            d = min(types.values(), key=lambda t: (max(t.peak_flops_per_s.values()), t.memory_bytes))
-            self._device_cache[devices] = d
-        return d
+    def template(self, name: str) -> LayerCost:
+        """The first layer of template ``name``; it stands for every layer of the template
+        (they cost the same)."""
+        return self._templates[name]
 
-    def _counts(self, lo: int, hi: int) -> tuple[tuple[str, int], ...]:
+    def layer_counts(self, lo: int, hi: int) -> tuple[tuple[str, int], ...]:
+        """``(template, count)`` of layers ``lo .. hi-1``, in order of first appearance."""
         key = (lo, hi)
         c = self._template_counts.get(key)
         if c is None:
@@ -382,9 +446,39 @@ class CostEngine:
             self._template_counts[key] = c
         return c
 
-    def _time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
-              sp: bool = False, ep: int = 1) -> tuple[float, float, float, float]:
-        """``(forward, backward, core forward, weight-gradient)`` seconds of one layer.
+    def device_of(self, devices: tuple[int, ...]):
+        """The :class:`~autoplan.hardware.DeviceType` that prices work spread over
+        ``devices``: the slowest among them (lowest bf16-or-best peak, then least memory)."""
+        d = self._device_cache.get(devices)
+        if d is None:
+            types = {self.cluster.device_type_of(i).name: self.cluster.device_type_of(i)
+                     for i in devices}
+            d = min(types.values(), key=lambda t: (max(t.peak_flops_per_s.values()), t.memory_bytes))
+            self._device_cache[devices] = d
+        return d
+
+    def collective_time(self, op: str, group: tuple[int, ...], nbytes: float,
+                        concurrent: int | None = None, group_key: tuple | None = None) -> float:
+        """Seconds of collective ``op`` sending ``nbytes`` per rank over ``group``
+        (:meth:`Cluster.collective_time <autoplan.hardware.Cluster.collective_time>`,
+        cached); ``concurrent`` its ``concurrent_groups``.  ``group_key`` stands for a
+        large ``group`` in the cache key (``(first device, size, hash)``: hashing the
+        group once per rank, not per call).  Zero for one device or no bytes."""
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        key = (op, group if group_key is None else group_key, nbytes, concurrent)
+        t = self._collective_times.get(key)
+        if t is None:
+            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
+            self._collective_times[key] = t
+        return t
+
+    def template_time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
+                      sp: bool = False, ep: int = 1) -> LayerTime:
+        """Compute seconds of one ``template`` layer and micro-batch of ``b`` sequences on
+        one ``device`` (:meth:`device_of`) in ``dtype`` (:attr:`PrecisionCosts.dtype`),
+        under tensor (``tp``, sequence parallel ``sp``), context (``cp``) and expert
+        (``ep``) parallelism, without recompute or communication.
 
         Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
         each memory-bound node: the bytes it reads and writes over the device's memory
@@ -396,7 +490,7 @@ class CostEngine:
         """
         fused = self.options.fused_attention
         key = (template, b, tp, cp, device.name, dtype, fused, sp, ep)
-        hit = self._template_time.get(key)
+        hit = self._template_times.get(key)
         if hit is not None:
             return hit
         fp8 = dtype == "fp8"
@@ -411,7 +505,7 @@ class CostEngine:
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
         attention = self._attention_tables.get(device.name) if fused else None
-        experts = self._rep[template].num_experts
+        experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         grouped = self.options.expert_grouped_gemm
         token_split = tp if self.options.moe_tokens_split_over_tp else 1
@@ -463,27 +557,30 @@ class CostEngine:
             fwd += cast / 2 / device.memory_bw_bytes_per_s
             bwd += cast / 2 / device.memory_bw_bytes_per_s
         core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
-        hit = (fwd, bwd, core, wgrad)
-        self._template_time[key] = hit
+        hit = LayerTime(fwd, bwd, core, wgrad)
+        self._template_times[key] = hit
         return hit
 
-    def _activation(self, l: LayerCost, tp: int, sp: bool, rc: Recompute, cp: int) -> float:
-        """Saved activation bytes of one layer per sequence (Korthikanti et al. 2022, Sec. 4)."""
-        return activation_bytes(l, tp=tp, sequence_parallel=sp, recompute=rc, cp=cp,
+    def activation_bytes(self, layer: LayerCost, tp: int, sp: bool, recompute: Recompute,
+                         cp: int) -> float:
+        """Activation bytes one layer saves for its backward per sequence, in the graph's
+        activation dtype (Korthikanti et al. 2022, Sec. 4;
+        :func:`autoplan.cost.memory.activation_bytes` with this engine's fused attention)."""
+        return activation_bytes(layer, tp=tp, sequence_parallel=sp, recompute=recompute, cp=cp,
                                 fused_attention=self.options.fused_attention)
+
+    # ------------------------------------------------------------------ helpers
+    def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
+        """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
+        if not self.options.dp_nic_per_device:
+            return None
+        return self.cluster.profile_of(group[0]).node.devices_per_node
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, lay: Layout, full: bool):
         s = self.summary
         opts = self.options
-        k_mem = self.constants.memory
-        dtype = _DTYPE[lay.precision]
-        mixed = lay.precision is not Precision.FP32
-        pb, gb, ob = self.constants.model_states.per_param(mixed)
-        opt_bytes = (self.constants.optimizer.mixed_bytes_accessed_per_param if mixed
-                     else self.constants.optimizer.fp32_bytes_accessed_per_param)
-        act_scale = lay.precision.bytes / s.activation_bytes
-        b = lay.micro_batch
+        recipe = self.precision_costs(lay.precision)
         pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
         if len(lay.chunks) != pp * v:
             raise StrategyError(f"layout has {len(lay.chunks)} chunks for pp={pp} x v={v}")
@@ -497,19 +594,18 @@ class CostEngine:
         signatures: dict[tuple, int] = {}
         runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
                 else lay.replica_micro_batches)
-        if self._homogeneous and len(set(runs)) == 1:
+        if self.homogeneous and len(set(runs)) == 1:
             signatures[()] = 0
         else:
             for r in range(lay.dp):
-                sig = (tuple(self._device(self._replica_devices(lay, p, r)).name
+                sig = (tuple(self.device_of(self._replica_devices(lay, p, r)).name
                              for p in range(pp)), runs[r])
                 signatures.setdefault(sig, r)
 
         best = None
         for sig, r in signatures.items():
             m = runs[r]
-            ranks = [self._rank(lay, p, r, m, dtype, pb, gb, ob, opt_bytes, act_scale, b, full)
-                     for p in range(pp)]
+            ranks = [self._rank(lay, p, r, m, recipe) for p in range(pp)]
             times = [rk.per_micro_batch for rk in ranks]
             crit = max(range(pp), key=lambda p: times[p])
             zb_excess = 0.0
@@ -542,7 +638,7 @@ class CostEngine:
             for sig, r in signatures.items():
                 rm = runs[r]
                 for p in range(pp):
-                    rk = self._rank(lay, p, r, rm, dtype, pb, gb, ob, opt_bytes, act_scale, b, False)
+                    rk = self._rank(lay, p, r, rm, recipe)
                     assert rk.memory is not None
                     peak = max(peak, rk.memory.total_bytes)
                     fits &= rk.memory.total_bytes <= rk.capacity * opts.memory_fraction
@@ -583,7 +679,8 @@ class CostEngine:
         hw_flops = model_flops + rc_flops * lay.global_batch
         n_dev = sum(len(d) for d in lay.rank_devices)
         # MFU against the 16-bit peak also for FP8 (as Megatron-Bridge and NeMo report it)
-        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if dtype == "fp8" else dtype)
+        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if recipe.dtype == "fp8"
+                                                           else recipe.dtype)
                        for devs in lay.rank_devices for i in devs)
         stages = tuple(StageEstimate(
             rank=p, device_type=rk.device_type, layers=rk.layers,
@@ -604,103 +701,117 @@ class CostEngine:
             stages=stages, peak_memory_bytes=peak, fits=bool(fits),
             memory_fraction=opts.memory_fraction, notes=tuple(notes))
 
-    def _layer_terms(self, l: LayerCost, seg: Segment, b: int, cp: int, device, dtype: str,
-                     act_scale: float, tp_group: tuple[int, ...], dp_group: tuple[int, ...],
-                     dp_conc: int | None, cp_group: tuple[int, ...], zero_degree: int,
-                     pb: int, gb: int, ep: int = 1, ep_group: tuple[int, ...] = (),
-                     edp_group: tuple[int, ...] = ()) -> tuple[float, ...]:
-        """Everything one layer adds to its rank, per micro-batch (see the module docstring).
-
-        Returns ``(fwd, bwd, recompute, wgrad, tp_total, tp_exposed, cp_total, cp_exposed,
-        zero_total, zero_exposed, F, B, local_params, gather_unit, act_bytes, whole_bytes,
-        ep_total, ep_exposed, local_expert_params)`` where ``F``/``B`` are the
-        forward/backward time with exposed communication, ``act_bytes``/``whole_bytes``
-        the saved activations with/without recompute, and ``local_params`` the
-        parameters on this device outside the expert banks (``local_expert_params``
-        those in them: ZeRO shards the two over different groups).
-        """
+    def _layer_terms(self, layer: LayerCost, seg: Segment, b: int, cp: int, device,
+                     recipe: PrecisionCosts, groups: _RankGroups, ep: int = 1) -> _LayerTerms:
+        """Everything one layer of segment ``seg`` adds to its rank per micro-batch of
+        ``b`` sequences on ``device`` (see the module docstring), its collectives over
+        ``groups``."""
         s = self.summary
         opts = self.options
         t = seg.tp
-        f, bw, core, wg = self._time(l.template, b, t, cp, device, dtype, seg.sequence_parallel,
-                                     ep if l.expert_params else 1)
-        rc = 0.0
-        if seg.recompute is Recompute.FULL and l.is_block:
-            rc = f
-        elif seg.recompute is Recompute.SELECTIVE and l.is_block and not opts.fused_attention:
-            rc = core
+        act_scale = recipe.activation_scale
+        layer_time = self.template_time(layer.template, b, t, cp, device, recipe.dtype,
+                                        seg.sequence_parallel, ep if layer.expert_params else 1)
+        forward, backward = layer_time.forward_s, layer_time.backward_s
+        core = layer_time.core_forward_s
+        recompute = 0.0
+        if seg.recompute is Recompute.FULL and layer.is_block:
+            recompute = forward
+        elif seg.recompute is Recompute.SELECTIVE and layer.is_block and not opts.fused_attention:
+            recompute = core
         # tensor-parallel collectives of one layer
-        tf = tb = 0.0
+        tp_forward = tp_backward = 0.0
         if t > 1:
-            colls = l.sp_collectives if seg.sequence_parallel else l.tp_collectives
+            tp_group = groups.replica[:t]
+            colls = layer.sp_collectives if seg.sequence_parallel else layer.tp_collectives
             for op, phase, nbytes in colls:
-                dt = self._collective(op, tp_group, nbytes * b * act_scale / cp)
+                seconds = self.collective_time(op, tp_group, nbytes * b * act_scale / cp)
                 if phase == "forward":
-                    tf += dt
+                    tp_forward += seconds
                 else:
-                    tb += dt
-        if seg.recompute is Recompute.FULL and l.is_block:
-            tb += tf   # the recomputed forward runs its collectives again
+                    tp_backward += seconds
+        if seg.recompute is Recompute.FULL and layer.is_block:
+            tp_backward += tp_forward   # the recomputed forward runs its collectives again
         if opts.tp_comm_overlap:
-            ef, eb = max(0.0, tf - f), max(0.0, tb - bw - rc)
+            tp_forward_exposed = max(0.0, tp_forward - forward)
+            tp_backward_exposed = max(0.0, tp_backward - backward - recompute)
         else:
-            ef, eb = tf, tb
+            tp_forward_exposed, tp_backward_exposed = tp_forward, tp_backward
         # context parallelism: all-gather of the block's keys/values (this rank's heads,
         # whole sequences) in the forward, reduce-scatter of their gradients in the
         # backward; the attention core depends on them, so they are exposed
-        cf = cb = cp_exp = 0.0
-        if cp > 1 and core > 0 and l.is_block:
-            kv = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
-            cf = self._collective("all_gather", cp_group, kv)
-            cb = self._collective("reduce_scatter", cp_group, kv)
+        cp_forward = cp_backward = cp_exposed = 0.0
+        if cp > 1 and core > 0 and layer.is_block:
+            kv_bytes = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
+            cp_forward = self.collective_time("all_gather", groups.cp, kv_bytes)
+            cp_backward = self.collective_time("reduce_scatter", groups.cp, kv_bytes)
             if seg.recompute is Recompute.FULL:
-                cb += cf   # the recomputed forward gathers again
-            cp_exp = cf + cb
+                cp_backward += cp_forward   # the recomputed forward gathers again
+            cp_exposed = cp_forward + cp_backward
         # expert parallelism: the token dispatch and combine all-to-alls over the ep group
         # in the forward, their transposes in the backward (again under full recompute);
         # blocking, so exposed
-        xf = xb = 0.0
-        if ep > 1 and l.expert_tokens:
-            xf = 2 * self._collective("all_to_all", ep_group,
-                                      self.dispatch_bytes(l, b, cp, act_scale, t))
-            xb = xf * (2 if seg.recompute is Recompute.FULL and l.is_block else 1)
+        ep_forward = ep_backward = 0.0
+        if ep > 1 and layer.expert_tokens:
+            ep_forward = 2 * self.collective_time("all_to_all", groups.ep,
+                                                  self.dispatch_bytes(layer, b, cp, act_scale, t))
+            ep_backward = ep_forward * (2 if seg.recompute is Recompute.FULL and layer.is_block
+                                        else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
         # (expert banks are whole on every tp rank; without ep they shard as the rest)
-        x = l.expert_params if ep > 1 else 0
-        local = l.sharded_params / t + (l.params - l.sharded_params - x)
-        local_x = x / ep
+        expert_params = layer.expert_params if ep > 1 else 0
+        local_params = layer.sharded_params / t + (layer.params - layer.sharded_params
+                                                   - expert_params)
+        local_expert_params = expert_params / ep
         if opts.zero3_gather_unit == "module":
-            unit = l.largest_module_params / (t if l.largest_module_sharded else 1) \
-                / (ep if l.largest_module_expert else 1)
+            gather_unit = layer.largest_module_params / (t if layer.largest_module_sharded else 1) \
+                / (ep if layer.largest_module_expert else 1)
         else:
-            unit = local + local_x
-        lf = f + ef + cf + xf
-        lb = bw + rc + eb + cb + xb
-        fwd_exp = bwd_exp = z_tot = 0.0
-        if seg.zero >= 2 and zero_degree > 1 and local + local_x > 0:
-            rs = self._collective("reduce_scatter", dp_group, local * gb, dp_conc) + \
-                self._collective("reduce_scatter", edp_group, local_x * gb, dp_conc)
-            ag = self._collective("all_gather", dp_group, local * pb, dp_conc) + \
-                self._collective("all_gather", edp_group, local_x * pb, dp_conc) \
+            gather_unit = local_params + local_expert_params
+        forward_with_comm = forward + tp_forward_exposed + cp_forward + ep_forward
+        backward_with_comm = backward + recompute + tp_backward_exposed + cp_backward + ep_backward
+        zero_forward_exposed = zero_backward_exposed = zero_total = 0.0
+        zero_degree = len(groups.dp)
+        if seg.zero >= 2 and zero_degree > 1 and local_params + local_expert_params > 0:
+            dp, edp, concurrent = groups.dp, groups.edp, groups.dp_concurrency
+            grads = local_params * recipe.grad_bytes            # reduce-scattered
+            expert_grads = local_expert_params * recipe.grad_bytes
+            weights = local_params * recipe.param_bytes         # all-gathered (ZeRO-3)
+            expert_weights = local_expert_params * recipe.param_bytes
+            reduce_scatter = self.collective_time("reduce_scatter", dp, grads, concurrent) + \
+                self.collective_time("reduce_scatter", edp, expert_grads, concurrent)
+            all_gather = self.collective_time("all_gather", dp, weights, concurrent) + \
+                self.collective_time("all_gather", edp, expert_weights, concurrent) \
                 if seg.zero == 3 else 0.0
             # backward: one gather, or two when the recomputed forward gathers again
-            ag_b = ag * (2 if (opts.zero3_regather_for_recompute and
-                               seg.recompute is Recompute.FULL and l.is_block) else 1)
+            all_gather_backward = all_gather * (2 if (opts.zero3_regather_for_recompute and
+                                                      seg.recompute is Recompute.FULL and
+                                                      layer.is_block) else 1)
             if opts.overlap_param_gather:
-                fwd_exp = max(0.0, ag - lf)
-                bwd_exp = max(0.0, ag_b + rs - lb)
+                zero_forward_exposed = max(0.0, all_gather - forward_with_comm)
+                zero_backward_exposed = max(0.0, all_gather_backward + reduce_scatter
+                                            - backward_with_comm)
             else:
-                fwd_exp, bwd_exp = ag, ag_b + rs
-            z_tot = ag + ag_b + rs
+                zero_forward_exposed = all_gather
+                zero_backward_exposed = all_gather_backward + reduce_scatter
+            zero_total = all_gather + all_gather_backward + reduce_scatter
         # activations
-        act = self._activation(l, t, seg.sequence_parallel, seg.recompute, cp) * b * act_scale
-        whole = act
-        if seg.recompute is Recompute.FULL and l.is_block:
+        saved = self.activation_bytes(layer, t, seg.sequence_parallel, seg.recompute, cp) \
+            * b * act_scale
+        working = saved
+        if seg.recompute is Recompute.FULL and layer.is_block:
             # the layer being recomputed holds all it saves, its checkpoint included
-            whole = self._activation(l, t, seg.sequence_parallel, Recompute.NONE, cp) * b * act_scale
-        return (f, bw, rc, wg, tf + tb, ef + eb, cf + cb, cp_exp, z_tot, fwd_exp + bwd_exp,
-                lf + fwd_exp, lb + bwd_exp, local, unit, act, whole, xf + xb, xf + xb, local_x)
+            working = self.activation_bytes(layer, t, seg.sequence_parallel, Recompute.NONE, cp) \
+                * b * act_scale
+        return _LayerTerms(   # positional, in field order (keywords cost a search time)
+            forward, backward, recompute, layer_time.weight_grad_s,
+            tp_forward + tp_backward, tp_forward_exposed + tp_backward_exposed,
+            cp_forward + cp_backward, cp_exposed,
+            zero_total, zero_forward_exposed + zero_backward_exposed,
+            forward_with_comm + zero_forward_exposed, backward_with_comm + zero_backward_exposed,
+            local_params, gather_unit, saved, working,
+            ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params)
 
     def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float,
                        tp: int = 1) -> float:
@@ -713,23 +824,21 @@ class CostEngine:
             cp = cp * tp
         return l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes * act_scale
 
-    def _groups(self, all_devs: tuple[int, ...], tp: int, cp: int, ep: int, r: int) -> tuple:
+    def _groups(self, all_devs: tuple[int, ...], tp: int, cp: int, ep: int, r: int) -> _RankGroups:
         """The device groups of replica ``r`` on a pipeline rank with devices ``all_devs``
-        (rank order dp, cp, tp) at tensor-parallel index 0: ``(replica devices, dp group,
-        dp concurrency, dp key, cp group, ep group, edp group, ep key)``."""
-        rep = all_devs[r * cp * tp:(r + 1) * cp * tp]
+        (rank order dp, cp, tp) at tensor-parallel index 0."""
+        replica = all_devs[r * cp * tp:(r + 1) * cp * tp]
         dp_group = all_devs[0::tp]                              # same tp index: dp x cp members
-        dp_conc = self._dp_concurrency(dp_group)
-        dp_key = (dp_group[0], len(dp_group), hash(dp_group))
-        cp_group = rep[0::tp] if cp > 1 else ()                 # same tp index
         # expert parallelism: ep consecutive members of the flattened dp x cp index share
         # one copy of the experts (ep group); the members at the same position of every ep
         # group hold the same experts (edp group, what expert gradients reduce over)
         first = r * cp                                          # replica's first dp x cp index
         ep_group = dp_group[first - first % ep:first - first % ep + ep] if ep > 1 else ()
         edp_group = dp_group[first % ep::ep] if ep > 1 else ()
-        ep_key = (ep, ep_group, hash(edp_group))
-        return rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key
+        cp_group = replica[0::tp] if cp > 1 else ()            # same tp index
+        return _RankGroups(replica, dp_group, self._dp_concurrency(dp_group),
+                           (dp_group[0], len(dp_group), hash(dp_group)), cp_group,
+                           ep_group, edp_group, (ep, ep_group, hash(edp_group)))
 
     def layer_time_bound(self, template: str, all_devs: tuple[int, ...], tp: int, cp: int,
                          ep: int, sp: bool, b: int, precision: Precision) -> float:
@@ -738,23 +847,19 @@ class CostEngine:
         compute and the exposed tensor-, context- and expert-parallel collectives, the
         least any layout of these degrees spends on it (recompute and sharding add).
         What the search bounds step times with."""
-        dtype = _DTYPE[precision]
-        mixed = precision is not Precision.FP32
-        pb, gb, _ = self.constants.model_states.per_param(mixed)
-        act_scale = precision.bytes / self.summary.activation_bytes
-        rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
-            self._groups(all_devs, tp, cp, ep, 0)
-        device = self._device(rep)
+        recipe = self.precision_costs(precision)
+        groups = self._groups(all_devs, tp, cp, ep, 0)
+        device = self.device_of(groups.replica)
         seg = Segment(0, 0, tp, sp, 1, Recompute.NONE)
-        key = (template, tp, sp, 1, Recompute.NONE, b, cp, device.name, dtype, act_scale,
-               rep[:tp], dp_key, cp_group, ep_key)
+        key = (template, tp, sp, 1, Recompute.NONE, b, cp, device.name, recipe.dtype,
+               recipe.activation_scale, groups.replica[:tp], groups.dp_key, groups.cp,
+               groups.ep_key)
         terms = self._terms.get(key)
         if terms is None:
-            terms = self._layer_terms(self._rep[template], seg, b, cp, device, dtype, act_scale,
-                                      rep[:tp], dp_group, dp_conc, cp_group, len(dp_group), pb,
-                                      gb, ep, ep_group, edp_group)
-            self._terms[key] = terms
-        return terms[10] + terms[11]
+            terms = self._terms[key] = tuple(self._layer_terms(self._templates[template], seg, b,
+                                                               cp, device, recipe, groups, ep))
+        named = _LayerTerms._make(terms)
+        return named.forward_s + named.backward_s
 
     def _stages_of(self, stage_ranks: tuple[int, ...]) -> dict[int, list[int]]:
         """The virtual stages of each pipeline rank, in order."""
@@ -771,17 +876,21 @@ class CostEngine:
         n = lay.cp * lay.rank_tp[p]
         return lay.rank_devices[p][r * n:(r + 1) * n]
 
-    def _rank(self, lay: Layout, p: int, r: int, m: int, dtype: str, pb: int, gb: int, ob: int,
-              opt_bytes: int, act_scale: float, b: int, full: bool) -> _RankEval:
+    def _rank(self, lay: Layout, rank: int, replica: int, micro_batches: int,
+              recipe: PrecisionCosts) -> _RankEval:
+        """Pipeline rank ``rank`` of replica ``replica``, which runs ``micro_batches``
+        micro-batches per step, priced in ``recipe``."""
         s = self.summary
         opts = self.options
         kmem = self.constants.memory
         pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
-        tp_stage = lay.rank_tp[p]
+        b = lay.micro_batch
+        dtype, act_scale = recipe.dtype, recipe.activation_scale
         ep = lay.ep
-        rep, dp_group, dp_conc, dp_key, cp_group, ep_group, edp_group, ep_key = \
-            self._groups(lay.rank_devices[p], tp_stage, cp, ep, r)
-        device = self._device(rep)
+        groups = self._groups(lay.rank_devices[rank], lay.rank_tp[rank], cp, ep, replica)
+        devices, dp_group, dp_concurrency = groups.replica, groups.dp, groups.dp_concurrency
+        dp_key, cp_group, ep_key = groups.dp_key, groups.cp, groups.ep_key
+        device = self.device_of(devices)
         zero_degree = len(dp_group)
         edp = zero_degree // ep
         ev = _RankEval(device_type=device.name, layers=0)
@@ -795,49 +904,54 @@ class CostEngine:
         cut_out = 0.0
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
-        mine = self._stages_of(lay.stage_ranks)[p]
+        mine = self._stages_of(lay.stage_ranks)[rank]
         chunks = [lay.chunks[k] for k in mine]
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
-        fwd_c = bwd_c = rcp = wgr = tp_t = tp_e = cp_t = cp_e = ep_t = ep_e = z_t = z_e = 0.0
-        fwd = bwd = 0.0
+        forward_compute = backward_compute = recompute = weight_grad = 0.0
+        tp_total = tp_exposed = cp_total = cp_exposed = 0.0
+        ep_total = ep_exposed = zero_total = zero_exposed = 0.0
+        forward = backward = 0.0
         for chunk, k in zip(chunks, mine):
             for seg in chunk:
                 t = seg.tp
-                tp_group = rep[:t]
-                for template, count in self._counts(seg.lo, seg.hi):
-                    l = self._rep[template]
+                tp_group = devices[:t]
+                for template, count in self.layer_counts(seg.lo, seg.hi):
+                    l = self._templates[template]
                     n_layers += count
                     key = (template, seg.tp, seg.sequence_parallel, seg.zero, seg.recompute, b,
                            cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
                     if terms is None:
-                        terms = self._layer_terms(l, seg, b, cp, device, dtype, act_scale,
-                                                  tp_group, dp_group, dp_conc, cp_group,
-                                                  zero_degree, pb, gb, ep, ep_group, edp_group)
-                        self._terms[key] = terms
-                    (f, bw, rc, wg, tp_tot, tp_exp, cp_tot, cp_exp, z_tot, z_exp, lf, lb,
-                     local, unit, act, whole, ep_tot, ep_exp, local_x) = terms
-                    fwd_c += count * f
-                    bwd_c += count * bw
-                    rcp += count * rc
-                    wgr += count * wg
-                    tp_t += count * tp_tot
-                    tp_e += count * tp_exp
-                    cp_t += count * cp_tot
-                    cp_e += count * cp_exp
-                    ep_t += count * ep_tot
-                    ep_e += count * ep_exp
-                    z_t += count * z_tot
-                    z_e += count * z_exp
-                    fwd += count * lf
-                    bwd += count * lb
-                    params_by_zero[seg.zero] += count * local
-                    experts_by_zero[seg.zero] += count * local_x
-                    max_layer_params = max(max_layer_params, unit)
-                    act_per_mb += count * act
-                    if whole > act:
-                        work = max(work, whole - act)
+                        terms = self._terms[key] = tuple(
+                            self._layer_terms(l, seg, b, cp, device, recipe, groups, ep))
+                    # the cached _LayerTerms tuple, unpacked in field order: this is a
+                    # search's hot loop, where 19 attribute reads would cost time
+                    (forward_compute_s, backward_compute_s, recompute_s, weight_grad_s,
+                     tp_total_s, tp_exposed_s, cp_total_s, cp_exposed_s, zero_total_s,
+                     zero_exposed_s, forward_s, backward_s, local_params, gather_unit_params,
+                     saved_bytes, working_bytes, ep_total_s, ep_exposed_s,
+                     local_expert_params) = terms
+                    forward_compute += count * forward_compute_s
+                    backward_compute += count * backward_compute_s
+                    recompute += count * recompute_s
+                    weight_grad += count * weight_grad_s
+                    tp_total += count * tp_total_s
+                    tp_exposed += count * tp_exposed_s
+                    cp_total += count * cp_total_s
+                    cp_exposed += count * cp_exposed_s
+                    ep_total += count * ep_total_s
+                    ep_exposed += count * ep_exposed_s
+                    zero_total += count * zero_total_s
+                    zero_exposed += count * zero_exposed_s
+                    forward += count * forward_s
+                    backward += count * backward_s
+                    params_by_zero[seg.zero] += count * local_params
+                    experts_by_zero[seg.zero] += count * local_expert_params
+                    max_layer_params = max(max_layer_params, gather_unit_params)
+                    act_per_mb += count * saved_bytes
+                    if working_bytes > saved_bytes:
+                        work = max(work, working_bytes - saved_bytes)
                     if l.shared_input_bytes:
                         shared = max(shared, l.shared_input_bytes * b * act_scale / cp)
                     if l.tied_params and s.tied_owner.get(l.index) is not None:
@@ -850,73 +964,86 @@ class CostEngine:
             cut_out = max(cut_out, cut)
             if k < pp * v - 1:
                 nxt = lay.stage_ranks[k + 1]
-                pair = (rep[0], self._replica_devices(lay, nxt, r)[0])
+                pair = (devices[0], self._replica_devices(lay, nxt, replica)[0])
                 if pair[0] != pair[1]:
-                    ev.p2p += 2 * self._collective("p2p", pair, cut)  # activation + its gradient
+                    # the activation and its gradient
+                    ev.p2p += 2 * self.collective_time("p2p", pair, cut)
         ev.layers = n_layers
-        ev.fwd_compute, ev.bwd_compute, ev.recompute, ev.wgrad = fwd_c, bwd_c, rcp, wgr
-        ev.tp_total, ev.tp_exposed, ev.cp_total, ev.cp_exposed = tp_t, tp_e, cp_t, cp_e
-        ev.ep_total, ev.ep_exposed, ev.zero_total, ev.zero_exposed = ep_t, ep_e, z_t, z_e
-        ev.fwd, ev.bwd = fwd, bwd
+        ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
+        ev.recompute, ev.wgrad = recompute, weight_grad
+        ev.tp_total, ev.tp_exposed = tp_total, tp_exposed
+        ev.cp_total, ev.cp_exposed = cp_total, cp_exposed
+        ev.ep_total, ev.ep_exposed = ep_total, ep_exposed
+        ev.zero_total, ev.zero_exposed = zero_total, zero_exposed
+        ev.fwd, ev.bwd = forward, backward
         if opts.pp_comm_overlap:
             ev.p2p = 0.0
         ev.fwd += ev.p2p / 2
         ev.bwd += ev.p2p / 2
 
         # per-step data-parallel reduction of the layers with ZeRO-0/1 (and ZeRO-2's gather)
-        red0 = params_by_zero[0] + tied_extra
-        red1 = params_by_zero[1]
-        t_red = self._collective("all_reduce", dp_group, red0 * gb, dp_conc, dp_key) + \
-            self._collective("reduce_scatter", dp_group, red1 * gb, dp_conc, dp_key)
-        t_gather = self._collective("all_gather", dp_group, (red1 + params_by_zero[2]) * pb,
-                                    dp_conc, dp_key)
+        param_bytes, grad_bytes = recipe.param_bytes, recipe.grad_bytes   # per parameter
+        reduced0 = params_by_zero[0] + tied_extra
+        reduced1 = params_by_zero[1]
+        t_reduce = \
+            self.collective_time("all_reduce", dp_group, reduced0 * grad_bytes, dp_concurrency, dp_key) + \
+            self.collective_time("reduce_scatter", dp_group, reduced1 * grad_bytes, dp_concurrency, dp_key)
+        gathered = reduced1 + params_by_zero[2]
+        t_gather = self.collective_time("all_gather", dp_group, gathered * param_bytes, dp_concurrency,
+                                        dp_key)
         x0, x1, x2, x3 = experts_by_zero     # expert banks: over the edp group
         if x0 or x1 or x2:
-            edp_key = (edp_group[0], len(edp_group), ep_key[2])
-            t_red += self._collective("all_reduce", edp_group, x0 * gb, dp_conc, edp_key) + \
-                self._collective("reduce_scatter", edp_group, x1 * gb, dp_conc, edp_key)
-            t_gather += self._collective("all_gather", edp_group, (x1 + x2) * pb, dp_conc, edp_key)
-        ev.dp_step_total = t_red + t_gather
-        exp_red = max(0.0, t_red - ev.bwd) if opts.overlap_grad_reduce else t_red
-        exp_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
-        ev.dp_step_exposed = exp_red + exp_gather
+            edp_group = groups.edp
+            edp_key = (edp_group[0], len(edp_group), ep_key[2])   # ep_key[2]: hash(edp_group)
+            t_reduce += \
+                self.collective_time("all_reduce", edp_group, x0 * grad_bytes, dp_concurrency, edp_key) + \
+                self.collective_time("reduce_scatter", edp_group, x1 * grad_bytes, dp_concurrency, edp_key)
+            t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * param_bytes,
+                                             dp_concurrency, edp_key)
+        ev.dp_step_total = t_reduce + t_gather
+        exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
+        exposed_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
+        ev.dp_step_exposed = exposed_reduce + exposed_gather
         if tied_extra and pp > 1:
-            pair = (rep[0], self._replica_devices(lay, 0 if p == pp - 1 else pp - 1, r)[0])
+            pair = (devices[0], self._replica_devices(lay, 0 if rank == pp - 1 else pp - 1, replica)[0])
             if pair[0] != pair[1]:
-                t_tied = self._collective("all_reduce", pair, tied_extra * gb)
+                t_tied = self.collective_time("all_reduce", pair, tied_extra * grad_bytes)
                 ev.dp_step_total += t_tied
                 ev.dp_step_exposed += t_tied
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp
-        ev.optimizer = local_opt * opt_bytes / device.memory_bw_bytes_per_s
+        ev.optimizer = local_opt * recipe.optimizer_bytes_accessed / device.memory_bw_bytes_per_s
 
         # memory
         z = zero_degree
-        params_b = grads_b = optim_b = 0.0
+        per_param = (param_bytes, grad_bytes, recipe.optimizer_bytes)
+        held_params = held_grads = held_optimizer = 0.0   # model-state bytes on this device
         for zero, n in enumerate(params_by_zero):
             n += tied_extra if zero == 0 else 0.0    # a tied copy is kept whole
-            p_b, g_b, o_b = model_state_bytes(n, zero=zero, shards=z, per_param=(pb, gb, ob))
-            params_b, grads_b, optim_b = params_b + p_b, grads_b + g_b, optim_b + o_b
+            params, grads, optimizer = model_state_bytes(n, zero=zero, shards=z, per_param=per_param)
+            held_params, held_grads, held_optimizer = \
+                held_params + params, held_grads + grads, held_optimizer + optimizer
             if experts_by_zero[zero]:
-                p_b, g_b, o_b = model_state_bytes(experts_by_zero[zero], zero=zero, shards=edp,
-                                                  per_param=(pb, gb, ob))
-                params_b, grads_b, optim_b = params_b + p_b, grads_b + g_b, optim_b + o_b
-        ev.in_flight = in_flight(lay.schedule, p, pp, m, v)
+                params, grads, optimizer = model_state_bytes(experts_by_zero[zero], zero=zero,
+                                                             shards=edp, per_param=per_param)
+                held_params, held_grads, held_optimizer = \
+                    held_params + params, held_grads + grads, held_optimizer + optimizer
+        ev.in_flight = in_flight(lay.schedule, rank, pp, micro_batches, v)
         acts = ev.in_flight * (act_per_mb + shared) + work
         buffers = 0.0
         if (params_by_zero[3] or x3) and z > 1:
-            buffers += max_layer_params * kmem.zero3_gathered_layers * pb
+            buffers += max_layer_params * kmem.zero3_gathered_layers * param_bytes
         if (params_by_zero[2] or params_by_zero[3] or x2 or x3) and z > 1:
             # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
             # does (FSDP2 for both): they wait unsharded for their reduce-scatter
-            buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * gb
+            buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * grad_bytes
         if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
-                           (params_by_zero[0] + params_by_zero[1] + x0 + x1) * gb)
+                           (params_by_zero[0] + params_by_zero[1] + x0 + x1) * grad_bytes)
         if pp > 1:
             buffers += 2 * cut_out   # a receive and a send buffer
-        allocated = params_b + grads_b + optim_b + acts + buffers
+        allocated = held_params + held_grads + held_optimizer + acts + buffers
         reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
-        ev.memory = MemoryBreakdown(params_b, grads_b, optim_b, acts, buffers, reserve)
+        ev.memory = MemoryBreakdown(held_params, held_grads, held_optimizer, acts, buffers, reserve)
         return ev

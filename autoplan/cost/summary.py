@@ -86,7 +86,7 @@ class MatmulNode:
     ``weight``: it multiplies a parameter (half its backward is the weight
     gradient, which zero-bubble schedules defer);
     ``expert``: it is a GEMM of an expert bank (its size under expert parallelism
-    is that of one expert's tokens, :meth:`CostEngine._time`).
+    is that of one expert's tokens, :meth:`CostEngine.template_time`).
     """
 
     fwd_flops: float

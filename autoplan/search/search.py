@@ -43,7 +43,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight, pipeline_time
-from ..cost.engine import _DTYPE
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..plan import (MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan,
@@ -238,7 +237,7 @@ class _Builder:
     def replica_speed(self, devices: tuple[int, ...]) -> float:
         hit = self._speed.get(devices)
         if hit is None:
-            dtype = _DTYPE[self.precision]
+            dtype = self.engine.precision_costs(self.precision).dtype
             hit = min(self.cluster.device_type_of(d).peak(dtype) for d in devices)
             self._speed[devices] = hit
         return hit
@@ -365,12 +364,12 @@ class _Builder:
             per_rank = c.dp * c.cp * c.tp
             ranks = [self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp)]
             node = _devices_per_node(self.cluster)
-            if engine._homogeneous and len({len(n.local_ranks) for n in self.cluster.nodes}) == 1 \
+            if engine.homogeneous and len({len(n.local_ranks) for n in self.cluster.nodes}) == 1 \
                     and (per_rank % node == 0 or node % per_rank == 0):
                 ranks = ranks[:1]   # every rank's groups are alike: translated by whole nodes
             total = 0.0
-            for template, count in engine._counts(0, self.summary.num_layers):
-                ep = c.ep if engine._rep[template].expert_params else 1
+            for template, count in engine.layer_counts(0, self.summary.num_layers):
+                ep = c.ep if engine.template(template).expert_params else 1
                 total += count * min(engine.layer_time_bound(template, devs, c.tp, c.cp, ep, c.sp,
                                                              c.micro_batch, self.precision)
                                      for devs in ranks)
@@ -504,10 +503,8 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
         return None
     lay = cand.layout
     full = engine.estimate(lay)
-    dtype = _DTYPE[lay.precision]
-    mixed = lay.precision is not Precision.FP32
-    pb, gb, ob = engine.constants.model_states.per_param(mixed)
-    act_scale = lay.precision.bytes / s.activation_bytes
+    recipe = engine.precision_costs(lay.precision)
+    act_scale = recipe.activation_scale
     m = max(lay.replica_micro_batches)
     opts = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
             if r in builder.recompute
@@ -516,8 +513,12 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
     zero_deg = c.dp * c.cp
 
     def state_bytes_over(shards: int) -> float:
-        return {0: pb + gb + ob, 1: pb + gb + ob / shards, 2: pb + (gb + ob) / shards,
-                3: (pb + gb + ob) / shards}[cand.zero]
+        """Weight, gradient and optimizer bytes per parameter under the candidate's ZeRO
+        stage over ``shards`` ranks."""
+        weights, grads, optimizer = recipe.param_bytes, recipe.grad_bytes, recipe.optimizer_bytes
+        return {0: weights + grads + optimizer, 1: weights + grads + optimizer / shards,
+                2: weights + (grads + optimizer) / shards,
+                3: (weights + grads + optimizer) / shards}[cand.zero]
 
     state_bytes = state_bytes_over(zero_deg)
     # expert banks: 1/ep of them per device, their states sharded over dp x cp / ep
@@ -531,20 +532,24 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
         chunk = lay.chunks[p]
         nblocks = sum(seg.hi - seg.lo for seg in chunk if s.layers[seg.lo].is_block)
         counts_now.append(nblocks)
-        device = engine._device(lay.rank_devices[p][:c.cp * c.tp])
-        f, bw, core, _ = engine._time(mid.template, c.micro_batch, c.tp, c.cp, device, dtype,
-                                      False, ep)
+        device = engine.device_of(lay.rank_devices[p][:c.cp * c.tp])
+        layer_time = engine.template_time(mid.template, c.micro_batch, c.tp, c.cp, device,
+                                          recipe.dtype, False, ep)
+        forward, backward = layer_time.forward_s, layer_time.backward_s
         # the token all-to-alls: dispatch and combine, forward and backward
-        a2a = engine._collective("all_to_all", lay.rank_devices[p][0::c.tp][:ep],
-                                 engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale, c.tp)) \
+        a2a = engine.collective_time("all_to_all", lay.rank_devices[p][0::c.tp][:ep],
+                                     engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale,
+                                                           c.tp)) \
             if ep > 1 else 0.0
         flight = in_flight(c.schedule, p, c.pp, m, 1)
         t_row, m_row = [], []
         for rc in opts:
-            extra = f if rc is Recompute.FULL else (core if rc is Recompute.SELECTIVE else 0.0)
+            extra = forward if rc is Recompute.FULL else \
+                (layer_time.core_forward_s if rc is Recompute.SELECTIVE else 0.0)
             comm = a2a * (6 if rc is Recompute.FULL else 4)
-            t_row.append(max(1, round((f + bw + extra + comm) * 1e6)))
-            act = engine._activation(mid, c.tp, c.sp, rc, c.cp) * c.micro_batch * act_scale * flight
+            t_row.append(max(1, round((forward + backward + extra + comm) * 1e6)))
+            act = engine.activation_bytes(mid, c.tp, c.sp, rc, c.cp) * c.micro_batch * act_scale \
+                * flight
             m_row.append(max(1, math.ceil((act + local_params * state_bytes
                                            + local_x * state_x) / _MiB)))
         time_us.append(tuple(t_row))
