@@ -247,8 +247,7 @@ UNPROFILED_GPUS = {"GB300": "no GB300 (Blackwell Ultra) device profile in profil
                    "B300": "no B300 (Blackwell Ultra) device profile in profiles/"}
 GPUS_PER_NODE = 8
 
-MEGATRON_2021 = CostOptions(fused_attention=False, overlap_grad_reduce=False,
-                            overlap_param_gather=True, tp_comm_overlap=False, pp_comm_overlap=False)
+MEGATRON_2021 = CostOptions(stack="megatron-2021")
 # Megatron-Core's stack preset: fused attention, overlapped gradient reduction, parameter
 # gathers, tp and pp communication; for MoE layers grouped expert GEMMs and the router and
 # experts on each tp rank's sequence-parallel shard of the tokens (expert tp = 1)
@@ -260,8 +259,7 @@ MEGATRON_CORE_2024 = CostOptions(stack="megatron-core")
 # It gathers parameters module by module (stage3_max_live_parameters), not a layer at once.
 DEEPSPEED_ZERO3_2021 = replace(MEGATRON_2021, zero3_regather_for_recompute=True,
                                dp_nic_per_device=True, zero3_gather_unit="module")
-LLM_FOUNDRY_FSDP = CostOptions(fused_attention=True, overlap_grad_reduce=True,
-                               overlap_param_gather=True, tp_comm_overlap=False, pp_comm_overlap=False)
+LLM_FOUNDRY_FSDP = CostOptions(stack="fsdp")
 
 
 @dataclass(frozen=True)

@@ -41,3 +41,24 @@ def test_zero0_and_zero1_hold_gradient_buckets_only():
                  params * k.model_states.fp32_grad_bytes)
     assert _buffers(0) == pytest.approx(bucket, rel=1e-12)
     assert _buffers(1) == pytest.approx(bucket, rel=1e-12)
+
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_receive_buffers_per_micro_batch_as_torch_keeps_them(tp):
+    """torch.distributed.pipelining (autoplan's runtime) allocates, per micro-batch of the
+    step, a receive buffer for a stage's input activation and one for its output gradient,
+    whole on every tp rank; Megatron keeps one receive and one send buffer (tp-scattered)."""
+    from autoplan.cost import CostOptions
+    from autoplan.cost.toy import toy_cluster
+    cluster = toy_cluster(devices_per_node=2 * tp)
+    s = Strategy(pp=2, tp=tp, micro_batch=2, global_batch=16, precision="fp32")
+    own = estimate(_graph(), cluster, s, calibration=None)
+    mega = estimate(_graph(), cluster, s, calibration=None,
+                    options=CostOptions(stack="megatron-core"))
+    cut = 2 * 16 * 32 * 4            # micro-batch x seq x hidden x fp32 bytes at the cut
+    m = 16 // 2
+    for st in own.stages:            # stage 0 receives gradients, stage 1 activations
+        assert st.memory.buffers_bytes == pytest.approx(m * cut, rel=1e-12)
+    for st in mega.stages:
+        assert st.memory.buffers_bytes == pytest.approx(2 * cut / tp, rel=1e-12)

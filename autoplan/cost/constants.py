@@ -177,6 +177,11 @@ class CostOptions(Record):
         the sequence-parallel shard, expert tensor parallelism 1).  ``False``: every tp
         rank routes all tokens and runs whole experts on them (what
         :func:`autoplan.parallelize` does).
+    pp_buffers_per_micro_batch : bool
+        Pipeline receive buffers: one per micro-batch of a step for every chunk's input
+        activation and output gradient, allocated once and kept (torch.distributed
+        .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
+        receive and one send buffer (Megatron's p2p communication).
     fp8_scaling : {"tensor", "block"}
         With ``Precision.FP8``, how tensors are scaled to FP8: per-tensor current scaling
         (``"tensor"``, Transformer Engine ``Float8CurrentScaling``, the Hopper default of
@@ -207,6 +212,7 @@ class CostOptions(Record):
     dp_nic_per_device: bool | None = None
     expert_grouped_gemm: bool | None = None
     moe_tokens_split_over_tp: bool | None = None
+    pp_buffers_per_micro_batch: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -266,21 +272,23 @@ class Stack:
 _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_param_gather",
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
-                          "moe_tokens_split_over_tp")
+                          "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
            overlap_param_gather: bool, tp_comm_overlap: bool, pp_comm_overlap: bool,
            zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
            dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
-           moe_tokens_split_over_tp: bool = False) -> Stack:
+           moe_tokens_split_over_tp: bool = False,
+           pp_buffers_per_micro_batch: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
         pp_comm_overlap=pp_comm_overlap,
         zero3_regather_for_recompute=zero3_regather_for_recompute,
         zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
-        expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp))
+        expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
+        pp_buffers_per_micro_batch=pp_buffers_per_micro_batch))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -291,9 +299,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce) or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
            "backward); tensor-parallel collectives not overlapped (DTensor); torch.distributed"
-           ".pipelining sends not overlapped; the model's own attention as captured",
+           ".pipelining sends not overlapped, its receive buffers kept for every micro-batch "
+           "of a step; the model's own attention as captured; MoE: the family's own expert "
+           "forward (one GEMM per local expert), every tp rank routing all tokens",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False),
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

@@ -902,6 +902,7 @@ class CostEngine:
         work = 0.0                              # one layer's working set (full recompute)
         max_layer_params = 0.0
         cut_out = 0.0
+        recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
         mine = self._stages_of(lay.stage_ranks)[rank]
@@ -962,7 +963,13 @@ class CostEngine:
             last = chunk[-1]
             cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
             cut_out = max(cut_out, cut)
-            if k < pp * v - 1:
+            # torch's stages receive whole (replicated) activations on every tp rank
+            if k > 0:       # this chunk's input activation arrives from the previous stage
+                cut_in = s.layers[chunk[0].lo - 1].send_bytes * b * act_scale / cp
+                recv_per_micro_batch += cut_in
+                cut_out = max(cut_out, cut_in / chunk[0].tp)
+            if k < pp * v - 1:  # and its output's gradient from the next
+                recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
                 nxt = lay.stage_ranks[k + 1]
                 pair = (devices[0], self._replica_devices(lay, nxt, replica)[0])
                 if pair[0] != pair[1]:
@@ -1041,8 +1048,12 @@ class CostEngine:
         if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
                            (params_by_zero[0] + params_by_zero[1] + x0 + x1) * grad_bytes)
-        if pp > 1:
-            buffers += 2 * cut_out   # a receive and a send buffer
+        if pp > 1 and opts.pp_buffers_per_micro_batch:
+            # torch.distributed.pipelining allocates a receive buffer per micro-batch of the
+            # step for every chunk's input and output gradient, and keeps them
+            buffers += micro_batches * recv_per_micro_batch
+        elif pp > 1:
+            buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
         allocated = held_params + held_grads + held_optimizer + acts + buffers
         reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
         ev.memory = MemoryBreakdown(held_params, held_grads, held_optimizer, acts, buffers, reserve)
