@@ -159,17 +159,24 @@ def _in_worker(rank: int, world: int, port: int, outdir: str, strategy, work) ->
             os._exit(status)
 
 
+def _time_steps(pm, ids, warmup: int, timed: int) -> list[float]:
+    """Wall time of ``timed`` training steps after ``warmup`` ones, each between barriers
+    (the step of the slowest rank)."""
+    import torch.distributed as dist
+    times = []
+    for i in range(warmup + timed):
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.step(ids)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
     def timed_steps(pm, ids) -> None:
-        import torch.distributed as dist
-        times = []
-        for i in range(WARMUP_STEPS + TIMED_STEPS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            pm.step(ids)
-            dist.barrier()
-            if i >= WARMUP_STEPS:
-                times.append(time.perf_counter() - t0)
+        times = _time_steps(pm, ids, WARMUP_STEPS, TIMED_STEPS)
         if rank == 0:
             Path(outdir, "times.json").write_text(json.dumps(times))
 
@@ -600,14 +607,7 @@ def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
                 Path(outdir, f"skip{i}.txt").write_text(f"{type(exc).__name__}: {exc}")
             continue
         try:
-            times = []
-            for k in range(CONFIRM_WARMUP + CONFIRM_TIMED):
-                dist.barrier()
-                t0 = time.perf_counter()
-                pm.step(ids)
-                dist.barrier()
-                if k >= CONFIRM_WARMUP:
-                    times.append(time.perf_counter() - t0)
+            times = _time_steps(pm, ids, CONFIRM_WARMUP, CONFIRM_TIMED)
         except BaseException as exc:
             Path(outdir, f"error{i}_{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
             sys.stdout.flush()
