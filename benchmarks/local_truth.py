@@ -183,13 +183,16 @@ def _worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:
     _in_worker(rank, world, port, outdir, LAYOUTS[name], timed_steps)
 
 
-def measure(name: str, timeout_s: float = 600.0) -> list[float]:
-    """Timed step times of layout ``name`` on 2 processes (gloo)."""
+def _run_ranks(worker, world: int, name: str, timeout_s: float, read):
+    """Spawn ``world`` processes ``worker(rank, world, port, name, outdir)``, join them by a
+    common deadline (killing stragglers), raise the ranks' ``error*.txt`` reports, else
+    return ``read(outdir)``."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, 2, port, name, outdir)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, world, port, name, outdir))
+                 for r in range(world)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -201,8 +204,13 @@ def measure(name: str, timeout_s: float = 600.0) -> list[float]:
         errors = sorted(Path(outdir).glob("error*.txt"))
         if errors:
             raise RuntimeError(f"{name}: " + "; ".join(e.read_text() for e in errors))
-        times = json.loads(Path(outdir, "times.json").read_text())
-    return times
+        return read(Path(outdir))
+
+
+def measure(name: str, timeout_s: float = 600.0) -> list[float]:
+    """Timed step times of layout ``name`` on 2 processes (gloo)."""
+    return _run_ranks(_worker, 2, name, timeout_s,
+                      lambda out: json.loads((out / "times.json").read_text()))
 
 
 def runtime_available() -> bool:
@@ -333,25 +341,10 @@ def _memory_worker(rank: int, world: int, port: int, name: str, outdir: str) -> 
 
 def measure_memory(name: str, timeout_s: float = 600.0) -> list[dict]:
     """Per rank: the peak live tensor bytes of one step of layout ``name`` and its pipeline rank."""
-    import multiprocessing as mp
     world = MEMORY_LAYOUTS[name][0]
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_memory_worker, args=(r, world, port, name, outdir))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        errors = sorted(Path(outdir).glob("error*.txt"))
-        if errors:
-            raise RuntimeError(f"{name}: " + "; ".join(e.read_text() for e in errors))
-        return [json.loads(Path(outdir, f"mem{r}.json").read_text()) for r in range(world)]
+    return _run_ranks(_memory_worker, world, name, timeout_s,
+                      lambda out: [json.loads((out / f"mem{r}.json").read_text())
+                                   for r in range(world)])
 
 
 def _memory_cluster(world: int, tmp: Path):
