@@ -650,13 +650,16 @@ def zero_bubble_safety(pm) -> list[str]:
 
 # ---------------------------------------------------------------------- searched plans
 def synthetic_measurements(world: int = 2, bf16: bool = False,
-                           memory_bytes: int | None = None) -> dict:
+                           memory_bytes: int | None = None,
+                           overhead: list[dict] | None = None) -> dict:
     """What ``autoplan profile --device cpu`` measures, made up to known values: matmul n^3
     at 1e10 FLOP/s for n >= 128, half that below (``bf16``: also a bf16 table at half the
     fp32 speed); every collective exactly on the ring model with bus bandwidth B_op and
     100 us per step.  ``memory_bytes``: the RAM the ranks share (the profile gives each
     rank ``memory_bytes / world``), by default 8 GiB, or 2 GiB per rank beyond 4 ranks (the
-    cost model reserves 1 GiB per rank for the runtime, so 8 ranks in 8 GiB fit nothing)."""
+    cost model reserves 1 GiB per rank for the runtime, so 8 ranks in 8 GiB fit nothing).
+    ``overhead``: each rank's measured operator overhead (``OpOverhead`` fields in seconds;
+    by default none was measured, as in profiles written before it was)."""
     if memory_bytes is None:
         memory_bytes = max(8, 2 * world) * 2**30
     fp32 = [[64, 2 * 64**3 / 5e9], [128, 2 * 128**3 / 1e10], [256, 2 * 256**3 / 1e10]]
@@ -664,7 +667,8 @@ def synthetic_measurements(world: int = 2, bf16: bool = False,
     if bf16:
         matmul["bf16"] = [[n, t * 2] for n, t in fp32]
     ranks = [{"rank": r, "matmul": matmul, "copy_s": 2 * 2**20 / 4e9,
-              "info": {"name": "Test CPU", "memory_bytes": memory_bytes}} for r in range(world)]
+              "info": {"name": "Test CPU", "memory_bytes": memory_bytes},
+              **({"overhead": overhead[r]} if overhead else {})} for r in range(world)]
     bus = {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.5e9, "all_to_all": 0.8e9,
            "broadcast": 2e9, "p2p": 2e9}
     n = world
@@ -677,14 +681,16 @@ def synthetic_measurements(world: int = 2, bf16: bool = False,
     return {"ranks": ranks, "comm": comm, "world": world}
 
 
-def cpu_cluster(world: int = 4, memory_bytes: int | None = None):
+def cpu_cluster(world: int = 4, memory_bytes: int | None = None, overhead: dict | None = None):
     """A one-node cluster of ``world`` CPU processes from :func:`synthetic_measurements`
-    (with bf16 at half the fp32 speed; ``memory_bytes`` as there):
-    the shape of what ``autoplan profile --device cpu --nproc 4`` writes."""
+    (with bf16 at half the fp32 speed; ``memory_bytes`` as there; ``overhead``: every
+    rank's operator overhead): the shape of what ``autoplan profile --device cpu --nproc 4``
+    writes."""
     from autoplan.hardware import NodeGroup, compose_cluster
     from autoplan.hardware.profiler import _build_profile
 
-    measured = synthetic_measurements(world, bf16=True, memory_bytes=memory_bytes)
+    measured = synthetic_measurements(world, bf16=True, memory_bytes=memory_bytes,
+                                      overhead=[overhead] * world if overhead else None)
     profile, _ = _build_profile(f"cpu-{world}", measured, cuda=False, nproc=world, threads=1,
                                 devices_per_node=world, quick=True, copy_bytes=2**20)
     return compose_cluster([NodeGroup(profile, 1)], name=f"cpu-{world}")

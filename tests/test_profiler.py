@@ -7,7 +7,10 @@ import math
 
 import pytest
 
+import yaml
+
 from autoplan.hardware import IntraNodeTopology, available_profiles, load_cluster, load_profile
+from autoplan.hardware.profiles import parse_profile, profile_to_yaml
 from autoplan.hardware.profiler import _build_profile, fit_alpha_beta, main
 from runtime_cases import synthetic_measurements
 
@@ -51,6 +54,48 @@ def test_build_profile_from_measurements():
     assert set(measurements["collective_fits"]) == set(synthetic_measurements()["comm"])
 
 
+def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
+    """Each figure of the operator overhead is the slowest rank's, as the matmuls are; the
+    profile round-trips through YAML with it."""
+    per_rank = [{"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 200e-6,
+                 "tp_linear_backward_s": 500e-6},
+                {"forward_s": 12e-6, "backward_s": 25e-6, "tp_linear_forward_s": 150e-6,
+                 "tp_linear_backward_s": 600e-6}]
+    profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
+                                cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
+                                copy_bytes=2**20)
+    o = profile.device.op_overhead
+    assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s) == (
+        12e-6, 30e-6, 200e-6, 600e-6)
+    assert "28 captured operators" in o.source
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    # measurements without it (profiles written before it was measured): none
+    plain, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
+                              threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
+    assert plain.device.op_overhead is None
+
+
+def test_the_overhead_block_has_the_operators_it_counts():
+    """``OVERHEAD_BLOCK_OPS`` is what the capture records for the block: its figure is per
+    captured operator, the unit the cost model multiplies it by."""
+    import torch
+
+    from autoplan.cost.summary import _NOT_OPERATORS
+    from autoplan.hardware.profiler import OVERHEAD_BLOCK_OPS, _overhead_block, _overhead_params
+
+    params = _overhead_params(torch, 8)
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return _overhead_block(torch, x, params)
+
+    ep = torch.export.export(Block(), (torch.randn(1, 4, 8),))
+    targets = [getattr(n.target, "__name__", str(n.target)) if n.target.__module__ == "_operator"
+               else str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    ops = [t for t in targets if not any(t.startswith(p) for p in _NOT_OPERATORS)]
+    assert len(ops) == OVERHEAD_BLOCK_OPS, ops
+
+
 def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err
@@ -84,6 +129,9 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     t_big = cluster.collective_time("all_reduce", [0, 1], 1e8)
     assert 0 < t_small < t_big < 100 and math.isfinite(t_big)
     assert cluster.collective_time("p2p", [0, 1], 1e6) > 0
+    o = device.op_overhead     # on CPU the host's time per operator adds to the device's
+    assert o is not None and 1e-8 < o.forward_s < 1e-2 and 1e-8 < o.backward_s < 1e-2
+    assert 0 <= o.tp_linear_forward_s < 0.1 and 0 <= o.tp_linear_backward_s < 0.1
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

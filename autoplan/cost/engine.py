@@ -557,6 +557,15 @@ class CostEngine:
             fwd += cast / 2 / device.memory_bw_bytes_per_s
             bwd += cast / 2 / device.memory_bw_bytes_per_s
         core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
+        overhead = device.op_overhead
+        if overhead is not None:
+            # the host's dispatch per operator, whatever the micro-batch (CPU devices)
+            ops, tp_linears = self.summary.op_counts[template]
+            fwd += ops * overhead.forward_s
+            bwd += ops * overhead.backward_s
+            if tp > 1:
+                fwd += tp_linears * overhead.tp_linear_forward_s
+                bwd += tp_linears * overhead.tp_linear_backward_s
         hit = LayerTime(fwd, bwd, core, wgrad)
         self._template_times[key] = hit
         return hit

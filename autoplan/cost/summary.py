@@ -174,6 +174,11 @@ class GraphSummary:
         Bytes of one token's keys and values per layer in the captured dtype
         (context parallelism exchanges them); ``None`` when the graph does not
         state hidden size and heads.
+    ``op_counts``
+        ``{template: (operators, tensor-parallel linears)}``: the captured operators a
+        forward pass dispatches (nodes less ``getitem`` and export's guards) and the
+        linears tensor parallelism shards (column, row, vocabulary), which a device with
+        a host overhead per operator pays (:class:`~autoplan.hardware.OpOverhead`).
     """
 
     def __init__(self, graph: ModelGraph) -> None:
@@ -186,6 +191,7 @@ class GraphSummary:
         mb = graph.micro_batch
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
         self.elementwise: dict[str, tuple[float, float, float]] = {}
+        self.op_counts: dict[str, tuple[int, int]] = {}
         layers = []
         owners = _param_owners(graph)
         # a layer's input and output (the residual stream) are in the dtype it was built in
@@ -198,6 +204,7 @@ class GraphSummary:
                 self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
                                                               graph.seq_len, mb, _in_bank(rec),
                                                               self.activation_bytes)
+                self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
@@ -421,6 +428,16 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
         sharded = not expert and (n.tp_region or n.module in sharded_modules or is_core)
         out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert))
     return tuple(out)
+
+
+#: Captured nodes that dispatch no operator: tuple indexing and torch.export's guards.
+_NOT_OPERATORS = ("getitem", "_guards")
+
+
+def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, int]:
+    """``(operators, tensor-parallel linears)`` of one layer's forward (``op_counts``)."""
+    ops = sum(1 for n in nodes if not any(n.target.startswith(t) for t in _NOT_OPERATORS))
+    return ops, sum(1 for lin in rec.tp.linears if lin.role in _SHARDED_ROLES)
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,

@@ -20,7 +20,7 @@ from ..errors import ConfigError, ProfileError
 from ..records import Record
 
 __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
-           "EfficiencyTable", "DeviceType", "CollectiveEfficiency", "MeshLink", "NodeSpec",
+           "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
 
 #: Numeric formats a device may list a peak for.
@@ -167,6 +167,46 @@ class EfficiencyTable(Record):
 
 
 @dataclass(frozen=True)
+class OpOverhead(Record):
+    """Host time per operator that adds to a device's work: the cost of dispatching it.
+
+    On a CPU the host *is* the device, so every operator of an eager PyTorch step pays
+    the dispatcher, autograd and Python time before its own arithmetic; for a small model
+    that is a large part of the step.  On a GPU the host enqueues kernels ahead of the
+    device and this time is hidden, so GPU profiles leave it out (``None``).
+
+    Parameters
+    ----------
+    forward_s : float
+        Seconds per captured forward operator (one node of the captured graph:
+        ``aten.linear``, ``aten.layer_norm``, ``aten.softmax``, a view...), in the forward.
+    backward_s : float
+        Seconds per captured forward operator, spent in the backward (autograd nodes,
+        their kernels' dispatch, gradient accumulation).
+    tp_linear_forward_s, tp_linear_backward_s : float
+        Extra seconds per tensor-parallel linear (a DTensor ``ColwiseParallel`` /
+        ``RowwiseParallel`` module: sharding propagation, wrapping and unwrapping, the
+        functional collective's Python side) in the forward and in the backward, beyond
+        the collective itself, which the link model prices.
+    source : str
+        How the figures were measured.
+    """
+
+    forward_s: float
+    backward_s: float
+    tp_linear_forward_s: float
+    tp_linear_backward_s: float
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and _finite_nonnegative(value), name,
+                     f"expected seconds >= 0, got {value!r}")
+        _require(_text(self.source), "source", "expected a non-empty source")
+
+
+@dataclass(frozen=True)
 class DeviceType(Record):
     """One accelerator (or CPU) kind.
 
@@ -191,6 +231,9 @@ class DeviceType(Record):
         ``"ampere"``, ``"hopper"``, ``"blackwell"``, ``"cpu"``) or ``""`` when not
         known.  Fitted figures (``autoplan.cost.calibration``) are kept per
         architecture and scaled by each device's own datasheet peaks and links.
+    op_overhead : OpOverhead or None
+        Host time per operator that adds to the device's (measured CPU profiles);
+        ``None`` where the host runs ahead of the device (GPUs).
     """
 
     name: str
@@ -200,6 +243,7 @@ class DeviceType(Record):
     matmul_efficiency: dict[str, EfficiencyTable]
     source: str
     architecture: str = ""
+    op_overhead: OpOverhead | None = None
 
     def __post_init__(self) -> None:
         _require(_text(self.name), "name", "expected a non-empty device name")
@@ -226,6 +270,8 @@ class DeviceType(Record):
         _require(self.architecture in ARCHITECTURES or self.architecture == "", "architecture",
                  f"unknown architecture {self.architecture!r}; expected one of "
                  f"{list(ARCHITECTURES)} or ''")
+        _require(self.op_overhead is None or isinstance(self.op_overhead, OpOverhead),
+                 "op_overhead", f"expected an OpOverhead or None, got {self.op_overhead!r}")
 
     def resolve_dtype(self, dtype: str) -> str:
         """The dtype a matmul requested in ``dtype`` runs in on this device.

@@ -13,8 +13,8 @@ import yaml
 from ..errors import ProfileError
 from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
                               CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
-                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, Profile,
-                              SiteLink)
+                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
+                              Profile, SiteLink)
 
 __all__ = ["parse_profile", "profile_to_yaml"]
 
@@ -228,10 +228,25 @@ def _parse_device(sec: _Section) -> DeviceType:
     source = sec.text("source", "where the peak, memory and bandwidth figures come from")
     architecture = sec.text("architecture", "the device architecture (e.g. hopper)",
                             required=False) or ""
+    overhead_sec = sec.mapping("op_overhead", "host time per operator", required=False)
+    overhead = _parse_op_overhead(overhead_sec) if overhead_sec is not None else None
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
                   memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
-                  architecture=architecture)
+                  architecture=architecture, op_overhead=overhead)
+
+
+def _parse_op_overhead(sec: _Section) -> OpOverhead:
+    values = {f"{key}_s": sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
+              for key, what in (("forward", "seconds per captured operator in the forward"),
+                                ("backward", "seconds per captured operator in the backward"),
+                                ("tp_linear_forward", "extra seconds per tensor-parallel linear "
+                                                      "in the forward"),
+                                ("tp_linear_backward", "extra seconds per tensor-parallel linear "
+                                                       "in the backward"))}
+    source = sec.text("source", "how the overhead was measured")
+    sec.finish()
+    return _build(OpOverhead, sec, **values, source=source)
 
 
 def _parse_collective_efficiency(sec: _Section) -> CollectiveEfficiency:
@@ -403,6 +418,12 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
     }
     if d.architecture:
         device["architecture"] = d.architecture
+    if d.op_overhead is not None:
+        o = d.op_overhead
+        device["op_overhead"] = {"forward_s": o.forward_s, "backward_s": o.backward_s,
+                                 "tp_linear_forward_s": o.tp_linear_forward_s,
+                                 "tp_linear_backward_s": o.tp_linear_backward_s,
+                                 "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,
         "bw_unidir_bytes_per_s": n.bw_unidir_bytes_per_s, "latency_s": n.latency_s,

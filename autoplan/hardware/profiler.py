@@ -9,7 +9,12 @@ training):
 * memory bandwidth (a large tensor copy: bytes read + bytes written);
 * all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and
   point-to-point (ping-pong) time over message sizes, with torch.distributed
-  (gloo on CPU, NCCL on CUDA).
+  (gloo on CPU, NCCL on CUDA);
+* on CPU, the host's time per operator: a tiny transformer block (so small its
+  arithmetic is negligible) forward and forward + backward, per captured operator,
+  and the extra time of a tensor-parallel (DTensor) linear over a plain one.  The
+  cost model adds it per operator and micro-batch (on a GPU the host enqueues work
+  ahead of the device and this time is hidden, so it is not measured there).
 
 From this it writes a node :class:`~autoplan.hardware.profiles.Profile`:
 
@@ -18,8 +23,9 @@ From this it writes a node :class:`~autoplan.hardware.profiles.Profile`:
   throughput over that peak, per size.  The slowest rank decides each point.
   On CPU a device is one rank with ``cores // nproc`` threads, its memory is
   the physical RAM divided equally among the ranks, and its bandwidth the
-  copy bandwidth each rank gets while all copy at once.  On CUDA a device is
-  one GPU (the smallest memory, the slowest GPU).
+  copy bandwidth each rank gets while all copy at once; its ``op_overhead`` is
+  the slowest rank's.  On CUDA a device is one GPU (the smallest memory, the
+  slowest GPU).
 * **node**: ``devices_per_node`` = ranks (CPU) or GPUs (CUDA).  For each
   collective, ``t(S) = a + b S`` is fitted (least squares on relative error)
   and turned into the ring model of :mod:`autoplan.hardware.collectives`:
@@ -69,6 +75,7 @@ from .profiles import (
     EfficiencyTable,
     IntraNodeTopology,
     NodeSpec,
+    OpOverhead,
     Profile,
     load_profile,
     profile_to_yaml,
@@ -94,6 +101,7 @@ class MeasurementPlan:
     comm_sizes_bytes: tuple[int, ...]
     comm_target_s: float
     repeats: int
+    overhead_target_s: float = 0.1
 
     @classmethod
     def for_machine(cls, cuda: bool, quick: bool) -> "MeasurementPlan":
@@ -107,9 +115,9 @@ class MeasurementPlan:
                        0.05 if quick else 0.2, 3 if quick else 5)
         if quick:
             return cls({"fp32": (128, 256, 512, 768), "bf16": (128, 256, 512)}, 0.06,
-                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.06, 3)
+                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.06, 3, 0.1)
         return cls({"fp32": (64, 128, 256, 512, 1024, 1536), "bf16": (64, 128, 256, 512, 1024)},
-                   0.4, 256 * mib, 0.5, tuple(4**i * kib for i in range(0, 8)), 0.35, 5)
+                   0.4, 256 * mib, 0.5, tuple(4**i * kib for i in range(0, 8)), 0.35, 5, 0.4)
 
 
 # --------------------------------------------------------------------------- fitting
@@ -145,6 +153,90 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
         i = max(range(len(sizes)), key=lambda j: sizes[j])
         b = times[i] / sizes[i]
     return a, b
+
+
+# --------------------------------------------------------------------------- operator overhead
+
+#: Width of the tensors the overhead is measured on: small enough that the arithmetic is
+#: negligible next to the dispatch, so the time is the per-operator overhead.
+_OVERHEAD_WIDTH = 8
+
+
+def _overhead_params(torch, h: int) -> dict[str, Any]:
+    """Parameters of the tiny block of :func:`_overhead_block` (requiring gradients)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"ln1_w": (h,), "ln1_b": (h,), "qkv_w": (3 * h, h), "qkv_b": (3 * h,),
+              "proj_w": (h, h), "proj_b": (h,), "ln2_w": (h,), "ln2_b": (h,),
+              "fc1_w": (4 * h, h), "fc1_b": (4 * h,), "fc2_w": (h, 4 * h), "fc2_b": (h,)}
+    return {k: torch.randn(*v, generator=g).requires_grad_(True) for k, v in shapes.items()}
+
+
+def _overhead_block(torch, x, p):
+    """A pre-norm transformer block written as the operators ``torch.export`` captures
+    (:data:`OVERHEAD_BLOCK_OPS` of them, not counting ``getitem``): two layer norms, four
+    linears, a causal softmax attention with dropout, a GELU MLP and two residual adds."""
+    F = torch.nn.functional
+    b, s, h = x.shape
+    y = F.layer_norm(x, (h,), p["ln1_w"], p["ln1_b"])
+    qkv = F.linear(y, p["qkv_w"], p["qkv_b"]).view(b, s, 3, 2, h // 2)
+    q, k, v = qkv.unbind(2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(h // 2))
+    mask = torch.ones(s, s, dtype=torch.bool).tril().bitwise_not()
+    att = F.dropout(att.masked_fill(mask, float("-inf")).softmax(-1), 0.0, True)
+    out = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
+    x = x + F.dropout(F.linear(out, p["proj_w"], p["proj_b"]), 0.0, True)
+    y = F.layer_norm(x, (h,), p["ln2_w"], p["ln2_b"])
+    y = F.linear(F.gelu(F.linear(y, p["fc1_w"], p["fc1_b"])), p["fc2_w"], p["fc2_b"])
+    return x + F.dropout(y, 0.0, True)
+
+
+#: Captured operators in :func:`_overhead_block` (what the capture records for it, less
+#: ``getitem``): layer_norm, linear, view, unbind, 3 transpose, transpose, matmul, mul,
+#: ones, tril, bitwise_not, masked_fill, softmax, dropout, matmul, transpose, reshape,
+#: linear, dropout, add, layer_norm, linear, gelu, linear, dropout, add.
+OVERHEAD_BLOCK_OPS = 28
+
+
+def _measure_op_overhead(torch, sync, target_s: float, repeats: int) -> tuple[float, float]:
+    """Seconds per captured operator of a tiny transformer block: ``(forward, backward)``
+    (the forward with autograd recording; the backward is forward + backward less that)."""
+    h = _OVERHEAD_WIDTH
+    params = _overhead_params(torch, h)
+    x = torch.randn(1, 4, h).requires_grad_(True)
+    fwd = _time_local(lambda: _overhead_block(torch, x, params), sync, target_s, repeats)
+    both = _time_local(lambda: _overhead_block(torch, x, params).sum().backward(), sync,
+                       target_s, repeats)
+    return fwd / OVERHEAD_BLOCK_OPS, max(0.0, both - fwd) / OVERHEAD_BLOCK_OPS
+
+
+def _measure_tp_overhead(torch, dist, world: int, sync, timed, target_s: float,
+                         repeats: int) -> tuple[float, float]:
+    """Extra seconds per tensor-parallel linear, ``(forward, backward)``: a tiny MLP as
+    ``ColwiseParallel`` + ``RowwiseParallel`` over all ranks (what
+    :mod:`autoplan.runtime.tp` builds) against the same MLP unsharded, less one all-reduce
+    each way (the row linear's output in the forward, the column linear's input gradient
+    in the backward), which the link model prices."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    h = _OVERHEAD_WIDTH
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(h, h * world), torch.nn.Linear(h * world, h))
+    sharded = torch.nn.Sequential(torch.nn.Linear(h, h * world), torch.nn.Linear(h * world, h))
+    sharded.load_state_dict(plain.state_dict())
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    x = torch.randn(1, 4, h).requires_grad_(True)
+    flat = torch.randn(4 * h)
+    plain_fwd = _time_local(lambda: plain(x), sync, target_s, repeats)
+    plain_both = _time_local(lambda: plain(x).sum().backward(), sync, target_s, repeats)
+    tp_fwd = timed(lambda: sharded(x))
+    tp_both = timed(lambda: sharded(x).sum().backward())
+    reduce = timed(lambda: dist.all_reduce(flat))
+    forward = max(0.0, tp_fwd - plain_fwd - reduce) / 2
+    backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - reduce) / 2
+    return forward, backward
 
 
 # --------------------------------------------------------------------------- workers
@@ -248,6 +340,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
     del src, dst
 
+    # operator overhead: on CPU the host is the device (on CUDA the host runs ahead)
+    overhead = None
+    if not cuda:
+        dist.barrier()
+        op_fwd, op_bwd = _measure_op_overhead(torch, sync, plan.overhead_target_s, plan.repeats)
+        overhead = {"forward_s": op_fwd, "backward_s": op_bwd}
+        say(f"operator overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us backward "
+            f"per captured operator")
+
     # collectives: all ranks agree on iteration counts through a max-reduction
     def agreed_max(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=device)
@@ -311,13 +412,22 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
+    if overhead is not None:
+        overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
+        if world > 1:
+            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist, world, sync, timed,
+                                                  plan.overhead_target_s, plan.repeats)
+            overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
+            say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
+                f"{tp_bwd * 1e6:.1f} us backward")
+
     if cuda:
         props = torch.cuda.get_device_properties(rank)
         info = {"name": torch.cuda.get_device_name(rank), "memory_bytes": int(props.total_memory),
                 "capability": [int(props.major), int(props.minor)]}
     else:
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
-    mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info}
+    mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -445,9 +555,21 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     # rank's capability stands for all (ranks of one profile are one device kind)
     architecture = (cuda_architecture(*min(tuple(r["info"].get("capability", (0, 0)))
                                            for r in ranks)) if cuda else "cpu")
+    op_overhead = None
+    if not cuda and all(r.get("overhead") for r in ranks):
+        # the slowest rank decides, as for the matmuls
+        worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
+        op_overhead = OpOverhead(
+            **worst,
+            source=(f"{how}: a tiny transformer block's {OVERHEAD_BLOCK_OPS} captured operators "
+                    f"(width {_OVERHEAD_WIDTH}, arithmetic negligible), forward and forward + "
+                    "backward, per operator; tensor-parallel linears: a ColwiseParallel + "
+                    f"RowwiseParallel MLP over the {nproc} ranks less the same MLP unsharded "
+                    "and one all-reduce each way, per linear"
+                    + ("" if nproc > 1 else " (one rank: not measured, 0)")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
-        memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables,
+        memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
@@ -495,6 +617,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         f"  memory   {d.memory_bytes / 2**30:.2f} GiB per device, copy {d.memory_bw_bytes_per_s / 1e9:.2f} GB/s",
         f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, {n.latency_s * 1e6:.1f} us per step",
         f"  collective efficiency: {effs}",
+        *([f"  overhead {d.op_overhead.forward_s * 1e6:.1f} + {d.op_overhead.backward_s * 1e6:.1f} us "
+           f"per captured operator (forward + backward); tensor-parallel linear "
+           f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
+           f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us"] if d.op_overhead else []),
     ])
 
 

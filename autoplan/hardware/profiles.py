@@ -42,8 +42,8 @@ from .profile_discovery import (HOME_ENV, PROFILES_ENV, available_profiles, find
                                 load_profile, profile_dirs, shipped_profiles_dir, user_profiles_dir)
 from .profile_records import (COLLECTIVE_OPS, DTYPE_FALLBACK, DTYPES, CollectiveEfficiency,
                               CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
-                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, Profile,
-                              SiteLink)
+                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
+                              Profile, SiteLink)
 from .profile_yaml import parse_profile, profile_to_yaml
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "NetworkTopology",
     "EfficiencyTable",
     "DeviceType",
+    "OpOverhead",
     "CollectiveEfficiency",
     "MeshLink",
     "NodeSpec",

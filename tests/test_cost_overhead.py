@@ -1,0 +1,70 @@
+"""The host's time per operator (``DeviceType.op_overhead``), computed by hand.
+
+On a CPU every operator of an eager step pays the dispatcher before its arithmetic; the
+profiler measures that per captured operator (:mod:`autoplan.hardware.profiler`) and the
+cost model adds it per captured operator of each layer and micro-batch, whatever the
+micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from autoplan import trace
+from autoplan.cost import CostOptions, estimate
+from autoplan.cost.summary import summarize
+from autoplan.models import GPT, GPTConfig
+from autoplan.strategy import Strategy
+from runtime_cases import cpu_cluster
+
+CONFIG = GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=4, layers=3)
+OVERHEAD = {"forward_s": 10e-6, "backward_s": 20e-6, "tp_linear_forward_s": 300e-6,
+            "tp_linear_backward_s": 700e-6}
+NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
+                         tp_comm_overlap=False, pp_comm_overlap=False)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(GPT(CONFIG), seq_len=CONFIG.seq_len)
+
+
+def _step(graph, strategy, overhead):
+    cluster = cpu_cluster(2, overhead=overhead)
+    return estimate(graph, cluster, strategy, calibration=None, options=NO_OVERLAP)
+
+
+def test_operators_are_counted_per_layer(graph):
+    """Each block of the GPT captures 31 nodes: 28 operators and 3 getitem; the embedding
+    layer's guard function is not an operator; tensor parallelism shards the block's four
+    linears and the vocabulary embedding and head."""
+    counts = summarize(graph).op_counts
+    blocks = [t for t in counts if t.startswith("blocks")]
+    assert blocks and all(counts[t] == (28, 4) for t in blocks)
+    assert counts["pre"] == (5, 1) and counts["post"] == (8, 1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overhead_is_per_operator_and_micro_batch(graph, tp):
+    s = Strategy(dp=2 // tp, tp=tp, micro_batch=2, global_batch=8, precision="fp32")
+    base = _step(graph, s, None)
+    with_overhead = _step(graph, s, OVERHEAD)
+    micro_batches = 8 // (2 // tp) // 2
+    ops = 5 + 3 * 28 + 8                      # pre, three blocks, post
+    per_micro_batch = ops * (10e-6 + 20e-6)
+    if tp > 1:
+        per_micro_batch += (1 + 3 * 4 + 1) * (300e-6 + 700e-6)
+    added = with_overhead.breakdown["compute_s"] - base.breakdown["compute_s"]
+    assert added == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
+    others = {k: v for k, v in with_overhead.breakdown.items() if k != "compute_s"}
+    assert others == pytest.approx({k: v for k, v in base.breakdown.items() if k != "compute_s"})
+
+
+def test_overhead_does_not_grow_with_the_micro_batch(graph):
+    """Twice the sequences per micro-batch, half the micro-batches: half the overhead."""
+    def added(mb):
+        s = Strategy(dp=2, micro_batch=mb, global_batch=16, precision="fp32")
+        return (_step(graph, s, OVERHEAD).breakdown["compute_s"]
+                - _step(graph, s, None).breakdown["compute_s"])
+
+    assert added(4) == pytest.approx(added(2) / 2, rel=1e-9)
