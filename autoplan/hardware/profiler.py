@@ -210,32 +210,45 @@ def _measure_op_overhead(torch, sync, target_s: float, repeats: int) -> tuple[fl
     return fwd / OVERHEAD_BLOCK_OPS, max(0.0, both - fwd) / OVERHEAD_BLOCK_OPS
 
 
-def _measure_tp_overhead(torch, dist, world: int, sync, timed, target_s: float,
+def _measure_tp_overhead(torch, dist, sync, target_s: float,
                          repeats: int) -> tuple[float, float]:
-    """Extra seconds per tensor-parallel linear, ``(forward, backward)``: a tiny MLP as
-    ``ColwiseParallel`` + ``RowwiseParallel`` over all ranks (what
-    :mod:`autoplan.runtime.tp` builds) against the same MLP unsharded, less one all-reduce
-    each way (the row linear's output in the forward, the column linear's input gradient
-    in the backward), which the link model prices."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """Extra seconds per tensor-parallel linear, ``(forward, backward)``, measured on each
+    rank alone (no other rank to wait for, so the figure does not carry the link's noise):
+
+    * the DTensor machinery: a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel``
+      (what :mod:`autoplan.runtime.tp` builds) on a one-rank mesh, against the same MLP
+      unsharded (on one rank DTensor runs its sharding propagation and wrapping but
+      skips the collectives);
+    * the functional collective's Python side, which the pair pays once each way (the
+      row linear's output all-reduce in the forward, the column linear's input-gradient
+      all-reduce in the backward): ``funcol.all_reduce`` + wait against
+      ``dist.all_reduce`` on the same one-rank group.
+
+    The collectives themselves are priced by the link model."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     h = _OVERHEAD_WIDTH
+    own, _ = dist.new_subgroups(group_size=1)
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(h, h * world), torch.nn.Linear(h * world, h))
-    sharded = torch.nn.Sequential(torch.nn.Linear(h, h * world), torch.nn.Linear(h * world, h))
+    plain = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
+    sharded = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
     sharded.load_state_dict(plain.state_dict())
-    mesh = init_device_mesh("cpu", (world,))
-    parallelize_module(sharded, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    parallelize_module(sharded, DeviceMesh.from_group(own, "cpu"),
+                       {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, 4, h).requires_grad_(True)
     flat = torch.randn(4 * h)
     plain_fwd = _time_local(lambda: plain(x), sync, target_s, repeats)
     plain_both = _time_local(lambda: plain(x).sum().backward(), sync, target_s, repeats)
-    tp_fwd = timed(lambda: sharded(x))
-    tp_both = timed(lambda: sharded(x).sum().backward())
-    reduce = timed(lambda: dist.all_reduce(flat))
-    forward = max(0.0, tp_fwd - plain_fwd - reduce) / 2
-    backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - reduce) / 2
+    tp_fwd = _time_local(lambda: sharded(x), sync, target_s, repeats)
+    tp_both = _time_local(lambda: sharded(x).sum().backward(), sync, target_s, repeats)
+    wrapped = _time_local(lambda: funcol.all_reduce(flat, "sum", own).wait(), sync, target_s,
+                          repeats)
+    bare = _time_local(lambda: dist.all_reduce(flat, group=own), sync, target_s, repeats)
+    wrapper = max(0.0, wrapped - bare)
+    forward = max(0.0, tp_fwd - plain_fwd) / 2 + wrapper / 2
+    backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd)) / 2 + wrapper / 2
     return forward, backward
 
 
@@ -415,8 +428,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     if overhead is not None:
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
-            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist, world, sync, timed,
-                                                  plan.overhead_target_s, plan.repeats)
+            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist, sync, plan.overhead_target_s,
+                                                  plan.repeats)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
@@ -564,8 +577,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
             source=(f"{how}: a tiny transformer block's {OVERHEAD_BLOCK_OPS} captured operators "
                     f"(width {_OVERHEAD_WIDTH}, arithmetic negligible), forward and forward + "
                     "backward, per operator; tensor-parallel linears: a ColwiseParallel + "
-                    f"RowwiseParallel MLP over the {nproc} ranks less the same MLP unsharded "
-                    "and one all-reduce each way, per linear"
+                    "RowwiseParallel MLP on a one-rank mesh less the same MLP unsharded, plus "
+                    "the functional all-reduce's own time once each way, per linear"
                     + ("" if nproc > 1 else " (one rank: not measured, 0)")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
