@@ -62,3 +62,33 @@ def test_pipeline_receive_buffers_per_micro_batch_as_torch_keeps_them(tp):
         assert st.memory.buffers_bytes == pytest.approx(m * cut, rel=1e-12)
     for st in mega.stages:
         assert st.memory.buffers_bytes == pytest.approx(2 * cut / tp, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_pipeline_sends_whole_from_every_tp_rank_unless_scattered(tp):
+    """torch.distributed.pipelining (autoplan's runtime) sends a boundary's whole activation
+    and gradient from every tp rank to its peer, all pairs at once; Megatron scatters them
+    over the tp ranks (1/tp each) and all-gathers on arrival (``pp_scatter_gather``).  The
+    toy node has no latency and 1e11 B/s per direction, so a send of S bytes takes S/1e11."""
+    from autoplan.cost import CostOptions
+    from autoplan.cost.toy import toy_cluster
+    cluster = toy_cluster(devices_per_node=2 * tp)
+    s = Strategy(pp=2, tp=tp, micro_batch=2, global_batch=16, precision="fp32")
+    torch_sends = CostOptions(pp_comm_overlap=False)
+    scattered = CostOptions(pp_comm_overlap=False, pp_scatter_gather=True)
+    whole = estimate(_graph(), cluster, s, calibration=None, options=torch_sends)
+    split = estimate(_graph(), cluster, s, calibration=None, options=scattered)
+    cut = 2 * 16 * 32 * 4            # micro-batch x seq x hidden x fp32 bytes at the cut
+    one_way = cluster.collective_time("p2p", [0, tp], cut)      # stage 0's rank to stage 1's
+    assert one_way == pytest.approx(cut / 1e11, rel=1e-12)
+    # the sending stage's micro-batch: half the pair of sends in its forward, half in its
+    # backward (the last stage sends nothing)
+    def sends(e):
+        return e.stages[0].forward_s + e.stages[0].backward_s
+
+    bare = estimate(_graph(), cluster, s, calibration=None,
+                    options=CostOptions(pp_comm_overlap=True))
+    assert sends(whole) - sends(bare) == pytest.approx(2 * one_way, rel=1e-9)
+    assert sends(split) - sends(bare) == pytest.approx(2 * one_way / tp, rel=1e-9)
+    assert (whole.stages[1].forward_s, whole.stages[1].backward_s) == pytest.approx(
+        (bare.stages[1].forward_s, bare.stages[1].backward_s), rel=1e-12)

@@ -182,6 +182,12 @@ class CostOptions(Record):
         activation and output gradient, allocated once and kept (torch.distributed
         .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
         receive and one send buffer (Megatron's p2p communication).
+    pp_scatter_gather : bool
+        Under tensor parallelism, each tp rank sends ``1/tp`` of a pipeline boundary's
+        activation (and gradient) and the receiving stage all-gathers it (Megatron-LM's
+        scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).  ``False``: every
+        tp rank sends the whole activation to its peer (torch.distributed.pipelining,
+        what :func:`autoplan.parallelize` runs).
     fp8_scaling : {"tensor", "block"}
         With ``Precision.FP8``, how tensors are scaled to FP8: per-tensor current scaling
         (``"tensor"``, Transformer Engine ``Float8CurrentScaling``, the Hopper default of
@@ -213,6 +219,7 @@ class CostOptions(Record):
     expert_grouped_gemm: bool | None = None
     moe_tokens_split_over_tp: bool | None = None
     pp_buffers_per_micro_batch: bool | None = None
+    pp_scatter_gather: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -272,7 +279,8 @@ class Stack:
 _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_param_gather",
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
-                          "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch")
+                          "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
+                          "pp_scatter_gather")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
@@ -280,7 +288,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
            dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
            moe_tokens_split_over_tp: bool = False,
-           pp_buffers_per_micro_batch: bool = False) -> Stack:
+           pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -288,7 +296,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         zero3_regather_for_recompute=zero3_regather_for_recompute,
         zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
         expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
-        pp_buffers_per_micro_batch=pp_buffers_per_micro_batch))
+        pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
+        pp_scatter_gather=pp_scatter_gather))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -299,25 +308,27 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce) or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
            "backward); tensor-parallel collectives not overlapped (DTensor); torch.distributed"
-           ".pipelining sends not overlapped, its receive buffers kept for every micro-batch "
-           "of a step; the model's own attention as captured; MoE: the family's own expert "
+           ".pipelining sends not overlapped, whole on every tp rank, its receive buffers kept "
+           "for every micro-batch of a step; the model's own attention as captured; MoE: the family's own expert "
            "forward (one GEMM per local expert), every tp rank routing all tokens",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "
+           "pipeline sends scattered over the tp ranks and gathered on arrival, "
            "attention core materialised (fused softmax, no FlashAttention)",
            fused_attention=False, overlap_grad_reduce=False, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False),
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_scatter_gather=True),
     _stack("megatron-core",
            "Megatron-Core with Transformer Engine: --overlap-grad-reduce, "
            "--overlap-param-gather (with the distributed optimizer, zero=1), "
-           "--tp-comm-overlap (userbuffers), overlapped pipeline p2p, fused (flash) attention; "
+           "--tp-comm-overlap (userbuffers), overlapped pipeline p2p (scattered over the tp "
+           "ranks), fused (flash) attention; "
            "MoE: --moe-grouped-gemm, each tp rank routing its sequence-parallel shard",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=True, pp_comm_overlap=True, expert_grouped_gemm=True,
-           moe_tokens_split_over_tp=True),
+           moe_tokens_split_over_tp=True, pp_scatter_gather=True),
     _stack("deepspeed-zero3",
            "DeepSpeed ZeRO-3: overlap_comm (gradient reduction under the backward), parameter "
            "prefetch per submodule (stage3_max_live_parameters), parameters released after "

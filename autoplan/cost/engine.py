@@ -982,8 +982,10 @@ class CostEngine:
                 nxt = lay.stage_ranks[k + 1]
                 pair = (devices[0], self._replica_devices(lay, nxt, replica)[0])
                 if pair[0] != pair[1]:
-                    # the activation and its gradient
-                    ev.p2p += 2 * self.collective_time("p2p", pair, cut)
+                    # the activation and its gradient; whole from every tp rank unless
+                    # the stack scatters them over the tp ranks (every pair sends at once)
+                    sent = cut if opts.pp_scatter_gather else cut * last.tp
+                    ev.p2p += 2 * self.collective_time("p2p", pair, sent)
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
         ev.recompute, ev.wgrad = recompute, weight_grad
