@@ -42,6 +42,7 @@ __all__ = [
     "CostOptions",
     "Stack",
     "STACKS",
+    "ATTENTION_KERNELS",
     "cost_profiles_dir",
     "load_constants",
 ]
@@ -182,6 +183,14 @@ class CostOptions(Record):
         activation and output gradient, allocated once and kept (torch.distributed
         .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
         receive and one send buffer (Megatron's p2p communication).
+    attention_kernel : {"cudnn", "flash-attention-2"}
+        The fused attention kernel, when ``fused_attention``: ``"cudnn"`` (Transformer
+        Engine's cuDNN fused attention, what Megatron-Core runs; on Hopper and Blackwell the
+        kernels of FlashAttention-3's class) prices it at the architecture's fitted
+        ``attention_peak_fraction``; ``"flash-attention-2"`` (the ``flash-attn`` 2.x package,
+        PyTorch SDPA's flash backend: LLM Foundry, torchtitan, HF ``flash_attention_2``) at
+        that times :data:`~autoplan.cost.engine.FLASH_ATTENTION_2_SPEED` of the
+        architecture (FlashAttention-2 has no Hopper-specific code path).
     pp_scatter_gather : bool
         Under tensor parallelism, each tp rank sends ``1/tp`` of a pipeline boundary's
         activation (and gradient) and the receiving stage all-gathers it (Megatron-LM's
@@ -220,6 +229,7 @@ class CostOptions(Record):
     moe_tokens_split_over_tp: bool | None = None
     pp_buffers_per_micro_batch: bool | None = None
     pp_scatter_gather: bool | None = None
+    attention_kernel: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -238,6 +248,9 @@ class CostOptions(Record):
                 object.__setattr__(self, name, value)
         if self.fp8_scaling not in ("tensor", "block"):
             raise ConfigError(f"fp8_scaling must be 'tensor' or 'block', got {self.fp8_scaling!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
+                              f"got {self.attention_kernel!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
             raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
                               f"{self.zero3_gather_unit!r}")
@@ -280,7 +293,10 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
-                          "pp_scatter_gather")
+                          "pp_scatter_gather", "attention_kernel")
+
+#: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
+ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
@@ -288,7 +304,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
            dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
            moe_tokens_split_over_tp: bool = False,
-           pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False) -> Stack:
+           pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
+           attention_kernel: str = "flash-attention-2") -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -297,7 +314,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
         expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
-        pp_scatter_gather=pp_scatter_gather))
+        pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -324,11 +341,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "Megatron-Core with Transformer Engine: --overlap-grad-reduce, "
            "--overlap-param-gather (with the distributed optimizer, zero=1), "
            "--tp-comm-overlap (userbuffers), overlapped pipeline p2p (scattered over the tp "
-           "ranks), fused (flash) attention; "
+           "ranks), fused attention (Transformer Engine's cuDNN kernels); "
            "MoE: --moe-grouped-gemm, each tp rank routing its sequence-parallel shard",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=True, pp_comm_overlap=True, expert_grouped_gemm=True,
-           moe_tokens_split_over_tp=True, pp_scatter_gather=True),
+           moe_tokens_split_over_tp=True, pp_scatter_gather=True, attention_kernel="cudnn"),
     _stack("deepspeed-zero3",
            "DeepSpeed ZeRO-3: overlap_comm (gradient reduction under the backward), parameter "
            "prefetch per submodule (stage3_max_live_parameters), parameters released after "
@@ -338,7 +355,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            tp_comm_overlap=False, pp_comm_overlap=False, zero3_regather_for_recompute=True,
            zero3_gather_unit="module"),
     _stack("fsdp",
-           "PyTorch FSDP2 with flash (SDPA) attention: all-gathers prefetched, reduce-scatters "
+           "PyTorch FSDP2 with FlashAttention-2 (flash-attn, SDPA's flash backend): all-gathers "
+           "prefetched, reduce-scatters "
            "under the backward, one gather per layer for recompute and backward; no tensor- "
            "or pipeline-parallel overlap (e.g. MosaicML LLM Foundry, torchtitan without async TP)",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
