@@ -593,6 +593,18 @@ class CostEngine:
                                 fused_attention=self.options.fused_attention)
 
     # ------------------------------------------------------------------ helpers
+    def _shared_cores(self, lay: Layout) -> tuple[int, int] | None:
+        """``(ranks, cores)`` when the layout's ranks outnumber the cores they share: a
+        one-node cluster whose node has ``shared_cores`` (CPU ranks measured all busy at
+        once, :class:`~autoplan.hardware.NodeSpec`); ``None`` otherwise."""
+        if len(self.cluster.nodes) != 1:
+            return None
+        cores = self.cluster.profile_of(0).node.shared_cores
+        ranks = sum(len(devices) for devices in lay.rank_devices)
+        if cores is None or cores >= ranks:
+            return None
+        return ranks, cores
+
     def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
         """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
         if not self.options.dp_nic_per_device:
@@ -636,6 +648,16 @@ class CostEngine:
                 c = ranks[crit]
                 zb_excess = max(0.0, c.fwd + (c.bwd - c.wgrad) - 2 * c.wgrad)
             t_pipe = pipeline_time(lay.schedule, times, m, virtual_stages=v, zb_excess_s=zb_excess)
+            shared = self._shared_cores(lay) if pp > 1 else None
+            if shared is not None:
+                # ranks sharing fewer cores: while a rank waits in the pipeline's bubble
+                # the others run faster than measured (every rank busy at once).  The
+                # step is bounded by the total work over all the cores, by the critical
+                # path at a whole core's speed, and by the busiest rank's work
+                ranks_on_node, cores = shared
+                work = lay.dp * m * sum(times)
+                t_pipe = max(t_pipe * cores / ranks_on_node, work / ranks_on_node,
+                             m * max(times))
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
             tail, slack, tail_rank = 0.0, 0.0, 0
             for p, rk in enumerate(ranks):

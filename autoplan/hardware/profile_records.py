@@ -380,6 +380,11 @@ class NodeSpec(Record):
     links : tuple of MeshLink
         Only for mesh topologies: the direct links.  A device's links may sum
         to at most ``bw_unidir_bytes_per_s``.
+    shared_cores : int or None
+        CPU nodes whose devices (ranks) outnumber their cores: the cores they share.
+        The device's figures are measured with every rank busy at once, so a rank
+        runs faster while others wait (a pipeline's bubbles).  ``None``: each device
+        computes on its own (GPUs; CPUs with a core or more per rank).
     """
 
     devices_per_node: int
@@ -390,10 +395,16 @@ class NodeSpec(Record):
     source: str
     latency_source: str
     links: tuple[MeshLink, ...] = ()
+    shared_cores: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,
                  "devices_per_node", f"expected an integer >= 1, got {self.devices_per_node!r}")
+        _require(self.shared_cores is None or (
+                     isinstance(self.shared_cores, int) and not isinstance(self.shared_cores, bool)
+                     and 1 <= self.shared_cores < self.devices_per_node), "shared_cores",
+                 f"expected None or a core count from 1 to devices_per_node - 1 "
+                 f"({self.devices_per_node - 1}), got {self.shared_cores!r}")
         _require(_finite_positive(self.bw_unidir_bytes_per_s), "bw_unidir_bytes_per_s",
                  f"expected a bandwidth > 0, got {self.bw_unidir_bytes_per_s!r}")
         _require(_finite_nonnegative(self.latency_s), "latency_s",

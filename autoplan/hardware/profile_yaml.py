@@ -294,10 +294,14 @@ def _parse_node(sec: _Section) -> NodeSpec:
                             bw_unidir_bytes_per_s=link_bw))
     source = sec.text("source", "where the topology and bandwidth come from")
     latency_source = sec.text("latency_source", "where the latency comes from")
+    shared_cores = (sec.integer("shared_cores", "the cores the devices share")
+                    if "shared_cores" in sec.data else None)
+    sec.allowed.append("shared_cores")
     sec.finish()
     return _build(NodeSpec, sec, devices_per_node=devices, topology=topology,
                   bw_unidir_bytes_per_s=bw, latency_s=latency, collective_efficiency=efficiency,
-                  source=source, latency_source=latency_source, links=tuple(links))
+                  source=source, latency_source=latency_source, links=tuple(links),
+                  shared_cores=shared_cores)
 
 
 def _parse_network(sec: _Section) -> NetworkSpec:
@@ -433,6 +437,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
     if n.links:
         node["links"] = [{"devices": list(l.devices), "bw_unidir_bytes_per_s": l.bw_unidir_bytes_per_s}
                          for l in n.links]
+    if n.shared_cores is not None:
+        node["shared_cores"] = n.shared_cores
     data = {"kind": "node", "name": profile.name, "description": profile.description,
             "device": device, "node": node}
     if w is not None:

@@ -534,8 +534,8 @@ def _profile_name(text: str) -> str:
 
 
 def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, threads: int,
-                   devices_per_node: int, quick: bool,
-                   copy_bytes: int) -> tuple[Profile, dict[str, Any]]:
+                   devices_per_node: int, quick: bool, copy_bytes: int,
+                   cores: int | None = None) -> tuple[Profile, dict[str, Any]]:
     host = socket.gethostname()
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     how = (f"measured by `autoplan profile{' --quick' if quick else ''}` on {host} at {when}, "
@@ -605,8 +605,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         **{op: max(1e-6, min(1.0, f["bus_bw_bytes_per_s"] / bus)) for op, f in fits.items()},
         source=f"{how}: each operation's fitted bus bandwidth over the best ({fit_text})")
     backend = "NCCL" if cuda else "gloo"
+    # more ranks than cores: they share them (a rank runs faster while others wait)
+    shared = cores if not cuda and cores is not None and cores < devices_per_node else None
     node = NodeSpec(
-        devices_per_node=devices_per_node,
+        devices_per_node=devices_per_node, shared_cores=shared,
         topology=IntraNodeTopology.UNIFORM if cuda else IntraNodeTopology.SHARED_MEMORY,
         bw_unidir_bytes_per_s=bus, latency_s=latency, collective_efficiency=efficiency,
         source=f"{how}: the best {backend} bus bandwidth of any collective (ring model fit)",
@@ -711,7 +713,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     profile, measurements = _build_profile(
         name, raw, cuda=cuda, nproc=nproc, threads=threads,
-        devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes)
+        devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes,
+        cores=cores)
     header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} ranks) "
               f"on {socket.gethostname()}. Figures are measurements, not datasheet values;\n"
               f"# see autoplan/hardware/profiler.py for what each one means. Re-run to refresh.\n")
