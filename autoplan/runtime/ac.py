@@ -203,6 +203,7 @@ class _Checked:
         checkpoint's saved-tensor hooks to see what autograd saves."""
         if self._cache is None or self._hooks is not None:
             return
+        # the innermost saved-tensor hooks: those of the checkpoint that runs this block
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if hooks is None:
             return
@@ -292,5 +293,5 @@ def apply_ac(block: nn.Module, mode: Recompute, *, layer: LayerRecord | None = N
     wrapped.register_forward_pre_hook(checked.reset)
     wrapped.register_forward_hook(checked.check)
     block.register_forward_pre_hook(checked.track)     # inside the checkpoint
-    block.register_forward_hook(checked.prune)
+    block.register_forward_hook(checked.prune, always_call=True)   # pops the hooks on error too
     return wrapped
