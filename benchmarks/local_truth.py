@@ -257,19 +257,22 @@ class LiveBytes:
     At entry every tensor the garbage collector can reach is counted (parameters,
     gradients, optimizer states, runtime buffers; a DTensor by its local shard); then a
     ``TorchDispatchMode`` counts the storage of every operator output, and a weak
-    reference to each storage subtracts it when it is freed.  Temporaries an operator
-    allocates and frees inside itself are not seen (nor are those inside a DTensor's
-    dispatch): the peak is of what operators hand to each other.
+    reference to each storage subtracts it when it is freed.  A storage is counted at its
+    current size: FSDP2 frees and re-allocates the unsharded parameters and all-gather
+    buffers of a layer by resizing their storages (``UntypedStorage.resize_(0)`` and back,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``free_storage``/``alloc_storage``),
+    which no operator dispatch shows, so ``resize_`` is wrapped while the count runs.
+    Temporaries an operator allocates and frees inside itself are not seen (nor are those
+    inside a DTensor's dispatch): the peak is of what operators hand to each other.
     """
 
     def __init__(self) -> None:
         self.current = 0
         self.peak = 0
         self._refs: dict[int, object] = {}
+        self._sizes: dict[int, int] = {}     # bytes each live storage is counted at
 
     def _add(self, t) -> None:
-        import weakref
-
         import torch
         from torch.distributed.tensor import DTensor
         from torch._subclasses.fake_tensor import is_fake
@@ -281,19 +284,28 @@ class LiveBytes:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
+        self._track(st)
+
+    def _track(self, st) -> None:
+        import weakref
         if st.device.type == "meta":
             return
         key = st._cdata
-        if key in self._refs or st.nbytes() == 0:
+        if key in self._refs:
             return
         n = st.nbytes()
 
-        def freed(_ref, key=key, n=n) -> None:
+        def freed(_ref, key=key) -> None:
             if self._refs.pop(key, None) is not None:
-                self.current -= n
+                self.current -= self._sizes.pop(key)
 
         self._refs[key] = weakref.ref(st, freed)
-        self.current += n
+        self._sizes[key] = 0
+        self._set(key, n)
+
+    def _set(self, key: int, n: int) -> None:
+        self.current += n - self._sizes[key]
+        self._sizes[key] = n
         self.peak = max(self.peak, self.current)
 
     def __enter__(self) -> "LiveBytes":
@@ -317,12 +329,26 @@ class LiveBytes:
                     tracker._add(t)
                 return out
 
+        resize = torch.UntypedStorage.resize_
+
+        def counted_resize(st, size):
+            out = resize(st, size)
+            if st._cdata in tracker._refs:
+                tracker._set(st._cdata, st.nbytes())
+            else:
+                tracker._track(st)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted_resize
         self._mode = _Mode()
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch
         self._mode.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize
 
 
 def _memory_worker(rank: int, world: int, port: int, name: str, outdir: str) -> None:

@@ -97,3 +97,22 @@ def test_no_run_prints_and_writes_csv(profile4: Path, tmp_path: Path, capsys):
     assert rows and set(rows[0]) == set(lt.CSV_FIELDS)
     assert rows[0]["model"] == "gpt" and rows[0]["search_rank"] == "1"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_live_bytes_counts_storages_at_their_current_size():
+    """FSDP2 frees a layer's unsharded parameters by resizing their storages to 0 and
+    gathers them again by resizing back, with no operator dispatched: the count follows
+    the size (first-sight sizes counted every gathered layer until the step ended)."""
+    import torch
+    gathered = torch.empty(1000)                  # 4000 bytes, alive at entry
+    resharded = torch.empty(250)
+    resharded.untyped_storage().resize_(0)        # at entry as FSDP2 leaves it: 0 bytes
+    with lt.LiveBytes() as live:
+        entry = live.current
+        gathered.untyped_storage().resize_(0)     # resharded after its forward
+        grad = torch.ones(500)                    # 2000 bytes, an operator's output
+        assert live.current == entry - 4000 + 2000
+        resharded.untyped_storage().resize_(1000)  # gathered for its forward
+        assert live.current == entry - 2000 + 1000
+    assert live.peak == entry
+    del grad
