@@ -92,3 +92,28 @@ def test_pipeline_sends_whole_from_every_tp_rank_unless_scattered(tp):
     assert sends(split) - sends(bare) == pytest.approx(2 * one_way / tp, rel=1e-9)
     assert (whole.stages[1].forward_s, whole.stages[1].backward_s) == pytest.approx(
         (bare.stages[1].forward_s, bare.stages[1].backward_s), rel=1e-12)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp2_copies_through_its_flat_buffers(zero):
+    """FSDP2 (autoplan's runtime) copies each layer's gradients into the reduce-scatter
+    input and, under ZeRO-3, its local shards into the all-gather input and the gathered
+    output into the parameters, forward and backward: read + write at the device's memory
+    bandwidth, per layer and micro-batch.  fp32 on 8 A100: 4-byte parameters and gradients."""
+    from autoplan.cost import CostOptions
+    cluster = load_cluster("a100-sxm4-80gb")
+    s = Strategy(dp=8, micro_batch=1, global_batch=16, zero=zero, precision="fp32")
+    no_overlap = dict(overlap_grad_reduce=False, overlap_param_gather=False)
+    copies = estimate(_graph(), cluster, s, calibration=None,
+                      options=CostOptions(**no_overlap))
+    views = estimate(_graph(), cluster, s, calibration=None,
+                     options=CostOptions(zero_buffer_copies=False, **no_overlap))
+    bw = cluster.device_type_of(0).memory_bw_bytes_per_s
+    params = sum(l.params for l in summarize(_graph()).layers)
+    m = 16 // 8
+    per_micro_batch = 2 * params * 4 / bw                       # gradients into the buffer
+    if zero == 3:
+        per_micro_batch += 2 * (2 * params * 4 * (1 + 1 / 8) / bw)  # forward and backward
+    assert copies.comm_total["dp_comm_s"] - views.comm_total["dp_comm_s"] == pytest.approx(
+        m * per_micro_batch, rel=1e-9)
+    assert CostOptions().zero_buffer_copies and not CostOptions(stack="megatron-core").zero_buffer_copies

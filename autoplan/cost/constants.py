@@ -183,6 +183,13 @@ class CostOptions(Record):
         activation and output gradient, allocated once and kept (torch.distributed
         .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
         receive and one send buffer (Megatron's p2p communication).
+    zero_buffer_copies : bool
+        ZeRO-2/3 copy through flat communication buffers (FSDP2, what
+        :func:`autoplan.parallelize` runs): each all-gather copies the local shards into
+        its input and its output into the parameters, each reduce-scatter the gradients
+        into its input; memory-bound work on the device, priced at its memory bandwidth.
+        ``False``: parameters and gradients are views of the buffers (FSDP1's flat
+        parameters, Megatron's contiguous buffers).
     attention_kernel : {"cudnn", "flash-attention-2"}
         The fused attention kernel, when ``fused_attention``: ``"cudnn"`` (Transformer
         Engine's cuDNN fused attention, what Megatron-Core runs; on Hopper and Blackwell the
@@ -230,6 +237,7 @@ class CostOptions(Record):
     pp_buffers_per_micro_batch: bool | None = None
     pp_scatter_gather: bool | None = None
     attention_kernel: str | None = None
+    zero_buffer_copies: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -293,7 +301,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
-                          "pp_scatter_gather", "attention_kernel")
+                          "pp_scatter_gather", "attention_kernel", "zero_buffer_copies")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -305,7 +313,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
            moe_tokens_split_over_tp: bool = False,
            pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
-           attention_kernel: str = "flash-attention-2") -> Stack:
+           attention_kernel: str = "flash-attention-2",
+           zero_buffer_copies: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -314,7 +323,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
         expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
-        pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel))
+        pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
+        zero_buffer_copies=zero_buffer_copies))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -324,12 +334,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack("autoplan",
            "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce) or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
-           "backward); tensor-parallel collectives not overlapped (DTensor); torch.distributed"
-           ".pipelining sends not overlapped, whole on every tp rank, its receive buffers kept "
-           "for every micro-batch of a step; the model's own attention as captured; MoE: the family's own expert "
-           "forward (one GEMM per local expert), every tp rank routing all tokens",
+           "backward, both through flat buffers it copies into and out of); tensor-parallel "
+           "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
+           "overlapped, whole on every tp rank, its receive buffers kept for every "
+           "micro-batch of a step; the model's own attention as captured; MoE: the family's "
+           "own expert forward (one GEMM per local expert), every tp rank routing all tokens",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True),
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
+           zero_buffer_copies=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

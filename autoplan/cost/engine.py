@@ -829,10 +829,22 @@ class CostEngine:
             all_gather = self.collective_time("all_gather", dp, weights, concurrent) + \
                 self.collective_time("all_gather", edp, expert_weights, concurrent) \
                 if seg.zero == 3 else 0.0
+            copy_out = 0.0
+            if opts.zero_buffer_copies:
+                # FSDP2's flat buffers, memory-bound on the device (read + write): on the
+                # collectives' streams the gradients into the reduce-scatter input and the
+                # shard into the all-gather input; on the compute stream, once the gather
+                # lands, its output into the parameters
+                bw = device.memory_bw_bytes_per_s
+                reduce_scatter += 2 * (grads + expert_grads) / bw
+                if seg.zero == 3:
+                    gathered = weights + expert_weights
+                    all_gather += 2 * gathered / zero_degree / bw
+                    copy_out = 2 * gathered / bw
             # backward: one gather, or two when the recomputed forward gathers again
-            all_gather_backward = all_gather * (2 if (opts.zero3_regather_for_recompute and
-                                                      seg.recompute is Recompute.FULL and
-                                                      layer.is_block) else 1)
+            gathers_backward = 2 if (opts.zero3_regather_for_recompute and
+                                     seg.recompute is Recompute.FULL and layer.is_block) else 1
+            all_gather_backward = all_gather * gathers_backward
             if opts.overlap_param_gather:
                 zero_forward_exposed = max(0.0, all_gather - forward_with_comm)
                 zero_backward_exposed = max(0.0, all_gather_backward + reduce_scatter
@@ -840,7 +852,10 @@ class CostEngine:
             else:
                 zero_forward_exposed = all_gather
                 zero_backward_exposed = all_gather_backward + reduce_scatter
-            zero_total = all_gather + all_gather_backward + reduce_scatter
+            zero_forward_exposed += copy_out
+            zero_backward_exposed += copy_out * gathers_backward
+            zero_total = all_gather + all_gather_backward + reduce_scatter \
+                + copy_out * (1 + gathers_backward)
         # activations
         saved = self.activation_bytes(layer, t, seg.sequence_parallel, seg.recompute, cp) \
             * b * act_scale
