@@ -106,6 +106,9 @@ def test_expert_groups_inside_a_rack_or_over_whole_racks(moe16):
     assert eps == {1, 2, 4, 8}
     eps64 = {c.ep for c in _combos(moe16, _racks(2, devices_per_node=64), 128, SearchSpace())}
     assert eps64 == {1, 2, 4, 8, 16}
+    # the first 128 GPUs (72 + 56): groups of 16 would put devices 64-79 in one
+    first128 = _racks(2).subset(range(128))
+    assert {c.ep for c in _combos(moe16, first128, 128, SearchSpace())} == {1, 2, 4, 8}
 
 
 def test_plan_places_no_expert_group_across_racks(moe16):

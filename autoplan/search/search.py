@@ -13,7 +13,8 @@ Method
    (:func:`_domain_size`), so on GB200 NVL72 racks (one 72-GPU domain each)
    groups of 12, 24, 36 or 72 GPUs, and of 16, 32 or 64 on racks of which 64
    GPUs are used; an expert-parallel group (``ep x tp`` consecutive devices)
-   either fits one domain so or spans whole nodes (:func:`_groups_placed`).
+   either fits one domain so, spans whole nodes, or sits like every other
+   group of its pipeline rank (:func:`_groups_placed`).
    Ranks are laid out with ``tp`` innermost and ``pp`` outermost over the
    cluster's device order (node by node, group by group, site by site), so
    pipelines cut between nodes, groups and sites before data parallelism does.
@@ -71,7 +72,8 @@ class SearchSpace:
     model's call (memory of long sequences against the key/value all-gather).
     ``even_batches`` keeps every replica's batch equal (no speed-proportional split).
     ``expert_parallel`` degrees are tried for models with expert banks, where they divide
-    ``dp x cp`` and every layer's experts; for those models the search also leaves out
+    ``dp x cp`` and every layer's experts and their groups (``ep x tp`` consecutive devices)
+    fit one NVLink domain or span whole nodes; for those models the search also leaves out
     sequence parallelism and selective recompute, which the runtime does not run on MoE
     blocks."""
 
@@ -180,15 +182,31 @@ def _whole_nodes(cluster) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _groups_placed(span: int, domain: int, whole: int | None) -> bool:
-    """Whether groups of ``span`` consecutive devices (aligned at multiples of ``span``)
-    are all placed alike: each inside one NVLink domain (``span`` divides ``domain``,
-    :func:`_domain_size`), or each over whole nodes of ``whole`` devices (their
-    collectives priced over the inter-node fabric).  Otherwise some groups would
-    straddle two domains while others do not, and the cost of replica 0 would not be
-    every replica's (:meth:`CostEngine._evaluate` prices each, but the search does not
-    place such layouts)."""
-    return domain % span == 0 or (whole is not None and span % whole == 0)
+def _groups_placed(cluster, span: int, per_rank: int, domain: int, whole: int | None) -> bool:
+    """Whether the groups of ``span`` consecutive devices (aligned at multiples of ``span``)
+    inside every pipeline rank of ``per_rank`` devices are placed alike: each inside one
+    NVLink domain (``span`` divides ``domain``, :func:`_domain_size`), each over whole nodes
+    of ``whole`` devices, one group per rank, or otherwise all with the same
+    :meth:`Cluster.placement <autoplan.hardware.Cluster.placement>` (their collectives
+    priced over the links they span).  Otherwise some groups would straddle two domains
+    while others do not: :meth:`CostEngine._evaluate` prices each, but the search does
+    not place such layouts (on two 72-GPU racks, groups of 16 would put devices 64-79,
+    eight on each rack, in one group).
+
+    >>> from autoplan.hardware import load_cluster
+    >>> racks = load_cluster("gb200-nvl72", nodes=2)
+    >>> [_groups_placed(racks, g, 144, 72, 72) for g in (8, 16, 72, 144)]
+    [True, False, True, True]
+    """
+    if domain % span == 0 or span == per_rank or (whole is not None and span % whole == 0):
+        return True
+    place = cluster.placement
+    for rank in range(0, cluster.num_devices, per_rank):
+        first = place(range(rank, rank + span))
+        if any(place(range(g, g + span)) != first
+               for g in range(rank + span, rank + per_rank, span)):
+            return False
+    return True
 
 
 def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) -> tuple[int, ...] | None:
@@ -456,6 +474,14 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
     experts = expert_counts(graph)
     domain = _domain_size(cluster)      # tp x cp groups tile it (inside one NVLink domain)
     whole = _whole_nodes(cluster)
+    placed_cache: dict[tuple[int, int], bool] = {}
+
+    def placed(span: int, per_rank: int) -> bool:
+        hit = placed_cache.get((span, per_rank))
+        if hit is None:
+            hit = placed_cache[(span, per_rank)] = _groups_placed(cluster, span, per_rank,
+                                                                  domain, whole)
+        return hit
     tp_limit = _blocks_tp_limit(graph)
     blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
     seq = graph.seq_len or 0
@@ -513,7 +539,7 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
                 eps = [ep for ep in _divisors(dp * cp)
                        if experts and all(e % ep == 0 for e in experts)
                        and (space.expert_parallel is None or ep in space.expert_parallel)
-                       and (ep == 1 or _groups_placed(ep * tp, domain, whole))] or [1]
+                       and (ep == 1 or placed(ep * tp, dp * cp * tp))] or [1]
                 for sched, v in scheds:
                     for sp in sps:
                         for ep in eps:
