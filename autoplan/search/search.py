@@ -73,7 +73,8 @@ class SearchSpace:
     ``even_batches`` keeps every replica's batch equal (no speed-proportional split).
     ``expert_parallel`` degrees are tried for models with expert banks, where they divide
     ``dp x cp`` and every layer's experts and their groups (``ep x tp`` consecutive devices)
-    fit one NVLink domain or span whole nodes; for those models the search also leaves out
+    sit alike: inside one NVLink domain each, over whole nodes, or one per pipeline rank
+    (:func:`_groups_placed`); for those models the search also leaves out
     sequence parallelism and selective recompute, which the runtime does not run on MoE
     blocks."""
 
