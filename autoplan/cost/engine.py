@@ -96,6 +96,7 @@ buckets, pipeline send/receive) and the runtime reserve from
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -296,6 +297,7 @@ class _RankGroups(NamedTuple):
     (:meth:`CostEngine._groups`)."""
 
     replica: tuple[int, ...]        # the replica's devices on this rank (cp x tp)
+    tp: tuple[int, ...]             # the tp group priced: the one spanning the most nodes
     dp: tuple[int, ...]             # same tp index on every replica: dp x cp members
     dp_concurrency: int | None      # concurrent_groups of data-parallel collectives
     dp_key: tuple                   # stands for the dp group in collective cache keys
@@ -394,6 +396,15 @@ class CostEngine:
         self._precision_costs: dict[Precision, PrecisionCosts] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        #: The node of every device, and the first device of every node but the first
+        #: (where one NVLink domain ends and the next begins).
+        self._node_of = tuple(d.node for d in self.cluster.devices)
+        self._node_starts = tuple(i for i in range(1, len(self._node_of))
+                                  if self._node_of[i] != self._node_of[i - 1])
+        sizes = {len(n.local_ranks) for n in self.cluster.nodes}
+        self._node_size = sizes.pop() if len(sizes) == 1 else None
+        self._alike: dict[tuple, bool] = {}
+        self._alike_by_id: dict[tuple, tuple[tuple, bool]] = {}
 
     # ------------------------------------------------------------------ entry points
     def layout(self, layout) -> Layout:
@@ -629,12 +640,16 @@ class CostEngine:
         signatures: dict[tuple, int] = {}
         runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
                 else lay.replica_micro_batches)
-        if self.homogeneous and len(set(runs)) == 1:
+        # (and the same placement: a replica whose groups straddle two NVLink domains is
+        # priced apart from those inside one, and the slowest sets the step)
+        alike = self._replicas_alike(lay)
+        if self.homogeneous and len(set(runs)) == 1 and alike:
             signatures[()] = 0
         else:
             for r in range(lay.dp):
                 sig = (tuple(self.device_of(self._replica_devices(lay, p, r)).name
-                             for p in range(pp)), runs[r])
+                             for p in range(pp)), runs[r],
+                       () if alike else tuple(self._placement(lay, p, r) for p in range(pp)))
                 signatures.setdefault(sig, r)
 
         best = None
@@ -738,6 +753,10 @@ class CostEngine:
         notes = []
         if len(signatures) > 1:
             notes.append(f"{len(signatures)} kinds of replica; the slowest sets the step")
+        if not alike:
+            notes.append("the tensor-, context- or expert-parallel groups of some replicas "
+                         "straddle two nodes (NVLink domains): theirs are priced over the "
+                         "inter-node network; groups that tile every node's devices avoid it")
         return Estimate(
             step_time_s=step, breakdown=breakdown, comm_total=comm_total, tokens_per_step=tokens,
             tokens_per_s=tokens / step, model_flops_per_step=model_flops,
@@ -767,7 +786,7 @@ class CostEngine:
         # tensor-parallel collectives of one layer
         tp_forward = tp_backward = 0.0
         if t > 1:
-            tp_group = groups.replica[:t]
+            tp_group = groups.tp if t == len(groups.tp) else groups.replica[:t]
             colls = layer.sp_collectives if seg.sequence_parallel else layer.tp_collectives
             for op, phase, nbytes in colls:
                 seconds = self.collective_time(op, tp_group, nbytes * b * act_scale / cp)
@@ -888,6 +907,17 @@ class CostEngine:
         """The device groups of replica ``r`` on a pipeline rank with devices ``all_devs``
         (rank order dp, cp, tp) at tensor-parallel index 0."""
         replica = all_devs[r * cp * tp:(r + 1) * cp * tp]
+        tp_group = replica[:tp]
+        cp_at = 0                                               # tp index of the cp group
+        node = self._node_of
+        if node[replica[0]] != node[replica[-1]] or replica[-1] - replica[0] != len(replica) - 1:
+            # a replica over several nodes: price the tp and cp groups that span the most
+            # (a group straddling two NVLink domains is slower than one inside either)
+            if tp > 1 and cp > 1:
+                tp_group = max((replica[i * tp:(i + 1) * tp] for i in range(cp)),
+                               key=lambda g: len({node[d] for d in g}))
+            if cp > 1:
+                cp_at = max(range(tp), key=lambda i: len({node[d] for d in replica[i::tp]}))
         dp_group = all_devs[0::tp]                              # same tp index: dp x cp members
         # expert parallelism: ep consecutive members of the flattened dp x cp index share
         # one copy of the experts (ep group); the members at the same position of every ep
@@ -895,8 +925,8 @@ class CostEngine:
         first = r * cp                                          # replica's first dp x cp index
         ep_group = dp_group[first - first % ep:first - first % ep + ep] if ep > 1 else ()
         edp_group = dp_group[first % ep::ep] if ep > 1 else ()
-        cp_group = replica[0::tp] if cp > 1 else ()            # same tp index
-        return _RankGroups(replica, dp_group, self._dp_concurrency(dp_group),
+        cp_group = replica[cp_at::tp] if cp > 1 else ()        # same tp index
+        return _RankGroups(replica, tp_group, dp_group, self._dp_concurrency(dp_group),
                            (dp_group[0], len(dp_group), hash(dp_group)), cp_group,
                            ep_group, edp_group, (ep, ep_group, hash(edp_group)))
 
@@ -912,7 +942,7 @@ class CostEngine:
         device = self.device_of(groups.replica)
         seg = Segment(0, 0, tp, sp, 1, Recompute.NONE)
         key = (template, tp, sp, 1, Recompute.NONE, b, cp, device.name, recipe.dtype,
-               recipe.activation_scale, groups.replica[:tp], groups.dp_key, groups.cp,
+               recipe.activation_scale, groups.tp, groups.dp_key, groups.cp,
                groups.ep_key)
         terms = self._terms.get(key)
         if terms is None:
@@ -929,6 +959,55 @@ class CostEngine:
             for k, p in enumerate(stage_ranks):
                 hit.setdefault(p, []).append(k)
             self._rank_stages[stage_ranks] = hit
+        return hit
+
+    def _placement(self, lay: Layout, p: int, r: int) -> tuple:
+        """Where the groups of replica ``r`` on pipeline rank ``p`` sit
+        (:meth:`Cluster.placement <autoplan.hardware.Cluster.placement>` of each)."""
+        g = self._groups(lay.rank_devices[p], lay.rank_tp[p], lay.cp, lay.ep, r)
+        place = self.cluster.placement
+        return tuple(place(x) if x else () for x in (g.tp, g.cp, g.ep))
+
+    def _replicas_alike(self, lay: Layout) -> bool:
+        """Whether every replica's tensor-, context- and expert-parallel groups sit alike
+        on every pipeline rank (then replica 0 stands for all on one device type).
+
+        Ranks laid out over consecutive devices, as the search does, place groups of
+        ``g`` (``tp x cp`` a replica, ``ep x tp`` an expert-parallel group) alike when
+        every NVLink domain edge inside the rank falls on a group edge, or every group
+        spans whole nodes of one size; other layouts are compared replica by replica."""
+        # first by the identity of the rank -> devices map (the search reuses one per
+        # degree combination; hashing a thousand devices per estimate would cost time)
+        quick_key = (id(lay.rank_devices), lay.rank_tp, lay.cp, lay.ep)
+        seen = self._alike_by_id.get(quick_key)
+        if seen is not None and seen[0] is lay.rank_devices:
+            return seen[1]
+        key = (lay.rank_devices, lay.rank_tp, lay.cp, lay.ep)
+        hit = self._alike.get(key)
+        if hit is not None:
+            self._alike_by_id[quick_key] = (lay.rank_devices, hit)
+            return hit
+        hit = True
+        for p, devs in enumerate(lay.rank_devices):
+            tp = lay.rank_tp[p]
+            spans = [tp * lay.cp] + ([tp * lay.ep] if lay.ep > 1 else [])
+            start, n = devs[0], len(devs)
+            if devs == tuple(range(start, start + n)):
+                starts = self._node_starts
+                edges = starts[bisect_right(starts, start):bisect_right(starts, start + n - 1)]
+                if all(all((e - start) % g == 0 for e in edges)
+                       or (self._node_size is not None and g % self._node_size == 0
+                           and start % self._node_size == 0) for g in spans):
+                    continue
+            first = self._placement(lay, p, 0)
+            if any(self._placement(lay, p, r) != first for r in range(1, lay.dp)):
+                hit = False
+                break
+        if len(self._alike) > 4096:
+            self._alike.clear()
+            self._alike_by_id.clear()
+        self._alike[key] = hit
+        self._alike_by_id[quick_key] = (lay.rank_devices, hit)
         return hit
 
     @staticmethod
@@ -976,7 +1055,7 @@ class CostEngine:
         for chunk, k in zip(chunks, mine):
             for seg in chunk:
                 t = seg.tp
-                tp_group = devices[:t]
+                tp_group = groups.tp if t == len(groups.tp) else devices[:t]
                 for template, count in self.layer_counts(seg.lo, seg.hi):
                     l = self._templates[template]
                     n_layers += count

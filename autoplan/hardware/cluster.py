@@ -380,6 +380,21 @@ class Cluster(Record):
                  (tuple(sorted(ranks)), node.local_ranks) if mesh and len(ranks) > 1 else ()))
         return tuple((s, tuple(sorted(by_site[s]))) for s in self.sites if s in by_site)
 
+    def placement(self, group: Sequence[int]) -> tuple[Any, ...]:
+        """Where a group's members sit, as far as its collectives' cost goes: per site and
+        node, the node's profile and how many members it holds (and on mesh nodes which).
+        Two groups with the same placement cost the same; a group straddling two nodes
+        (NVLink domains) differs from one inside a node.
+
+        >>> from autoplan.hardware import load_cluster
+        >>> c = load_cluster("gb200-nvl72", nodes=2)
+        >>> c.placement(range(0, 16)) == c.placement(range(16, 32))
+        True
+        >>> c.placement(range(64, 80)) == c.placement(range(0, 16))   # 8 + 8 over two racks
+        False
+        """
+        return self._signature(self._check_group(group))
+
     def _shape(self, signature: tuple[Any, ...], concurrent_groups: int | None) -> GroupShape:
         spans_nodes = sum(len(nodes) for _, nodes in signature) > 1
         sites = []
@@ -598,12 +613,23 @@ def compose_cluster(groups: Sequence[NodeGroup], links: Sequence[SiteLink] = (),
     return Cluster(name, profiles, tuple(nodes), tuple(links))
 
 
-def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None) -> Cluster:
+def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None, *,
+                 devices_per_node: int | None = None) -> Cluster:
     """The cluster of a profile (by name or path).
 
     A node profile gives a homogeneous cluster of ``nodes`` nodes (default 1);
     a composite profile gives its own groups (``nodes`` must then be ``None``
-    or its total node count).
+    or its total node count).  ``devices_per_node`` uses only the first that many
+    devices of each node of a node profile (default: all of them), e.g. 64 of the 72
+    GPUs of each GB200 NVL72 rack, so that tensor-, context- and expert-parallel
+    groups of 16, 32 or 64 tile every rack's NVLink domain (the search places no
+    group across two domains; :func:`autoplan.plan`).
+
+    Examples
+    --------
+    >>> c = load_cluster("gb200-nvl72", nodes=2, devices_per_node=64)
+    >>> c.num_devices, [len(n.local_ranks) for n in c.nodes], c.path(0, 63).kind
+    (128, [64, 64], 'intra_node')
 
     Raises
     ------
@@ -614,11 +640,21 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None)
         do not make a cluster (an unknown or composite profile in a group, a missing
         link); the message names the file.
     ConfigError
-        For a bad node count.
+        For a bad node count, or a ``devices_per_node`` that is not in
+        ``[1, the profile's devices_per_node]`` or is given for a composite profile.
     """
     profile = load_profile(name_or_path)
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
         raise ConfigError(f"nodes must be an integer >= 1, got {nodes!r}")
+    if devices_per_node is not None:
+        if isinstance(profile, CompositeProfile):
+            raise ConfigError(f"devices_per_node applies to a node profile; {profile.name!r} is a "
+                              "composite: use compose_cluster() or Cluster.subset()")
+        most = profile.node.devices_per_node
+        if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) \
+                or not 1 <= devices_per_node <= most:
+            raise ConfigError(f"devices_per_node must be an integer in [1, {most}] (the devices "
+                              f"of a {profile.name} node), got {devices_per_node!r}")
     if isinstance(profile, CompositeProfile):
         if nodes is not None and nodes != profile.total_nodes:
             raise ConfigError(
@@ -630,4 +666,9 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None)
         except (ProfileError, ConfigError) as exc:   # name the file whose groups or links fail
             kind = type(exc) if isinstance(exc, ProfileError) else ProfileError
             raise kind(str(exc), file=str(find_profile_file(name_or_path))) from None
-    return compose_cluster([NodeGroup(profile, nodes or 1)], name=profile.name)
+    cluster = compose_cluster([NodeGroup(profile, nodes or 1)], name=profile.name)
+    if devices_per_node is None or devices_per_node == profile.node.devices_per_node:
+        return cluster
+    size = profile.node.devices_per_node
+    return cluster.subset(k * size + i for k in range(cluster.num_nodes)
+                          for i in range(devices_per_node))

@@ -8,6 +8,13 @@ Method
    ``tp x cp`` inside a node; whether it pays is the cost model's call), ``pp`` (dividing what is left, at most the number of
    blocks) and ``dp`` (the rest, dividing the global batch, or split unevenly
    over replicas of different speeds), micro-batch sizes and schedules.
+   "Inside a node" means inside one NVLink domain with no group straddling two:
+   a ``tp x cp`` group may have any size that divides every node's device count
+   (:func:`_domain_size`), so on GB200 NVL72 racks (one 72-GPU domain each)
+   groups of 12, 24, 36 or 72 GPUs, and of 16, 32 or 64 on racks of which 64
+   GPUs are used; an expert-parallel group (``ep x tp`` consecutive devices)
+   either fits one domain so, spans whole nodes, or sits like every other
+   group of its pipeline rank (:func:`_groups_placed`).
    Ranks are laid out with ``tp`` innermost and ``pp`` outermost over the
    cluster's device order (node by node, group by group, site by site), so
    pipelines cut between nodes, groups and sites before data parallelism does.
@@ -65,7 +72,9 @@ class SearchSpace:
     model's call (memory of long sequences against the key/value all-gather).
     ``even_batches`` keeps every replica's batch equal (no speed-proportional split).
     ``expert_parallel`` degrees are tried for models with expert banks, where they divide
-    ``dp x cp`` and every layer's experts; for those models the search also leaves out
+    ``dp x cp`` and every layer's experts and their groups (``ep x tp`` consecutive devices)
+    sit alike: inside one NVLink domain each, over whole nodes, or one per pipeline rank
+    (:func:`_groups_placed`); for those models the search also leaves out
     sequence parallelism and selective recompute, which the runtime does not run on MoE
     blocks."""
 
@@ -150,8 +159,55 @@ def _blocks_tp_limit(graph: ModelGraph) -> int:
     return g or 1
 
 
-def _devices_per_node(cluster) -> int:
-    return min(len(n.local_ranks) for n in cluster.nodes)
+def _domain_size(cluster) -> int:
+    """The size of the device groups that tile every node's devices (its NVLink domain):
+    the greatest common divisor of the nodes' device counts.
+
+    Ranks are laid out over the cluster's device order, so groups of ``g`` consecutive
+    devices start at multiples of ``g``; none straddles two nodes exactly when ``g``
+    divides every node's device count, i.e. this number.  On clusters of whole 8-GPU
+    nodes it is 8; on GB200 NVL72 racks 72 (whole racks), 64 (64 GPUs of each rack in
+    use) or 8 (the first 128 GPUs of two racks: 72 + 56).
+
+    >>> from autoplan.hardware import load_cluster
+    >>> racks = load_cluster("gb200-nvl72", nodes=2)
+    >>> _domain_size(racks), _domain_size(racks.subset(range(128)))
+    (72, 8)
+    """
+    return math.gcd(*(len(n.local_ranks) for n in cluster.nodes))
+
+
+def _whole_nodes(cluster) -> int | None:
+    """The device count of every node when the nodes are alike in it, else None."""
+    sizes = {len(n.local_ranks) for n in cluster.nodes}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _groups_placed(cluster, span: int, per_rank: int, domain: int, whole: int | None) -> bool:
+    """Whether the groups of ``span`` consecutive devices (aligned at multiples of ``span``)
+    inside every pipeline rank of ``per_rank`` devices are placed alike: each inside one
+    NVLink domain (``span`` divides ``domain``, :func:`_domain_size`), each over whole nodes
+    of ``whole`` devices, one group per rank, or otherwise all with the same
+    :meth:`Cluster.placement <autoplan.hardware.Cluster.placement>` (their collectives
+    priced over the links they span).  Otherwise some groups would straddle two domains
+    while others do not: :meth:`CostEngine._evaluate` prices each, but the search does
+    not place such layouts (on two 72-GPU racks, groups of 16 would put devices 64-79,
+    eight on each rack, in one group).
+
+    >>> from autoplan.hardware import load_cluster
+    >>> racks = load_cluster("gb200-nvl72", nodes=2)
+    >>> [_groups_placed(racks, g, 144, 72, 72) for g in (8, 16, 72, 144)]
+    [True, False, True, True]
+    """
+    if domain % span == 0 or span == per_rank or (whole is not None and span % whole == 0):
+        return True
+    place = cluster.placement
+    for rank in range(0, cluster.num_devices, per_rank):
+        first = place(range(rank, rank + span))
+        if any(place(range(g, g + span)) != first
+               for g in range(rank + span, rank + per_rank, span)):
+            return False
+    return True
 
 
 def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) -> tuple[int, ...] | None:
@@ -202,6 +258,7 @@ class _Builder:
         self._is_block = [l.is_block for l in self.summary.layers]
         self._even: dict[int, list[tuple[int, int]]] = {}
         self._chunks: dict[tuple, tuple[tuple[Segment, ...], ...]] = {}
+        self._rank_devices: dict[int, tuple[tuple[int, ...], ...]] = {}
 
     def even_bounds(self, k: int) -> list[tuple[int, int]]:
         hit = self._even.get(k)
@@ -307,7 +364,10 @@ class _Builder:
                     self._chunks.clear()
                 self._chunks[key] = chunks
         per_rank = c.dp * c.cp * c.tp
-        rank_devices = tuple(self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
+        rank_devices = self._rank_devices.get(c.pp)
+        if rank_devices is None:   # one map per pp (the engine caches by its identity)
+            rank_devices = self._rank_devices[c.pp] = tuple(
+                self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
         return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
                       c.schedule, self.precision, chunks, rank_devices, (c.tp,) * c.pp,
                       padded=len(set(replica_mbs)) > 1 and (zero >= 2 or c.ep > 1), ep=c.ep)
@@ -363,8 +423,8 @@ class _Builder:
             engine = self.engine
             per_rank = c.dp * c.cp * c.tp
             ranks = [self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp)]
-            node = _devices_per_node(self.cluster)
-            if engine.homogeneous and len({len(n.local_ranks) for n in self.cluster.nodes}) == 1 \
+            node = _whole_nodes(self.cluster)
+            if engine.homogeneous and node is not None \
                     and (per_rank % node == 0 or node % per_rank == 0):
                 ranks = ranks[:1]   # every rank's groups are alike: translated by whole nodes
             total = 0.0
@@ -413,18 +473,27 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
     with expert banks only) divide ``dp x cp`` and every layer's experts, ep = 1 first."""
     n = cluster.num_devices
     experts = expert_counts(graph)
-    per_node = _devices_per_node(cluster)
+    domain = _domain_size(cluster)      # tp x cp groups tile it (inside one NVLink domain)
+    whole = _whole_nodes(cluster)
+    placed_cache: dict[tuple[int, int], bool] = {}
+
+    def placed(span: int, per_rank: int) -> bool:
+        hit = placed_cache.get((span, per_rank))
+        if hit is None:
+            hit = placed_cache[(span, per_rank)] = _groups_placed(cluster, span, per_rank,
+                                                                  domain, whole)
+        return hit
     tp_limit = _blocks_tp_limit(graph)
     blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
     seq = graph.seq_len or 0
     # the runtime splits each sequence into 2 cp load-balanced chunks
     cps = sorted(cp for cp in set(space.context_parallel)
                  if cp == 1 or (attention and seq and seq % (2 * cp) == 0))
-    for cp, tp in ((cp, tp) for cp in cps for tp in _divisors(per_node)):
+    for cp, tp in ((cp, tp) for cp in cps for tp in _divisors(domain)):
         if tp_limit % tp or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
             continue
-        if (n // tp) % cp or per_node % (tp * cp):
-            continue   # the key/value all-gather stays inside a node, as tp's collectives do
+        if (n // tp) % cp or domain % (tp * cp):
+            continue   # the key/value all-gather stays inside a domain, as tp's collectives do
         rest = n // (tp * cp)
         for pp in _divisors(rest):
             if pp > max(blocks, 1):     # a model without repeated blocks runs as one stage
@@ -466,9 +535,12 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
                 sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
                 if tp > 1 and True in sps and False in sps:
                     sps = [True, False]
+                # an ep group spans ep x tp consecutive devices (same tp index): inside one
+                # NVLink domain or over whole nodes, never straddling a domain's edge
                 eps = [ep for ep in _divisors(dp * cp)
                        if experts and all(e % ep == 0 for e in experts)
-                       and (space.expert_parallel is None or ep in space.expert_parallel)] or [1]
+                       and (space.expert_parallel is None or ep in space.expert_parallel)
+                       and (ep == 1 or placed(ep * tp, dp * cp * tp))] or [1]
                 for sched, v in scheds:
                     for sp in sps:
                         for ep in eps:
@@ -656,9 +728,11 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         # the data-parallel degrees this model and cluster allow: n / (tp x pp), tp inside a
         # node and within the blocks' limit (heads, features), pp at most one block per stage
         n, blocks = cluster.num_devices, len(graph.blocks)
-        tps = [tp for tp in _divisors(_devices_per_node(cluster)) if _blocks_tp_limit(graph) % tp == 0]
+        tps = [tp for tp in _divisors(_domain_size(cluster)) if _blocks_tp_limit(graph) % tp == 0]
         dps = sorted({n // (tp * pp) for tp in tps for pp in _divisors(n // tp) if pp <= max(blocks, 1)})
-        limits = (f"{n} devices / (tp x pp), with tp in {tps} (inside a node, dividing the "
+        limits = (f"{n} devices / (tp x pp), with tp in {tps} (inside a node's NVLink domain, "
+                  f"tiling every node's {sorted({len(x.local_ranks) for x in cluster.nodes})} "
+                  "devices, dividing the "
                   f"blocks' heads and features) and pp at most the model's {blocks} blocks")
         if not any(global_batch % dp == 0 and dp <= global_batch for dp in dps):
             raise ConfigError(
