@@ -367,10 +367,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            tp_comm_overlap=False, pp_comm_overlap=False, zero3_regather_for_recompute=True,
            zero3_gather_unit="module"),
     _stack("fsdp",
-           "PyTorch FSDP2 with FlashAttention-2 (flash-attn, SDPA's flash backend): all-gathers "
-           "prefetched, reduce-scatters "
-           "under the backward, one gather per layer for recompute and backward; no tensor- "
-           "or pipeline-parallel overlap (e.g. MosaicML LLM Foundry, torchtitan without async TP)",
+           "PyTorch FSDP with FlashAttention-2 (flash-attn, SDPA's flash backend): all-gathers "
+           "prefetched, reduce-scatters under the backward, one gather per layer for recompute "
+           "and backward, gathered in place into flat parameters (FSDP1; FSDP2 copies through "
+           "its buffers: zero_buffer_copies=True); no tensor- or pipeline-parallel overlap "
+           "(e.g. MosaicML LLM Foundry, torchtitan without async TP)",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False),
 )}
