@@ -198,22 +198,24 @@ def _overhead_block(torch, x, p):
 OVERHEAD_BLOCK_OPS = 28
 
 
-def _measure_op_overhead(torch, sync, target_s: float, repeats: int) -> tuple[float, float]:
+def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
+                         ) -> tuple[float, float]:
     """Seconds per captured operator of a tiny transformer block: ``(forward, backward)``
-    (the forward with autograd recording; the backward is forward + backward less that)."""
+    (the forward with autograd recording; the backward is forward + backward less that);
+    ``timed(fn)`` is seconds per call."""
     h = _OVERHEAD_WIDTH
     params = _overhead_params(torch, h)
     x = torch.randn(1, 4, h).requires_grad_(True)
-    fwd = _time_local(lambda: _overhead_block(torch, x, params), sync, target_s, repeats)
-    both = _time_local(lambda: _overhead_block(torch, x, params).sum().backward(), sync,
-                       target_s, repeats)
+    fwd = timed(lambda: _overhead_block(torch, x, params))
+    both = timed(lambda: _overhead_block(torch, x, params).sum().backward())
     return fwd / OVERHEAD_BLOCK_OPS, max(0.0, both - fwd) / OVERHEAD_BLOCK_OPS
 
 
-def _measure_tp_overhead(torch, dist, sync, target_s: float,
-                         repeats: int) -> tuple[float, float]:
+def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float]
+                         ) -> tuple[float, float]:
     """Extra seconds per tensor-parallel linear, ``(forward, backward)``, measured on each
-    rank alone (no other rank to wait for, so the figure does not carry the link's noise):
+    rank's own one-rank group (no other rank to wait for inside a call, so the figure does
+    not carry the link's noise; ``timed(fn)`` is seconds per call):
 
     * the DTensor machinery: a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel``
       (what :mod:`autoplan.runtime.tp` builds) on a one-rank mesh, against the same MLP
@@ -239,13 +241,12 @@ def _measure_tp_overhead(torch, dist, sync, target_s: float,
                        {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, 4, h).requires_grad_(True)
     flat = torch.randn(4 * h)
-    plain_fwd = _time_local(lambda: plain(x), sync, target_s, repeats)
-    plain_both = _time_local(lambda: plain(x).sum().backward(), sync, target_s, repeats)
-    tp_fwd = _time_local(lambda: sharded(x), sync, target_s, repeats)
-    tp_both = _time_local(lambda: sharded(x).sum().backward(), sync, target_s, repeats)
-    wrapped = _time_local(lambda: funcol.all_reduce(flat, "sum", own).wait(), sync, target_s,
-                          repeats)
-    bare = _time_local(lambda: dist.all_reduce(flat, group=own), sync, target_s, repeats)
+    plain_fwd = timed(lambda: plain(x))
+    plain_both = timed(lambda: plain(x).sum().backward())
+    tp_fwd = timed(lambda: sharded(x))
+    tp_both = timed(lambda: sharded(x).sum().backward())
+    wrapped = timed(lambda: funcol.all_reduce(flat, "sum", own).wait())
+    bare = timed(lambda: dist.all_reduce(flat, group=own))
     wrapper = max(0.0, wrapped - bare)
     forward = max(0.0, tp_fwd - plain_fwd) / 2 + wrapper / 2
     backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd)) / 2 + wrapper / 2
@@ -325,7 +326,41 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     say = (lambda m: _say(m, start)) if rank == 0 else (lambda m: None)
     say(f"{world} ranks up ({backend}); measuring matmul throughput")
 
+    # timed together: every repeat starts on all ranks at once (a barrier) and counts as its
+    # slowest rank's time; the ranks agree on iteration counts through a max-reduction
+    def agreed_max(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s) -> float:
+        for _ in range(_WARMUP_CALLS):
+            fn()
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(_CALIBRATION_CALLS):
+            fn()
+        sync()
+        first = agreed_max((time.perf_counter() - t0) / _CALIBRATION_CALLS)
+        iters = max(1, min(10_000, int(target_s / plan.repeats / max(first, 1e-9))))
+        best, spent = math.inf, 0.0
+        for _ in range(plan.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            sync()
+            elapsed = agreed_max(time.perf_counter() - t0)  # the slowest rank; same on all
+            best, spent = min(best, elapsed / iters), spent + elapsed
+            if spent > _OVERRUN * target_s:  # every rank decides alike
+                break
+        return best
+
+
     # compute: every rank at once, each on its own device / thread share
+    # (on CPU timed together: ranks that share cores are measured all busy, as in training;
+    # timed alone, a rank that finishes first idles and lends its core to the others)
     dtypes = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
               "fp16": torch.float16}
     matmul: dict[str, list[tuple[int, float]]] = {}
@@ -338,8 +373,9 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             b = torch.randn(n, n, device=device).to(dtypes[name])
             out = torch.empty(n, n, device=device, dtype=dtypes[name])
             dist.barrier()
-            sec = _time_local(lambda: torch.matmul(a, b, out=out), sync, plan.matmul_target_s,
-                              plan.repeats)
+            sec = (_time_local(lambda: torch.matmul(a, b, out=out), sync, plan.matmul_target_s,
+                               plan.repeats) if cuda
+                   else timed(lambda: torch.matmul(a, b, out=out), plan.matmul_target_s))
             matmul[name].append((n, sec))
             say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
     if cuda:
@@ -349,7 +385,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     src = torch.ones(elems, device=device)
     dst = torch.empty_like(src)
     dist.barrier()
-    copy_s = _time_local(lambda: dst.copy_(src), sync, plan.copy_target_s, plan.repeats)
+    copy_s = (_time_local(lambda: dst.copy_(src), sync, plan.copy_target_s, plan.repeats) if cuda
+              else timed(lambda: dst.copy_(src), plan.copy_target_s))
     say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
     del src, dst
 
@@ -357,40 +394,10 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     overhead = None
     if not cuda:
         dist.barrier()
-        op_fwd, op_bwd = _measure_op_overhead(torch, sync, plan.overhead_target_s, plan.repeats)
+        op_fwd, op_bwd = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s))
         overhead = {"forward_s": op_fwd, "backward_s": op_bwd}
         say(f"operator overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us backward "
             f"per captured operator")
-
-    # collectives: all ranks agree on iteration counts through a max-reduction
-    def agreed_max(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    def timed(fn: Callable[[], Any]) -> float:
-        for _ in range(_WARMUP_CALLS):
-            fn()
-        sync()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(_CALIBRATION_CALLS):
-            fn()
-        sync()
-        first = agreed_max((time.perf_counter() - t0) / _CALIBRATION_CALLS)
-        iters = max(1, min(10_000, int(plan.comm_target_s / plan.repeats / max(first, 1e-9))))
-        best, spent = math.inf, 0.0
-        for _ in range(plan.repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            sync()
-            elapsed = agreed_max(time.perf_counter() - t0)  # the slowest rank; same on all
-            best, spent = min(best, elapsed / iters), spent + elapsed
-            if spent > _OVERRUN * plan.comm_target_s:  # every rank decides alike
-                break
-        return best
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -428,8 +435,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     if overhead is not None:
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
-            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist, sync, plan.overhead_target_s,
-                                                  plan.repeats)
+            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
+                                                  lambda fn: timed(fn, plan.overhead_target_s))
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
