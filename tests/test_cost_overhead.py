@@ -19,7 +19,7 @@ from runtime_cases import cpu_cluster
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=4, layers=4)
 OVERHEAD = {"forward_s": 10e-6, "backward_s": 20e-6, "tp_linear_forward_s": 300e-6,
-            "tp_linear_backward_s": 700e-6}
+            "tp_linear_backward_s": 700e-6, "selective_s": 150e-6}
 NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
                          tp_comm_overlap=False, pp_comm_overlap=False)
 
@@ -58,6 +58,16 @@ def test_overhead_is_per_operator_and_micro_batch(graph, tp):
     assert added == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
     others = {k: v for k, v in with_overhead.breakdown.items() if k != "compute_s"}
     assert others == pytest.approx({k: v for k, v in base.breakdown.items() if k != "compute_s"})
+
+
+def test_selective_recompute_pays_the_dispatch_mode_per_operator(graph):
+    """torch's selective checkpoint runs every operator of a block's forward and recompute
+    through a Python dispatch mode: ``selective_s`` per captured operator of each block."""
+    s = Strategy(dp=2, micro_batch=2, global_batch=8, recompute="selective", precision="fp32")
+    added = (_step(graph, s, OVERHEAD).breakdown["recompute_s"]
+             - _step(graph, s, None).breakdown["recompute_s"])
+    micro_batches = 8 // 2 // 2
+    assert added == pytest.approx(micro_batches * 4 * 28 * 150e-6, rel=1e-9)
 
 
 def test_overhead_does_not_grow_with_the_micro_batch(graph):

@@ -58,15 +58,15 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     """Each figure of the operator overhead is the slowest rank's, as the matmuls are; the
     profile round-trips through YAML with it."""
     per_rank = [{"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 200e-6,
-                 "tp_linear_backward_s": 500e-6},
+                 "tp_linear_backward_s": 500e-6, "selective_s": 150e-6},
                 {"forward_s": 12e-6, "backward_s": 25e-6, "tp_linear_forward_s": 150e-6,
-                 "tp_linear_backward_s": 600e-6}]
+                 "tp_linear_backward_s": 600e-6, "selective_s": 170e-6}]
     profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
                                 cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
                                 copy_bytes=2**20)
     o = profile.device.op_overhead
-    assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s) == (
-        12e-6, 30e-6, 200e-6, 600e-6)
+    assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s,
+            o.selective_s) == (12e-6, 30e-6, 200e-6, 600e-6, 170e-6)
     assert "28 captured operators" in o.source
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
     # measurements without it (profiles written before it was measured): none
@@ -132,6 +132,7 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     o = device.op_overhead     # on CPU the host's time per operator adds to the device's
     assert o is not None and 1e-8 < o.forward_s < 1e-2 and 1e-8 < o.backward_s < 1e-2
     assert 0 <= o.tp_linear_forward_s < 0.1 and 0 <= o.tp_linear_backward_s < 0.1
+    assert 1e-8 < o.selective_s < 0.1   # torch's selective checkpoint: Python per operator
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

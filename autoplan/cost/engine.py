@@ -783,6 +783,9 @@ class CostEngine:
             recompute = forward
         elif seg.recompute is Recompute.SELECTIVE and layer.is_block and not opts.fused_attention:
             recompute = core
+            if device.op_overhead is not None:
+                # torch's selective checkpoint dispatches every operator through Python
+                recompute += s.op_counts[layer.template][0] * device.op_overhead.selective_s
         # tensor-parallel collectives of one layer
         tp_forward = tp_backward = 0.0
         if t > 1:

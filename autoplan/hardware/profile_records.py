@@ -188,6 +188,10 @@ class OpOverhead(Record):
         ``RowwiseParallel`` module: sharding propagation, wrapping and unwrapping, the
         functional collective's Python side) in the forward and in the backward, beyond
         the collective itself, which the link model prices.
+    selective_s : float
+        Extra seconds per captured operator of a block under selective recompute (torch's
+        selective checkpoint runs a Python dispatch mode over every operator of the
+        forward and of its recompute), forward and backward together.
     source : str
         How the figures were measured.
     """
@@ -197,9 +201,11 @@ class OpOverhead(Record):
     tp_linear_forward_s: float
     tp_linear_backward_s: float
     source: str
+    selective_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s"):
+        for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
+                     "selective_s"):
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and _finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -244,6 +244,10 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                                       "in the forward"),
                                 ("tp_linear_backward", "extra seconds per tensor-parallel linear "
                                                        "in the backward"))}
+    if any(k.startswith("selective_") for k in sec.data):   # profiles before it have none
+        values["selective_s"] = sec.quantity("selective", _LATENCY, "extra seconds per "
+                                             "captured operator under selective recompute",
+                                             _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
     sec.finish()
     return _build(OpOverhead, sec, **values, source=source)
@@ -427,7 +431,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
         device["op_overhead"] = {"forward_s": o.forward_s, "backward_s": o.backward_s,
                                  "tp_linear_forward_s": o.tp_linear_forward_s,
                                  "tp_linear_backward_s": o.tp_linear_backward_s,
-                                 "source": o.source}
+                                 "selective_s": o.selective_s, "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,
         "bw_unidir_bytes_per_s": n.bw_unidir_bytes_per_s, "latency_s": n.latency_s,

@@ -199,16 +199,31 @@ OVERHEAD_BLOCK_OPS = 28
 
 
 def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
-                         ) -> tuple[float, float]:
-    """Seconds per captured operator of a tiny transformer block: ``(forward, backward)``
-    (the forward with autograd recording; the backward is forward + backward less that);
-    ``timed(fn)`` is seconds per call."""
+                         ) -> tuple[float, float, float]:
+    """Seconds per captured operator of a tiny transformer block: ``(forward, backward,
+    selective)`` (the forward with autograd recording; the backward is forward + backward
+    less that; selective: the extra of forward + backward with the block wrapped as
+    :func:`autoplan.parallelize` wraps a block under selective recompute, its softmax as
+    the attention core); ``timed(fn)`` is seconds per call."""
+    from ..graph import AttentionCore, CoreOp
+    from ..runtime.ac import apply_ac
+    from ..strategy import Recompute
+
     h = _OVERHEAD_WIDTH
     params = _overhead_params(torch, h)
     x = torch.randn(1, 4, h).requires_grad_(True)
+
+    class Block(torch.nn.Module):
+        def forward(self, t):
+            return _overhead_block(torch, t, params)
+
+    core = AttentionCore(nodes=("softmax",), ops=(CoreOp("_softmax", 0),), calls={"_softmax": 1})
+    selective = apply_ac(Block(), Recompute.SELECTIVE, core=core)
     fwd = timed(lambda: _overhead_block(torch, x, params))
     both = timed(lambda: _overhead_block(torch, x, params).sum().backward())
-    return fwd / OVERHEAD_BLOCK_OPS, max(0.0, both - fwd) / OVERHEAD_BLOCK_OPS
+    sac = timed(lambda: selective(x).sum().backward())
+    n = OVERHEAD_BLOCK_OPS
+    return fwd / n, max(0.0, both - fwd) / n, max(0.0, sac - both) / n
 
 
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float]
@@ -394,10 +409,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     overhead = None
     if not cuda:
         dist.barrier()
-        op_fwd, op_bwd = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s))
-        overhead = {"forward_s": op_fwd, "backward_s": op_bwd}
+        op_fwd, op_bwd, op_sel = _measure_op_overhead(
+            torch, lambda fn: timed(fn, plan.overhead_target_s))
+        overhead = {"forward_s": op_fwd, "backward_s": op_bwd, "selective_s": op_sel}
         say(f"operator overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us backward "
-            f"per captured operator")
+            f"per captured operator, {op_sel * 1e6:.1f} us more under selective recompute")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -583,7 +599,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
             **worst,
             source=(f"{how}: a tiny transformer block's {OVERHEAD_BLOCK_OPS} captured operators "
                     f"(width {_OVERHEAD_WIDTH}, arithmetic negligible), forward and forward + "
-                    "backward, per operator; tensor-parallel linears: a ColwiseParallel + "
+                    "backward, per operator, and the extra of forward + backward under torch's "
+                    "selective checkpoint; tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP on a one-rank mesh less the same MLP unsharded, plus "
                     "the functional all-reduce's own time once each way, per linear"
                     + ("" if nproc > 1 else " (one rank: not measured, 0)")))
