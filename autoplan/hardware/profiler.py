@@ -12,7 +12,9 @@ training):
   (gloo on CPU, NCCL on CUDA);
 * on CPU, the host's time per operator: a tiny transformer block (so small its
   arithmetic is negligible) forward and forward + backward, per captured operator,
-  and the extra time of a tensor-parallel (DTensor) linear over a plain one.  The
+  the extra time per operator under selective recompute (torch's selective checkpoint
+  dispatches every operator through Python), and the extra time of a tensor-parallel
+  (DTensor) linear over a plain one; every repeat is timed on all ranks at once.  The
   cost model adds it per operator and micro-batch (on a GPU the host enqueues work
   ahead of the device and this time is hidden, so it is not measured there).
 
