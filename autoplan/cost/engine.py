@@ -611,10 +611,10 @@ class CostEngine:
         if len(self.cluster.nodes) != 1:
             return None
         cores = self.cluster.profile_of(0).node.shared_cores
-        ranks = sum(len(devices) for devices in lay.rank_devices)
-        if cores is None or cores >= ranks:
+        if cores is None:
             return None
-        return ranks, cores
+        ranks = sum(len(devices) for devices in lay.rank_devices)
+        return (ranks, cores) if cores < ranks else None
 
     def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
         """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
@@ -652,6 +652,7 @@ class CostEngine:
                        () if alike else tuple(self._placement(lay, p, r) for p in range(pp)))
                 signatures.setdefault(sig, r)
 
+        shared = self._shared_cores(lay) if pp > 1 else None
         best = None
         for sig, r in signatures.items():
             m = runs[r]
@@ -663,7 +664,6 @@ class CostEngine:
                 c = ranks[crit]
                 zb_excess = max(0.0, c.fwd + (c.bwd - c.wgrad) - 2 * c.wgrad)
             t_pipe = pipeline_time(lay.schedule, times, m, virtual_stages=v, zb_excess_s=zb_excess)
-            shared = self._shared_cores(lay) if pp > 1 else None
             if shared is not None:
                 # ranks sharing fewer cores: while a rank waits in the pipeline's bubble
                 # the others run faster than measured (every rank busy at once).  The
