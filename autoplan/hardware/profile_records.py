@@ -207,7 +207,7 @@ class OpOverhead(Record):
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "selective_s"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and _finite_nonnegative(value), name,
+            _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
         _require(_text(self.source), "source", "expected a non-empty source")
 
