@@ -73,11 +73,13 @@ _NVLINK = (IntraNodeTopology.NVSWITCH, IntraNodeTopology.HYBRID_CUBE_MESH)
 class ArchitectureCalibration(Record):
     """Fitted figures of one GPU architecture (fractions of the dense datasheet peak).
 
-    ``attention_peak_fraction`` / ``fp8_peak_fraction``: ``None`` where no run
-    measured them (the mean of the other architectures' figures is used).
+    ``matmul_peak_fraction`` / ``attention_peak_fraction`` / ``fp8_peak_fraction``:
+    ``None`` where no run measured them (the mean of the other architectures' figures
+    is used): e.g. Blackwell's 16-bit matmul fraction, when every Blackwell run trains
+    its matmuls in FP8.
     """
 
-    matmul_peak_fraction: float
+    matmul_peak_fraction: float | None
     matmul_overhead_s: float
     attention_peak_fraction: float | None
     fp8_peak_fraction: float | None
@@ -154,6 +156,9 @@ class Calibration(Record):
                 source=(f"carried over: mean of the figures fitted for {sorted(fitted)} "
                         f"(no published run on {arch or 'this device'}); {self.source}"))
         return replace(own,
+                       matmul_peak_fraction=(own.matmul_peak_fraction
+                                             if own.matmul_peak_fraction is not None
+                                             else mean("matmul_peak_fraction")),
                        attention_peak_fraction=(own.attention_peak_fraction
                                                 if own.attention_peak_fraction is not None
                                                 else mean("attention_peak_fraction")),
