@@ -1,29 +1,134 @@
-"""The command line, run as a subprocess: exit codes, --json output, errors for bad input."""
+"""The command line: exit codes, --json output, errors for bad input.
+
+Most calls run ``autoplan.cli.main`` in this process (:func:`run`): starting
+``python -m autoplan.cli`` costs seconds of imports per call. What only a real process
+shows runs in one (:func:`run_subprocess`): ``autoplan demo`` offline, ``autoplan profile``
+(it spawns ranks), the ``--debug`` traceback, and one bad argument end to end (import-time
+noise on stderr, the exit code of ``python -m autoplan.cli``).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
 
+from autoplan import cli
 from autoplan.plan import Plan
 
 GPT = ["gpt", "--model-arg", "vocab_size=256", "--model-arg", "seq_len=64", "--model-arg", "hidden=64",
        "--model-arg", "heads=4", "--model-arg", "layers=4", "--seq-len", "64"]
 
 
-def run(*args: str, check_rc: int | None = 0, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "autoplan.cli", *args], capture_output=True,
-                          text=True, timeout=300, cwd=cwd,
-                          env=None if env is None else {**os.environ, **env})
+def _check(proc: subprocess.CompletedProcess, check_rc: int | None) -> subprocess.CompletedProcess:
     if check_rc is not None:
         assert proc.returncode == check_rc, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     return proc
+
+
+def run_subprocess(*args: str, check_rc: int | None = 0, env: dict[str, str] | None = None,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m autoplan.cli ARGS`` in a new process, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "autoplan.cli", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd,
+                          env=None if env is None else {**os.environ, **env})
+    return _check(proc, check_rc)
+
+
+# python's warning filters when started without -W or PYTHONWARNINGS (not pytest's)
+# (``python -m autoplan.cli`` runs the CLI as __main__)
+_DEFAULT_WARNING_FILTERS = [("default", DeprecationWarning, r"__main__$|autoplan\.cli$"),
+                            ("ignore", DeprecationWarning, ""),
+                            ("ignore", PendingDeprecationWarning, ""),
+                            ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, "")]
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    return [h for lg in loggers for h in getattr(lg, "handlers", ())
+            if isinstance(h, logging.StreamHandler)]
+
+
+@contextlib.contextmanager
+def _fd_captured(fd: int):
+    """Whatever is written to file descriptor ``fd`` (by C code, say), as a list of one string."""
+    out: list[str] = []
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(fd)
+        os.dup2(tmp.fileno(), fd)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode("utf-8", "replace"))
+
+
+def run(*args: str, check_rc: int | None = 0, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``autoplan ARGS`` in this process: ``cli.main(ARGS)`` with its stdout and stderr
+    captured, ``env`` added to ``os.environ`` and ``cwd`` made current for the call, all
+    restored after. Everything a new process would print reaches the captured streams:
+    warnings (under python's default filters, not pytest's), and logging handlers bound to
+    the old stderr (torch binds its handlers at import). An exception other than
+    ``SystemExit`` is not caught: the test fails with its traceback, as a user would see it."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    saved_cwd = os.getcwd()
+    old_err = sys.stderr
+    moved = [h for h in _stream_handlers() if h.stream in (old_err, sys.__stderr__)]
+    handlers_before = set(map(id, _stream_handlers()))
+    try:
+        os.environ.update(env or {})
+        if cwd is not None:
+            os.chdir(cwd)
+        for h in moved:
+            h.setStream(err)
+        with warnings.catch_warnings(record=True) as caught, _fd_captured(1) as fd_out, \
+                _fd_captured(2) as fd_err:
+            warnings.resetwarnings()
+            for action, category, module in reversed(_DEFAULT_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = cli.main(list(args))
+                except SystemExit as exc:   # argparse: usage errors, --help
+                    code = exc.code
+                    if code is not None and not isinstance(code, int):
+                        err.write(f"{code}\n")
+                        code = 1
+                    code = code or 0
+                except Exception as exc:    # a traceback a user would see: the test fails on it
+                    exc.add_note(f"raised by: autoplan {' '.join(args)}\ncaptured stderr:\n"
+                                 f"{err.getvalue()[-2000:]}")
+                    raise
+    finally:
+        for h in moved:
+            h.setStream(old_err)
+        for h in _stream_handlers():   # one made during the call: the stderr it would have had
+            if id(h) not in handlers_before and h.stream is err:
+                h.setStream(old_err)
+        os.chdir(saved_cwd)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    stderr = err.getvalue() + fd_err[0] + "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
+    proc = subprocess.CompletedProcess(["autoplan", *args], code, out.getvalue() + fd_out[0],
+                                       stderr)
+    return _check(proc, check_rc)
 
 
 def test_trace_json():
@@ -63,7 +168,7 @@ def test_plan_writes_a_plan_that_round_trips(tmp_path: Path):
 
 
 def test_demo_runs_offline():
-    out = run("demo", "--json")
+    out = run_subprocess("demo", "--json")
     data = json.loads(out.stdout)
     plan = Plan.from_dict(data["plan"])
     assert plan.num_devices == 1024 and plan.estimate.fits
@@ -93,8 +198,8 @@ def test_report_html(tmp_path: Path):
 def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Path, monkeypatch):
     # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
     home = tmp_path / "home"
-    out = run("profile", "--quick", "--nproc", "2", "--device", "cpu", "--name", "local-cli", "--json",
-              env={"AUTOPLAN_HOME": str(home)}, cwd=tmp_path)
+    out = run_subprocess("profile", "--quick", "--nproc", "2", "--device", "cpu", "--name", "local-cli",
+                         "--json", env={"AUTOPLAN_HOME": str(home)}, cwd=tmp_path)
     report = json.loads(out.stdout)
     dest = home / "profiles" / "local-cli.yaml"
     assert report["path"] == str(dest) and dest.is_file()
@@ -106,9 +211,13 @@ def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Pa
     assert "--quick" in run("profile", "--help").stdout
 
 
+# this one runs in a real process: a bad argument is one line and code 2 end to end
+BAD_IN_A_SUBPROCESS = ("trace", "zoo:llama9", "--seq-len", "8")
+
+
 @pytest.mark.parametrize("args,expect", [
     (("trce",), "did you mean: trace"),
-    (("trace", "zoo:llama9", "--seq-len", "8"), "did you mean llama3-8b"),
+    (BAD_IN_A_SUBPROCESS, "did you mean llama3-8b"),
     (("trace", "gpt", "--sq-len", "8"), "did you mean: --seq-len"),
     (("plan", *GPT, "--cluster", "a100-sxm4-8gb", "--global-batch", "8"), "a100-sxm4-80gb"),
     (("trace", "hf:lama", "--seq-len", "8"), "did you mean"),
@@ -120,13 +229,15 @@ def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Pa
      "did you mean fsdp"),
 ])
 def test_bad_input_gets_a_clear_message_and_code_2(args, expect):
-    out = run(*args, check_rc=2)
+    out = (run_subprocess if args == BAD_IN_A_SUBPROCESS else run)(*args, check_rc=2)
     assert expect in out.stderr
     assert "Traceback" not in out.stderr
+    if args == BAD_IN_A_SUBPROCESS:   # nothing else on stderr, imports' warnings included
+        _one_line_error(out, "trace")
 
 
 def test_debug_shows_the_traceback():
-    out = run("--debug", "trace", "zoo:llama9", "--seq-len", "8", check_rc=None)
+    out = run_subprocess("--debug", "trace", "zoo:llama9", "--seq-len", "8", check_rc=None)
     assert out.returncode != 0 and "Traceback" in out.stderr
 
 
