@@ -64,6 +64,11 @@ Assumptions for fields the sources leave unstated (each row lists its own in
   its own NVLink and NIC bandwidth).  Memory is not checked for these rows (the
   recipes' recompute / FSDP settings are not in the tables).  GB300 rows have no
   device profile and are listed as not evaluated.
+* torchtitan (validation/published_torchtitan.csv; FSDP2 on 64 A100 80GB, Llama 2 / 3):
+  8 GPUs per node on the a100-sxm4-80gb profile's network (not stated); FSDP2 =
+  ZeRO-3 copying through its buffers, bf16 compute, SDPA flash attention
+  (FlashAttention-2); "selective layer" checkpointing = every second block fully
+  recomputed; the op-level selective rows are listed as not evaluated.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ from autoplan.strategy import Recompute, Schedule, Strategy  # noqa: E402
 
 CSV = REPO / "validation" / "published_public.csv"
 MOE_CSV = REPO / "validation" / "published_moe.csv"
+TORCHTITAN_CSV = REPO / "validation" / "published_torchtitan.csv"
 TARGET_MAPE = 0.10
 TARGET_MAX_ERROR = 0.25
 
@@ -261,6 +267,8 @@ MEGATRON_CORE_2024 = CostOptions(stack="megatron-core")
 DEEPSPEED_ZERO3_2021 = replace(MEGATRON_2021, zero3_regather_for_recompute=True,
                                dp_nic_per_device=True, zero3_gather_unit="module")
 LLM_FOUNDRY_FSDP = CostOptions(stack="fsdp")
+# torchtitan: FSDP2, which copies through its all-gather / reduce-scatter buffers
+TORCHTITAN_FSDP2 = CostOptions(stack="fsdp", zero_buffer_copies=True)
 
 
 @dataclass(frozen=True)
@@ -275,6 +283,9 @@ class RunSpec:
     measured_step_s: float
     gpu_memory_bytes: float
     assumptions: tuple[str, ...] = field(default=())
+    #: > 0: every ``recompute_every``-th transformer block fully recomputed, the others
+    #: not (torchtitan's "selective layer" checkpointing); the strategy's recompute is NONE
+    recompute_every: int = 0
 
 
 def _num(x, default=None):
@@ -383,6 +394,26 @@ def row_spec(row: pd.Series) -> RunSpec | None:
                             global_batch=gbs, zero=1, sequence_parallel=tp > 1,
                             schedule=schedule, virtual_stages=v, precision="fp8")
         options = replace(MEGATRON_CORE_2024, fp8_scaling=scaling)
+    elif src == "torchtitan":
+        if _recompute_problem(row):
+            return None
+        kv = int(row["num_kv_heads"])
+        model = ModelSpec("llama", L, h, a, ffn, V, s, 0.0, kv_heads=kv)
+        ac = str(row["activation_recompute"])
+        rc = Recompute.FULL if ac.startswith("full") else Recompute.NONE
+        every = 2 if ac.startswith("selective layer") else 0
+        notes += ["8 GPUs per node, the a100-sxm4-80gb profile's network (not stated)",
+                  "FSDP2 = ZeRO-3 with buffer copies, bf16 compute and fp32 gradient "
+                  "reduction (torchtitan's defaults), SDPA flash attention (FlashAttention-2)"]
+        if every:
+            notes.append(f"every {every}nd block fully recomputed (torchtitan's "
+                         "selective_ac_option = '2')")
+        strategy = Strategy(dp=int(row["dp"]), micro_batch=int(row["micro_batch_size"]),
+                            global_batch=gbs, zero=3, recompute=rc)
+        nodes = max(1, n // NODE_SIZE[profile])
+        return RunSpec(row["run_id"], src, model, profile, nodes, strategy,
+                       TORCHTITAN_FSDP2, float(measured), mem, tuple(notes),
+                       recompute_every=every)
     elif src in ("megatron_bridge_moe", "nemo_framework_moe"):
         if _moe_problem(row):
             return None
@@ -461,6 +492,14 @@ def _moe_model(row) -> ModelSpec:
                      hf_config=tuple(sorted(cfg.items())))
 
 
+def _recompute_problem(row) -> str | None:
+    """Why a row's activation checkpointing cannot be priced (None: it can)."""
+    if str(row.get("activation_recompute")).startswith("selective op"):
+        return ("torchtitan's op-level selective checkpointing (the outputs of every other "
+                "matmul recomputed) is not modelled")
+    return None
+
+
 def _profile_memory(profile: str) -> int:
     from autoplan.hardware import load_profile
     return load_profile(profile).device.memory_bytes
@@ -471,10 +510,11 @@ def _unprofiled(gpu: str) -> str | None:
 
 
 def _rows(csv: Path | None = None) -> pd.DataFrame:
-    """The rows of ``csv``, or of both validation files (dense and MoE) by default."""
+    """The rows of ``csv``, or of every validation file (dense, MoE, torchtitan) by default."""
     if csv is not None:
         return pd.read_csv(csv)
-    return pd.concat([pd.read_csv(CSV), pd.read_csv(MOE_CSV)], ignore_index=True)
+    return pd.concat([pd.read_csv(CSV), pd.read_csv(MOE_CSV), pd.read_csv(TORCHTITAN_CSV)],
+                     ignore_index=True)
 
 
 def not_evaluated(csv: Path | None = None) -> dict[str, str]:
@@ -485,7 +525,8 @@ def not_evaluated(csv: Path | None = None) -> dict[str, str]:
         if _num(r.get("measured_step_time_s")) is None:
             continue
         why = (UNMODELLED_SOURCES.get(r["source_group"]) or _unprofiled(str(r["gpu_type"]))
-               or (_moe_problem(r) if "num_experts" in r and _num(r.get("num_experts")) else None))
+               or (_moe_problem(r) if "num_experts" in r and _num(r.get("num_experts")) else None)
+               or _recompute_problem(r))
         if why:
             out[r["run_id"]] = why
     return out
@@ -508,17 +549,33 @@ def evaluate(specs, calibration: Calibration | None, *, graphs=None) -> pd.DataF
         key = (sp.profile, sp.nodes, sp.strategy.world_size)
         if key not in clusters:
             clusters[key] = _cluster(sp.profile, sp.nodes, sp.strategy.world_size)
-        est = engine_for(graphs[sp.model.key], clusters[key], options=sp.options,
-                         calibration=calibration).estimate(sp.strategy)
+        engine = engine_for(graphs[sp.model.key], clusters[key], options=sp.options,
+                            calibration=calibration)
+        est = engine.estimate(_layout(sp, engine))
         err = (est.step_time_s - sp.measured_step_s) / sp.measured_step_s
         rows.append({
-            "run_id": sp.run_id, "source": sp.source, "layout": sp.strategy.describe(),
+            "run_id": sp.run_id, "source": sp.source,
+            "layout": sp.strategy.describe() + (f" rc-full 1/{sp.recompute_every} blocks"
+                                                if sp.recompute_every else ""),
             "measured_s": sp.measured_step_s, "predicted_s": est.step_time_s, "error": err,
             "peak_GiB": est.peak_memory_bytes / 2**30, "gpu_GiB": sp.gpu_memory_bytes / 2**30,
             "fits": est.peak_memory_bytes <= sp.gpu_memory_bytes, "mfu": est.mfu,
             **{k: v / est.step_time_s for k, v in est.breakdown.items()},
         })
     return pd.DataFrame(rows)
+
+
+def _layout(sp: RunSpec, engine):
+    """What ``sp`` runs: its strategy, or (``recompute_every``) the strategy's plan with
+    every ``recompute_every``-th transformer block fully recomputed."""
+    if not sp.recompute_every:
+        return sp.strategy
+    from autoplan.plan import Plan
+    plan = Plan.from_strategy(engine.summary, engine.cluster, sp.strategy)
+    blocks = [l.name for l in engine.summary.layers if l.is_block]
+    full = set(blocks[sp.recompute_every - 1::sp.recompute_every])
+    return replace(plan, layers=tuple(replace(lp, recompute=Recompute.FULL) if lp.name in full
+                                      else lp for lp in plan.layers))
 
 
 def _cluster(profile: str, nodes: int, gpus: int):

@@ -31,15 +31,17 @@ from autoplan.cost.calibration import load_calibration  # noqa: E402
 
 #: Sources whose memory-relevant settings (recompute, ZeRO/FSDP) are stated or implied:
 #: every layout they ran must fit.  The Megatron-Bridge tables state neither.
-MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfoundry"}
+MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfoundry",
+                "torchtitan"}
 
 #: Held-out limits (regression guards at today's figures plus a margin; the issue's
 #: targets are TARGET_HELD_OUT_MAPE / TARGET_HELD_OUT_MAX_ERROR in published_runs.py).
 #: (refit of 2026-11-23 with FlashAttention-2 priced for the LLM Foundry rows: 14.6% MAPE,
 #: worst Narayanan T1-04 +45.7% and MosaicML 1B at 64K -45.7%; MoE 23.9% over 52 rows;
 #: refit with Blackwell's 16-bit fraction carried over and link floors at 0.5: 14.8%, worst
-#: MosaicML 1B at 64K -45.7%, MoE 23.7%)
-HELD_OUT_LIMITS = {"mape": 0.16, "max_error": 0.50, "moe_mape": 0.26}
+#: MosaicML 1B at 64K -45.7%, MoE 23.7%; refit with torchtitan's A100 rows as a fifth
+#: source: 11.6%, Narayanan 9.7%, worst MosaicML 1B at 64K -45.7%, MoE 25.0%)
+HELD_OUT_LIMITS = {"mape": 0.13, "max_error": 0.50, "moe_mape": 0.27}
 
 
 #: In-sample worst row: the issue's 25% is missed by Narayanan et al.'s ZeRO-3 row T2-04
@@ -66,9 +68,38 @@ def test_every_measured_row_is_evaluated_or_says_why(results):
     assert len(df) >= len(measured) - len(skipped) - 2
     assert set(df["source"]) == {"narayanan2021", "megatron_readme_h100_2024",
                                  "mosaicml_llmfoundry", "megatron_bridge_perf",
-                                 "megatron_bridge_moe", "nemo_framework_moe"}
+                                 "megatron_bridge_moe", "nemo_framework_moe", "torchtitan"}
     fp8 = df[df["source"] == "megatron_bridge_perf"]
     assert len(fp8) == 11 and fp8["run_id"].str.contains("B200").any()
+    # torchtitan: 5 of 8 rows; its op-level selective checkpointing is listed, not dropped
+    assert (df["source"] == "torchtitan").sum() == 5
+    assert sum("TORCHTITAN" in r for r in skipped) == 3
+
+
+def test_every_second_block_recomputed_is_priced_between_none_and_full(results):
+    # torchtitan's "selective layer" checkpointing: every 2nd block fully recomputed
+    from dataclasses import replace
+    from autoplan.cost import engine_for
+    from autoplan.strategy import Recompute
+    specs, df = results
+    sp = next(s for s in specs if s.recompute_every == 2)
+    engine = engine_for(pr.load_graphs([sp])[sp.model.key],
+                        pr._cluster(sp.profile, sp.nodes, sp.strategy.world_size),
+                        options=sp.options, calibration=load_calibration())
+    plan = pr._layout(sp, engine)
+    recomputes = [lp.recompute for lp in plan.layers
+                  if lp.name in {l.name for l in engine.summary.layers if l.is_block}]
+    assert recomputes[0::2] == [Recompute.NONE] * (len(recomputes) // 2)
+    assert recomputes[1::2] == [Recompute.FULL] * (len(recomputes) // 2)
+    times = {rc: engine.estimate(replace(sp.strategy, recompute=rc))
+             for rc in (Recompute.NONE, Recompute.FULL)}
+    mixed = engine.estimate(plan)
+    assert times[Recompute.NONE].step_time_s < mixed.step_time_s < times[Recompute.FULL].step_time_s
+    assert (times[Recompute.FULL].peak_memory_bytes < mixed.peak_memory_bytes
+            < times[Recompute.NONE].peak_memory_bytes)
+    row = df[df["run_id"] == sp.run_id].iloc[0]
+    assert row["predicted_s"] == pytest.approx(mixed.step_time_s)
+    assert "1/2 blocks" in row["layout"]
 
 
 def test_mape_overall_and_per_row(results):
