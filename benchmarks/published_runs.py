@@ -67,7 +67,8 @@ Assumptions for fields the sources leave unstated (each row lists its own in
 * torchtitan (validation/published_torchtitan.csv; FSDP2 on 64 A100 80GB, Llama 2 / 3):
   8 GPUs per node on the a100-sxm4-80gb profile's network (not stated); FSDP2 =
   ZeRO-3 copying through its buffers, bf16 compute, SDPA flash attention
-  (FlashAttention-2); "selective layer" checkpointing = every second block fully
+  (FlashAttention-2); its fp32 gradient reduction is priced as 16-bit gradients (the
+  bf16 recipe's); "selective layer" checkpointing = every second block fully
   recomputed; the op-level selective rows are listed as not evaluated.
 """
 
@@ -75,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import sys
@@ -403,8 +403,9 @@ def row_spec(row: pd.Series) -> RunSpec | None:
         rc = Recompute.FULL if ac.startswith("full") else Recompute.NONE
         every = 2 if ac.startswith("selective layer") else 0
         notes += ["8 GPUs per node, the a100-sxm4-80gb profile's network (not stated)",
-                  "FSDP2 = ZeRO-3 with buffer copies, bf16 compute and fp32 gradient "
-                  "reduction (torchtitan's defaults), SDPA flash attention (FlashAttention-2)"]
+                  "FSDP2 = ZeRO-3 with buffer copies, bf16 compute, SDPA flash attention "
+                  "(FlashAttention-2); torchtitan reduces gradients in fp32, priced as the "
+                  "bf16 recipe's 16-bit gradients"]
         if every:
             notes.append(f"every {every}nd block fully recomputed (torchtitan's "
                          "selective_ac_option = '2')")
