@@ -8,14 +8,16 @@ profiles below; comparisons are to float rounding (rel=1e-12).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import networkx as nx
 import pytest
 
-from autoplan.errors import ConfigError, RecordError
+from autoplan.errors import ConfigError, ProfileError, RecordError
 from autoplan.hardware import (
     Cluster,
     CollectiveEfficiency,
+    CollectiveLatency,
     DeviceType,
     EfficiencyTable,
     IntraNodeTopology,
@@ -139,6 +141,31 @@ def test_collective_efficiency_scales_bandwidth_only():
     c = compose_cluster([NodeGroup(slow_links, 1)])
     assert c.collective_time("all_reduce", range(4), S) == approx(1.5 * S / 50e9 + 6e-6)
     assert c.path(0, 1).bw_bytes_per_s == 100e9  # path is raw
+
+
+def test_each_collective_steps_at_its_own_latency_where_measured():
+    """A node with ``collective_latency`` (measured profiles) prices each operation's ring
+    steps at that operation's latency; a path (and a node without it) keeps the hop latency."""
+    own = CollectiveLatency(all_reduce=50e-6, all_gather=20e-6, reduce_scatter=30e-6,
+                            all_to_all=5e-6, broadcast=8e-6, p2p=2e-6, source="test")
+    measured = replace(FAST, name="measured", node=replace(FAST.node, collective_latency=own))
+    c = compose_cluster([NodeGroup(measured, 1)])
+    g = range(4)
+    assert c.collective_time("all_reduce", g, S) == approx(1.5 * S / 100e9 + 6 * 50e-6)
+    assert c.collective_time("all_gather", g, S) == approx(0.75 * S / 100e9 + 3 * 20e-6)
+    assert c.collective_time("reduce_scatter", g, S) == approx(0.75 * S / 100e9 + 3 * 30e-6)
+    assert c.collective_time("all_to_all", g, S) == approx(0.75 * S / 100e9 + 3 * 5e-6)
+    assert c.collective_time("broadcast", g, S) == approx(S / 100e9 + 3 * 8e-6)
+    assert c.collective_time("p2p", [1, 2], S) == approx(S / 100e9 + 2e-6)
+    assert c.path(1, 2).latency_s == 1e-6
+    # across nodes, the intra-node phases of the hierarchical all-reduce use their own
+    two = compose_cluster([NodeGroup(measured, 2)])
+    hier = next(c for c in two.collective_candidates("all_reduce", range(8))
+                if c.algorithm == "hierarchical")
+    intra = [lv for lv in hier.levels if lv.kind == "intra_node"]
+    assert [lv.latency_s for lv in intra] == [30e-6, 20e-6]    # reduce-scatter, all-gather
+    with pytest.raises(ProfileError, match="per-step latency >= 0"):
+        replace(own, p2p=-1e-6)
 
 
 def test_degenerate_groups_and_bad_input():

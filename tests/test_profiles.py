@@ -289,6 +289,32 @@ def test_yaml_rejects_impossible_values(tmp_path, section, key, value, expectati
     assert expectation in str(err)
 
 
+def test_yaml_collective_latency_is_optional_and_checked(tmp_path):
+    """``node.collective_latency`` (measured profiles): every operation's per-step latency with
+    a unit, and a source; absent, the node's hop latency prices every operation."""
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+    data = _a100_yaml()
+    data["node"]["collective_latency"] = {**{f"{op}_us": 10.0 * (i + 1) for i, op in enumerate(ops)},
+                                          "source": "test"}
+    profile = load_profile(_write(tmp_path, data, "ok.yaml"))
+    lat = profile.node.collective_latency
+    assert lat is not None and lat.all_reduce == pytest.approx(10e-6) and lat.p2p == pytest.approx(60e-6)
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    assert load_profile(_write(tmp_path, _a100_yaml(), "plain.yaml")).node.collective_latency is None
+
+    bad = copy.deepcopy(data)
+    bad["node"]["collective_latency"]["p2p_us"] = -1
+    err = _error(tmp_path, bad)
+    assert err.path == "node.collective_latency.p2p_us" and ">= 0" in str(err)
+    bad = copy.deepcopy(data)
+    del bad["node"]["collective_latency"]["broadcast_us"]
+    err = _error(tmp_path, bad)
+    assert err.path == "node.collective_latency.broadcast" and "broadcast_us" in str(err)
+    bad = copy.deepcopy(data)
+    bad["node"]["collective_latency"]["allreduce_us"] = 5
+    assert _error(tmp_path, bad).path == "node.collective_latency.allreduce_us"
+
+
 def test_yaml_rejects_bad_efficiency_points(tmp_path):
     data = _a100_yaml()
     data["device"]["matmul_efficiency"]["default"]["points"][2] = [1e9, 1.5]

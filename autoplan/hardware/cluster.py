@@ -406,7 +406,8 @@ class Cluster(Record):
                 if k >= 2:
                     bw = (_mesh_group_bw(profile.node, *mesh) if mesh
                           else profile.node.bw_unidir_bytes_per_s)
-                    intra = Segment(bw, profile.node.latency_s, profile.node.collective_efficiency)
+                    intra = Segment(bw, profile.node.latency_s, profile.node.collective_efficiency,
+                                    profile.node.collective_latency)
                 nic = None
                 if spans_nodes:
                     assert profile.network is not None

@@ -52,6 +52,11 @@ on that level.  Inside the hierarchical algorithm each phase uses its own
 operation's efficiency (an all-reduce's intra-node reduce-scatter phase uses
 the intra-node ``reduce_scatter`` efficiency).
 
+A level's per-step latency ``a`` is its resource's hop latency, or, where a
+measured profile fitted one per operation (``NodeSpec.collective_latency``), that
+operation's own: gloo on a CPU host pays several times more per all-reduce step
+than per send.
+
 Where the nodes of a level differ (heterogeneous groups), the level's latency
 and per-byte time are each the worst over its nodes: exact for alike nodes,
 an upper bound otherwise.
@@ -68,7 +73,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import ConfigError
-from .profiles import CollectiveEfficiency
+from .profiles import CollectiveEfficiency, CollectiveLatency
 
 __all__ = [
     "CollectiveOp",
@@ -110,16 +115,22 @@ class Segment:
     """A resource a group communicates over: raw bandwidth it gets, latency, efficiency.
 
     ``bw_bytes_per_s`` is one direction, after sharing with concurrent groups
-    and before the collective efficiency.
+    and before the collective efficiency.  ``op_latency``: each operation's own
+    per-step latency where the profile measured it (``None``: ``latency_s`` for all).
     """
 
     bw_bytes_per_s: float
     latency_s: float
     efficiency: CollectiveEfficiency
+    op_latency: CollectiveLatency | None = None
 
     def bw(self, op: CollectiveOp) -> float:
         """Effective bandwidth for ``op``: raw bandwidth times its efficiency."""
         return self.bw_bytes_per_s * self.efficiency.of(op.value)
+
+    def latency(self, op: CollectiveOp) -> float:
+        """Per-step latency of ``op``: its own where measured, else the hop latency."""
+        return self.latency_s if self.op_latency is None else self.op_latency.of(op.value)
 
 
 @dataclass(frozen=True)
@@ -280,9 +291,9 @@ def _resources(shape: GroupShape, op: CollectiveOp) -> list[tuple[str, float, fl
     out: list[tuple[str, float, float]] = []
     for node in shape.nodes:
         if node.members >= 2 and node.intra is not None:
-            out.append(("intra_node", node.intra.bw(op), node.intra.latency_s))
+            out.append(("intra_node", node.intra.bw(op), node.intra.latency(op)))
     if len(shape.nodes) >= 2:
-        hop = max(n.nic.latency_s for n in shape.nodes if n.nic is not None)
+        hop = max(n.nic.latency(op) for n in shape.nodes if n.nic is not None)
         for node in shape.nodes:
             assert node.nic is not None
             out.append(("inter_node", node.nic.bw(op), hop))
@@ -338,7 +349,7 @@ def _hierarchical(op: CollectiveOp, shape: GroupShape) -> CollectiveParams:
 
     def intra(phase: CollectiveOp) -> CollectiveLevel | None:
         return _worst_level("intra_node", phase, [
-            (nd.members, nd.intra.bw(phase), nd.intra.latency_s)
+            (nd.members, nd.intra.bw(phase), nd.intra.latency(phase))
             for nd in shape.nodes if nd.intra is not None], phase)
 
     def inter(phase: CollectiveOp) -> CollectiveLevel | None:
@@ -347,7 +358,7 @@ def _hierarchical(op: CollectiveOp, shape: GroupShape) -> CollectiveParams:
             nics = [nd.nic for nd in site.nodes if nd.nic is not None]
             if len(site.nodes) >= 2:
                 items.append((len(site.nodes), min(c.bw(phase) for c in nics),
-                              max(c.latency_s for c in nics)))
+                              max(c.latency(phase) for c in nics)))
         return _worst_level("inter_node", phase, items, phase)
 
     def across_sites(phase: CollectiveOp) -> CollectiveLevel | None:
@@ -385,12 +396,12 @@ def _tree(shape: GroupShape) -> CollectiveParams:
     chains = [nd for nd in nodes if nd.intra is not None and nd.members >= 2]
     depth = math.ceil(math.log2(len(nodes)))
     levels = [CollectiveLevel("inter_node", op.value, len(nodes), 2.0, min(c.bw(op) for c in nics),
-                              2 * depth, max(c.latency_s for c in nics))]
+                              2 * depth, max(c.latency(op) for c in nics))]
     if chains:
         k = max(nd.members for nd in chains)
         levels.insert(0, CollectiveLevel("intra_node", op.value, k, 2.0,
                                          min(nd.intra.bw(op) for nd in chains), 2 * (k - 1),
-                                         max(nd.intra.latency_s for nd in chains)))
+                                         max(nd.intra.latency(op) for nd in chains)))
     latency = sum(lv.steps * lv.latency_s for lv in levels)
     per_byte = max(lv.time_per_byte_s for lv in levels)
     return _combine(op, "tree", n, levels, latency, per_byte)
@@ -405,9 +416,9 @@ def _pairwise(shape: GroupShape) -> CollectiveParams:
         if nd.intra is not None and nd.members >= 2:
             levels.append(CollectiveLevel("intra_node", op.value, nd.members,
                                           (nd.members - 1) / n, nd.intra.bw(op), n - 1,
-                                          nd.intra.latency_s))
+                                          nd.intra.latency(op)))
     if len(shape.nodes) >= 2:
-        hop = max(nd.nic.latency_s for nd in shape.nodes if nd.nic is not None)
+        hop = max(nd.nic.latency(op) for nd in shape.nodes if nd.nic is not None)
         for nd in shape.nodes:
             assert nd.nic is not None
             levels.append(CollectiveLevel("inter_node", op.value, nd.members,
@@ -431,13 +442,13 @@ def _direct(shape: GroupShape) -> CollectiveParams:
     if len(shape.nodes) == 1:
         intra = shape.nodes[0].intra
         assert intra is not None
-        level = CollectiveLevel("intra_node", op.value, 2, 1.0, intra.bw(op), 1, intra.latency_s)
+        level = CollectiveLevel("intra_node", op.value, 2, 1.0, intra.bw(op), 1, intra.latency(op))
     else:
         nics = [nd.nic for nd in shape.nodes if nd.nic is not None]
         bw = min(c.bw(op) for c in nics)
         if len(shape.sites) == 1:
             level = CollectiveLevel("inter_node", op.value, 2, 1.0, bw, 1,
-                                    max(c.latency_s for c in nics))
+                                    max(c.latency(op) for c in nics))
         else:
             link = shape.link(0, 1).segment
             level = CollectiveLevel("inter_site", op.value, 2, 1.0, min(bw, link.bw(op)), 1,

@@ -15,12 +15,13 @@ import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable, ClassVar
 
 from ..errors import ConfigError, ProfileError
 from ..records import Record
 
 __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
-           "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "MeshLink", "NodeSpec",
+           "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
 
 #: Numeric formats a device may list a peak for.
@@ -318,12 +319,8 @@ class DeviceType(Record):
 
 
 @dataclass(frozen=True)
-class CollectiveEfficiency(Record):
-    """Achievable fraction of link bandwidth per collective operation.
-
-    Each field is the bus bandwidth a collective reaches (NCCL's "busbw")
-    divided by the raw link bandwidth it runs over, in (0, 1].
-    """
+class _PerCollective(Record):
+    """One figure per collective operation (:data:`COLLECTIVE_OPS`), with its source."""
 
     all_reduce: float
     all_gather: float
@@ -333,22 +330,52 @@ class CollectiveEfficiency(Record):
     p2p: float
     source: str
 
+    #: the test every figure passes, and what it says otherwise
+    _check: ClassVar[tuple[Callable[[float], bool], str]]
+
     def __post_init__(self) -> None:
+        check, expectation = self._check
         for op in COLLECTIVE_OPS:
             value = getattr(self, op)
-            _require(_is_fraction(value), op, f"expected an efficiency in (0, 1], got {value!r}")
+            _require(check(value), op, f"expected {expectation}, got {value!r}")
         _require(_text(self.source), "source", "expected a non-empty source")
 
     def of(self, op: str) -> float:
-        """The efficiency of ``op`` (one of :data:`COLLECTIVE_OPS`)."""
+        """The figure of ``op`` (one of :data:`COLLECTIVE_OPS`)."""
         if op not in COLLECTIVE_OPS:
             raise ConfigError(f"unknown collective {op!r}; expected one of {list(COLLECTIVE_OPS)}")
         return float(getattr(self, op))
+
+
+@dataclass(frozen=True)
+class CollectiveEfficiency(_PerCollective):
+    """Achievable fraction of link bandwidth per collective operation.
+
+    Each field is the bus bandwidth a collective reaches (NCCL's "busbw")
+    divided by the raw link bandwidth it runs over, in (0, 1].
+    """
+
+    _check = (_is_fraction, "an efficiency in (0, 1]")
 
     @classmethod
     def uniform(cls, value: float, source: str) -> "CollectiveEfficiency":
         """The same efficiency for every operation (``1.0``: the raw link)."""
         return cls(**{op: value for op in COLLECTIVE_OPS}, source=source)
+
+
+@dataclass(frozen=True)
+class CollectiveLatency(_PerCollective):
+    """Per-step latency of each collective operation, where it differs by operation.
+
+    A hop latency (``NodeSpec.latency_s``) prices every operation's ring steps alike:
+    right for NCCL's figures, wrong for a host where the operations' fixed costs differ
+    several times over (gloo on a CPU host: an all-reduce's rounds of reduction and
+    hand-off cost far more than one send).  A measured profile fits ``t(S) = a + b S``
+    per operation; each field here is that operation's ``a`` over its ring steps
+    (:func:`~autoplan.hardware.collectives.ring_coefficients`), in seconds, >= 0.
+    """
+
+    _check = (_finite_nonnegative, "a per-step latency >= 0 in seconds")
 
 
 @dataclass(frozen=True)
@@ -391,6 +418,9 @@ class NodeSpec(Record):
         The device's figures are measured with every rank busy at once, so a rank
         runs faster while others wait (a pipeline's bubbles).  ``None``: each device
         computes on its own (GPUs; CPUs with a core or more per rank).
+    collective_latency : CollectiveLatency or None
+        Each operation's own per-step latency (measured profiles); ``None``: every
+        operation steps at ``latency_s``.
     """
 
     devices_per_node: int
@@ -402,6 +432,7 @@ class NodeSpec(Record):
     latency_source: str
     links: tuple[MeshLink, ...] = ()
     shared_cores: int | None = None
+    collective_latency: CollectiveLatency | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,

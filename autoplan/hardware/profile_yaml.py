@@ -12,8 +12,8 @@ import yaml
 
 from ..errors import ProfileError
 from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
-                              CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
-                              MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
+                              CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
+                              IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
                               Profile, SiteLink)
 
 __all__ = ["parse_profile", "profile_to_yaml"]
@@ -253,6 +253,15 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
     return _build(OpOverhead, sec, **values, source=source)
 
 
+def _parse_collective_latency(sec: _Section) -> CollectiveLatency:
+    values = {op: sec.quantity(op, _LATENCY, f"the {op} latency per ring step", _nonnegative,
+                               ">= 0")
+              for op in COLLECTIVE_OPS}
+    source = sec.text("source", "where the latencies come from")
+    sec.finish()
+    return _build(CollectiveLatency, sec, **values, source=source)
+
+
 def _parse_collective_efficiency(sec: _Section) -> CollectiveEfficiency:
     values = {op: sec.number(op, f"the {op} efficiency", _fraction, "in (0, 1]")
               for op in COLLECTIVE_OPS}
@@ -301,11 +310,14 @@ def _parse_node(sec: _Section) -> NodeSpec:
     shared_cores = (sec.integer("shared_cores", "the cores the devices share")
                     if "shared_cores" in sec.data else None)
     sec.allowed.append("shared_cores")
+    lat_sec = sec.mapping("collective_latency", "the per-step latency of each collective",
+                          required=False)
+    op_latency = _parse_collective_latency(lat_sec) if lat_sec is not None else None
     sec.finish()
     return _build(NodeSpec, sec, devices_per_node=devices, topology=topology,
                   bw_unidir_bytes_per_s=bw, latency_s=latency, collective_efficiency=efficiency,
                   source=source, latency_source=latency_source, links=tuple(links),
-                  shared_cores=shared_cores)
+                  shared_cores=shared_cores, collective_latency=op_latency)
 
 
 def _parse_network(sec: _Section) -> NetworkSpec:
@@ -443,6 +455,10 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                          for l in n.links]
     if n.shared_cores is not None:
         node["shared_cores"] = n.shared_cores
+    if n.collective_latency is not None:
+        lat = n.collective_latency
+        node["collective_latency"] = {**{f"{op}_s": getattr(lat, op) for op in COLLECTIVE_OPS},
+                                      "source": lat.source}
     data = {"kind": "node", "name": profile.name, "description": profile.description,
             "device": device, "node": node}
     if w is not None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from .profile_discovery import (HOME_ENV, PROFILES_ENV, available_profiles, find_profile_file,
                                 load_profile, profile_dirs, shipped_profiles_dir, user_profiles_dir)
 from .profile_records import (COLLECTIVE_OPS, DTYPE_FALLBACK, DTYPES, CollectiveEfficiency,
-                              CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
+                              CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
                               MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
                               Profile, SiteLink)
 from .profile_yaml import parse_profile, profile_to_yaml
@@ -56,6 +56,7 @@ __all__ = [
     "DeviceType",
     "OpOverhead",
     "CollectiveEfficiency",
+    "CollectiveLatency",
     "MeshLink",
     "NodeSpec",
     "NetworkSpec",
