@@ -9,7 +9,8 @@ import pytest
 
 import yaml
 
-from autoplan.hardware import IntraNodeTopology, available_profiles, load_cluster, load_profile
+from autoplan.hardware import (IntraNodeTopology, NodeGroup, available_profiles, compose_cluster,
+                               load_cluster, load_profile)
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
 from autoplan.hardware.profiler import _build_profile, fit_alpha_beta, main
 from runtime_cases import synthetic_measurements
@@ -33,6 +34,19 @@ def test_fit_never_returns_negative_latency_or_bandwidth():
     assert (a, b) == (0.0, 1e-9)
 
 
+def test_fit_keeps_the_latency_of_a_latency_bound_collective():
+    """gloo's collectives on a CPU host are latency-bound over the sizes a quick profile
+    measures, and noisy: a larger size measured faster must not turn the slope negative and
+    the latency to 0 (pricing a 1 KiB all-gather at nothing); times are pooled monotone."""
+    sizes = [2**10, 2**14, 2**18, 2**21]
+    times = [3.86e-3, 3.98e-3, 4.88e-3, 3.94e-3]    # measured: 4 ranks sharing 2 cores
+    a, b = fit_alpha_beta(sizes, times)
+    assert a == pytest.approx(4.0e-3, rel=0.05) and b > 0
+    assert a + b * sizes[-1] == pytest.approx(4.45e-3, rel=0.05)  # the pooled 2 larger sizes
+    # order of the points does not matter
+    assert fit_alpha_beta(sizes[::-1], times[::-1]) == pytest.approx((a, b))
+
+
 def test_build_profile_from_measurements():
     profile, measurements = _build_profile("local-test", synthetic_measurements(), cuda=False,
                                            nproc=2, threads=1, devices_per_node=2, quick=True,
@@ -52,6 +66,32 @@ def test_build_profile_from_measurements():
     assert "measured by `autoplan profile --quick`" in d.source
     assert d.architecture == "cpu"     # keys the fitted figures (none for CPUs: kept as measured)
     assert set(measurements["collective_fits"]) == set(synthetic_measurements()["comm"])
+
+
+def test_build_profile_keeps_each_collectives_own_latency():
+    """Each operation steps at its own fitted latency (gloo's all-reduce costs several times a
+    send per step on a CPU host); the hop latency stays the median; the cluster prices each
+    collective with its own, and the profile round-trips through YAML with them."""
+    raw = synthetic_measurements()
+    # all_reduce (2 steps at 2 ranks): 900 us more per step than the others' 100 us
+    raw["comm"]["all_reduce"] = [[s, t + 2 * 900e-6] for s, t in raw["comm"]["all_reduce"]]
+    profile, measurements = _build_profile("local-test", raw, cuda=False, nproc=2, threads=1,
+                                           devices_per_node=2, quick=True, copy_bytes=2**20)
+    node = profile.node
+    lat = node.collective_latency
+    assert lat is not None and "fitted latency" in lat.source
+    assert lat.all_reduce == pytest.approx(1000e-6, rel=1e-6)
+    for op in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"):
+        assert lat.of(op) == pytest.approx(100e-6, rel=1e-6)
+        assert lat.of(op) == measurements["collective_fits"][op]["latency_per_step_s"]
+    assert node.latency_s == pytest.approx(100e-6, rel=1e-6)       # the median
+    cluster = compose_cluster([NodeGroup(profile, 1)])
+    # ring all-reduce over 2 ranks: 2 steps at its own latency + S / bus bandwidth (1e9 B/s)
+    assert cluster.collective_time("all_reduce", [0, 1], 2**20) == pytest.approx(
+        2 * 1000e-6 + 2**20 / 1e9, rel=1e-6)
+    assert cluster.collective_time("p2p", [0, 1], 2**20) == pytest.approx(
+        100e-6 + 2**20 / 2e9, rel=1e-6)
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
 
 
 def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
@@ -125,6 +165,10 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     node = cluster.profiles["local-test"].node
     assert 1e6 < node.bw_unidir_bytes_per_s < 1e12  # gloo through shared memory
     assert 1e-7 < node.latency_s < 0.1
+    lat = node.collective_latency   # each collective's own, timed after a matmul
+    assert lat is not None and all(0 <= lat.of(op) < 0.1 for op in
+                                   ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                    "broadcast", "p2p"))
     t_small = cluster.collective_time("all_reduce", [0, 1], 1e3)
     t_big = cluster.collective_time("all_reduce", [0, 1], 1e8)
     assert 0 < t_small < t_big < 100 and math.isfinite(t_big)

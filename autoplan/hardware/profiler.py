@@ -33,8 +33,14 @@ From this it writes a node :class:`~autoplan.hardware.profiles.Profile`:
   and turned into the ring model of :mod:`autoplan.hardware.collectives`:
   bus bandwidth ``factor / b`` and per-step latency ``a / steps``.  The node's
   bandwidth is the best bus bandwidth of any operation, each operation's
-  efficiency its bus bandwidth over that, and the latency the median per-step
-  latency over the operations.
+  efficiency its bus bandwidth over that, each operation's latency its own
+  per-step latency (``collective_latency``) and the hop latency the median of
+  those.  A collective's time is its *mean* over every timed call, not the best
+  batch: on a CPU host a call now and then waits a scheduler tick (a few ms,
+  against ~0.2-0.4 ms typical), and a training step pays every call.  On a CPU
+  whose ranks each have cores of their own, each collective is timed after a
+  matmul of about a millisecond, less the matmul alone: in a step the ranks
+  arrive apart and a waiting rank has gone idle, which back-to-back calls miss.
 * **network**: none (one machine): the profile forms one-node clusters.
 
 Examples
@@ -73,6 +79,7 @@ from .profile_records import cuda_architecture
 from .profiles import (
     COLLECTIVE_OPS,
     CollectiveEfficiency,
+    CollectiveLatency,
     DeviceType,
     EfficiencyTable,
     IntraNodeTopology,
@@ -90,6 +97,11 @@ _PREFIX = "[autoplan profile]"
 _WARMUP_CALLS = 2  # untimed calls before timing (first-touch allocation, connection set-up)
 _CALIBRATION_CALLS = 3  # calls timed to choose the iteration count of the timed batches
 _OVERRUN = 2.0  # stop repeating once a point has taken this many times its target
+#: CPU collectives are timed after a matmul of this shape (m, k, n): 134 MFLOP, about a
+#: millisecond on one core, like the compute between a step's collectives
+_WORK_SHAPE = (256, 256, 1024)
+#: floor of a collective's time after the compute is subtracted (noise can take it below 0)
+_MIN_COLLECTIVE_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -117,7 +129,7 @@ class MeasurementPlan:
                        0.05 if quick else 0.2, 3 if quick else 5)
         if quick:
             return cls({"fp32": (128, 256, 512, 768), "bf16": (128, 256, 512)}, 0.06,
-                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.06, 3, 0.1)
+                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.2, 3, 0.1)
         return cls({"fp32": (64, 128, 256, 512, 1024, 1536), "bf16": (64, 128, 256, 512, 1024)},
                    0.4, 256 * mib, 0.5, tuple(4**i * kib for i in range(0, 8)), 0.35, 5, 0.4)
 
@@ -129,7 +141,10 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
     """Fit ``t = a + b * S`` minimising the squared *relative* error; ``a >= 0``, ``b > 0``.
 
     Relative weighting lets the small sizes fix the latency and the large ones
-    the bandwidth.
+    the bandwidth.  The times are first made non-decreasing in size (adjacent
+    violators pooled to their mean): a collective does not get faster with more
+    bytes, so a larger size measured faster is noise, and left in it could turn
+    the slope negative and drop the latency of a latency-bound operation.
 
     Examples
     --------
@@ -139,6 +154,7 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
     """
     if len(sizes) != len(times) or not sizes:
         raise ValueError("fit_alpha_beta needs as many times as sizes, at least one")
+    sizes, times = _monotone(sizes, times)
     w = [1.0 / t for t in times]  # rows scaled by 1/t: minimise sum ((a + b s - t) / t)^2
     sww = sum(x * x for x in w)
     sws = sum(x * x * s for x, s in zip(w, sizes))
@@ -155,6 +171,25 @@ def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float
         i = max(range(len(sizes)), key=lambda j: sizes[j])
         b = times[i] / sizes[i]
     return a, b
+
+
+def _monotone(sizes: list[float], times: list[float]) -> tuple[list[float], list[float]]:
+    """``(sizes, times)`` sorted by size, the times made non-decreasing by pooling adjacent
+    violators (the least-squares monotone fit).
+
+    >>> _monotone([1, 2, 3, 4], [5.0, 3.0, 7.0, 6.0])
+    ([1, 2, 3, 4], [4.0, 4.0, 6.5, 6.5])
+    """
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    blocks: list[list[float]] = []      # [sum, count] per pooled block
+    for i in order:
+        blocks.append([times[i], 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    pooled = [value for total, count in blocks for value in [total / count] * int(count)]
+    return [sizes[i] for i in order], pooled
 
 
 # --------------------------------------------------------------------------- operator overhead
@@ -325,6 +360,14 @@ def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, t
     os._exit(0)
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bool, threads: int,
                  plan: MeasurementPlan, result_dir: str, start: float) -> None:
     import torch
@@ -350,7 +393,10 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
-    def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s) -> float:
+    def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s,
+              mean: bool = False) -> float:
+        # the best batch for compute (other work only ever adds time); the mean of every
+        # call for a collective (``mean``): its waits are part of what a step pays
         for _ in range(_WARMUP_CALLS):
             fn()
         sync()
@@ -361,7 +407,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         sync()
         first = agreed_max((time.perf_counter() - t0) / _CALIBRATION_CALLS)
         iters = max(1, min(10_000, int(target_s / plan.repeats / max(first, 1e-9))))
-        best, spent = math.inf, 0.0
+        best, spent, calls = math.inf, 0.0, 0
         for _ in range(plan.repeats):
             dist.barrier()
             t0 = time.perf_counter()
@@ -369,10 +415,10 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                 fn()
             sync()
             elapsed = agreed_max(time.perf_counter() - t0)  # the slowest rank; same on all
-            best, spent = min(best, elapsed / iters), spent + elapsed
+            best, spent, calls = min(best, elapsed / iters), spent + elapsed, calls + iters
             if spent > _OVERRUN * target_s:  # every rank decides alike
                 break
-        return best
+        return spent / calls if mean else best
 
 
     # compute: every rank at once, each on its own device / thread share
@@ -421,6 +467,19 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     comm: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVE_OPS}
+    # On a CPU host a step's collectives follow compute: the ranks arrive apart and a
+    # waiting rank's threads have gone idle, which costs more than calls back to back
+    # (on this kind of 2-core VM ~1-1.5 ms more per call).  Each collective is timed
+    # after a matmul of about a millisecond, less that matmul timed alone -- where every
+    # rank has cores of its own: ranks that share cores lend them to each other while one
+    # waits, so the loop is not the matmul's time plus the collective's (back to back there).
+    after_compute = not cuda and world * threads <= _usable_cores()
+    work_a = torch.randn(_WORK_SHAPE[0], _WORK_SHAPE[1], device=device)
+    work_b = torch.randn(_WORK_SHAPE[1], _WORK_SHAPE[2], device=device)
+
+    def work() -> None:
+        torch.matmul(work_a, work_b)
+
     for size in plan.comm_sizes_bytes:
         count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
         nbytes = count * 4
@@ -444,8 +503,13 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             "broadcast": lambda: dist.broadcast(full, 0),
             "p2p": p2p,
         }
+        if after_compute:
+            work_s = timed(work, mean=True)  # the matmul alone, in the same conditions
         for op, fn in ops.items():
-            sec = timed(fn)
+            if not after_compute:
+                sec = timed(fn, mean=True)
+            else:  # after compute, less the compute
+                sec = max(_MIN_COLLECTIVE_S, timed(lambda: (work(), fn()), mean=True) - work_s)
             comm[op].append((nbytes, sec / 2 if op == "p2p" else sec))  # p2p: one way
         say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
@@ -630,6 +694,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     efficiency = CollectiveEfficiency(
         **{op: max(1e-6, min(1.0, f["bus_bw_bytes_per_s"] / bus)) for op, f in fits.items()},
         source=f"{how}: each operation's fitted bus bandwidth over the best ({fit_text})")
+    op_latency = CollectiveLatency(
+        **{op: f["latency_per_step_s"] for op, f in fits.items()},
+        source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed "
+               "call) over its ring steps")
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
     shared = cores if not cuda and cores is not None and cores < devices_per_node else None
@@ -637,6 +705,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         devices_per_node=devices_per_node, shared_cores=shared,
         topology=IntraNodeTopology.UNIFORM if cuda else IntraNodeTopology.SHARED_MEMORY,
         bw_unidir_bytes_per_s=bus, latency_s=latency, collective_efficiency=efficiency,
+        collective_latency=op_latency,
         source=f"{how}: the best {backend} bus bandwidth of any collective (ring model fit)",
         latency_source=f"{how}: median over the collectives of the fitted per-step latency")
     profile = Profile(name=name,
@@ -658,6 +727,9 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         f"  memory   {d.memory_bytes / 2**30:.2f} GiB per device, copy {d.memory_bw_bytes_per_s / 1e9:.2f} GB/s",
         f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, {n.latency_s * 1e6:.1f} us per step",
         f"  collective efficiency: {effs}",
+        *(["  latency per step: " + ", ".join(
+            f"{op} {n.collective_latency.of(op) * 1e6:.0f} us" for op in COLLECTIVE_OPS)]
+          if n.collective_latency is not None else []),
         *([f"  overhead {d.op_overhead.forward_s * 1e6:.1f} + {d.op_overhead.backward_s * 1e6:.1f} us "
            f"per captured operator (forward + backward); tensor-parallel linear "
            f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
@@ -719,10 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         name = _profile_name(args.name or f"local-{socket.gethostname()}")
         out = user_profiles_dir() / f"{name}.yaml"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
+    cores = _usable_cores()
     threads = 1 if cuda else max(1, cores // nproc)
     plan = MeasurementPlan.for_machine(cuda, args.quick)
     backend = "nccl" if cuda else "gloo"
