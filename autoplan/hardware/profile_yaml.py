@@ -13,8 +13,8 @@ import yaml
 from ..errors import ProfileError
 from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
-                              IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
-                              Profile, SiteLink)
+                              IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
+                              NodeSpec, OpOverhead, Profile, SiteLink)
 
 __all__ = ["parse_profile", "profile_to_yaml"]
 

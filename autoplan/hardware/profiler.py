@@ -474,8 +474,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # rank has cores of its own: ranks that share cores lend them to each other while one
     # waits, so the loop is not the matmul's time plus the collective's (back to back there).
     after_compute = not cuda and world * threads <= _usable_cores()
-    work_a = torch.randn(_WORK_SHAPE[0], _WORK_SHAPE[1], device=device)
-    work_b = torch.randn(_WORK_SHAPE[1], _WORK_SHAPE[2], device=device)
+    work_a = torch.randn(*(_WORK_SHAPE[:2] if after_compute else (1, 1)), device=device)
+    work_b = torch.randn(*(_WORK_SHAPE[1:] if after_compute else (1, 1)), device=device)
 
     def work() -> None:
         torch.matmul(work_a, work_b)
@@ -694,10 +694,12 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     efficiency = CollectiveEfficiency(
         **{op: max(1e-6, min(1.0, f["bus_bw_bytes_per_s"] / bus)) for op, f in fits.items()},
         source=f"{how}: each operation's fitted bus bandwidth over the best ({fit_text})")
+    after_compute = not cuda and (cores is None or nproc <= cores)   # as the ranks timed them
     op_latency = CollectiveLatency(
         **{op: f["latency_per_step_s"] for op, f in fits.items()},
-        source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed "
-               "call) over its ring steps")
+        source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed call"
+               + (", each after a 134-MFLOP matmul, less the matmul" if after_compute else "")
+               + ") over its ring steps")
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
     shared = cores if not cuda and cores is not None and cores < devices_per_node else None
