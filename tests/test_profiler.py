@@ -92,6 +92,12 @@ def test_build_profile_keeps_each_collectives_own_latency():
     assert cluster.collective_time("p2p", [0, 1], 2**20) == pytest.approx(
         100e-6 + 2**20 / 2e9, rel=1e-6)
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    # the source says how the ranks timed them: back to back here, after a matmul if they say so
+    assert "matmul" not in lat.source
+    timed_after, _ = _build_profile("local-test", {**raw, "comm_after_compute": True}, cuda=False,
+                                    nproc=2, threads=1, devices_per_node=2, quick=True,
+                                    copy_bytes=2**20)
+    assert "after a 134-MFLOP matmul" in timed_after.node.collective_latency.source
 
 
 def test_build_profile_keeps_the_slowest_ranks_operator_overhead():

@@ -474,11 +474,12 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # rank has cores of its own: ranks that share cores lend them to each other while one
     # waits, so the loop is not the matmul's time plus the collective's (back to back there).
     after_compute = not cuda and world * threads <= _usable_cores()
-    work_a = torch.randn(*(_WORK_SHAPE[:2] if after_compute else (1, 1)), device=device)
-    work_b = torch.randn(*(_WORK_SHAPE[1:] if after_compute else (1, 1)), device=device)
+    if after_compute:
+        work_a = torch.randn(*_WORK_SHAPE[:2], device=device)
+        work_b = torch.randn(*_WORK_SHAPE[1:], device=device)
 
-    def work() -> None:
-        torch.matmul(work_a, work_b)
+        def work() -> None:
+            torch.matmul(work_a, work_b)
 
     for size in plan.comm_sizes_bytes:
         count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
@@ -533,7 +534,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        payload = {"ranks": gathered, "comm": comm, "world": world}
+        payload = {"ranks": gathered, "comm": comm, "world": world,
+                   "comm_after_compute": after_compute}
         atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
@@ -694,11 +696,11 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     efficiency = CollectiveEfficiency(
         **{op: max(1e-6, min(1.0, f["bus_bw_bytes_per_s"] / bus)) for op, f in fits.items()},
         source=f"{how}: each operation's fitted bus bandwidth over the best ({fit_text})")
-    after_compute = not cuda and (cores is None or nproc <= cores)   # as the ranks timed them
     op_latency = CollectiveLatency(
         **{op: f["latency_per_step_s"] for op, f in fits.items()},
         source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed call"
-               + (", each after a 134-MFLOP matmul, less the matmul" if after_compute else "")
+               + (", each after a 134-MFLOP matmul, less the matmul"
+                  if raw.get("comm_after_compute") else "")
                + ") over its ring steps")
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
