@@ -620,10 +620,11 @@ def summarize_errors(df: pd.DataFrame) -> dict[str, float]:
 PARAM_RANGE = {
     "matmul_peak_fraction": (0.2, 1.0),
     "matmul_overhead_s": (2e-6, 1e-4),
-    # the fastest published attention kernel reaches 75% of the H100's 16-bit peak
-    # (FlashAttention-3, Shah et al. 2024, arXiv:2407.08608): a fitted fraction above
-    # that would be absorbing some other term (fitted without the long-sequence MosaicML
-    # rows, the one source where attention dominates, it went to 0.98)
+    # the fastest published attention kernels reach 73-75% of the 16-bit peak in their
+    # forward (FlashAttention-2 on an A100, Dao 2023; FlashAttention-3 on an H100, Shah et
+    # al. 2024, arXiv:2407.08608), less in their backward: a fitted fraction above that
+    # would be absorbing some other term.  (Hopper has no fitted attention figure: it is
+    # priced from Ampere's, see _attention_arch.)
     "attention_peak_fraction": (0.05, 0.75),
     "fp8_peak_fraction": (0.2, 1.0),
     "nvlink": (0.5, 1.0),
@@ -644,22 +645,32 @@ def _fp8(spec) -> bool:
     return str(getattr(getattr(spec.strategy, "precision", None), "value", "")) == "fp8"
 
 
+def _attention_arch(spec) -> str:
+    """The architecture whose ``attention_peak_fraction`` prices ``spec``'s fused attention:
+    its own, except on Hopper, priced from Ampere's FlashAttention-2 fraction through the
+    published kernel comparisons (:meth:`autoplan.cost.calibration.Calibration
+    .attention_fraction`): the fit has no Hopper attention figure."""
+    arch = _arch(spec.profile)
+    return "ampere" if arch == "hopper" else arch
+
+
 def _free_parameters(specs) -> list[tuple[str, str]]:
     """``(architecture or "links", name)`` of every parameter the rows can inform: per
     architecture with rows, the matmul overhead and (where some row has 16-bit matmuls) the
-    16-bit matmul fraction; the fused-attention fraction
-    where some row uses fused attention; the FP8 fraction where some row trains in FP8; the
-    two link kinds."""
+    16-bit matmul fraction, and the FP8 fraction where some row trains in FP8; the
+    fused-attention fraction of every architecture that prices some row's fused attention
+    (:func:`_attention_arch`); the two link kinds."""
     keys: list[tuple[str, str]] = []
-    archs = sorted({_arch(sp.profile) for sp in specs})
-    for arch in archs:
+    attention = {_attention_arch(sp) for sp in specs if sp.options.fused_attention}
+    for arch in sorted({_arch(sp.profile) for sp in specs} | attention):
         rows = [sp for sp in specs if _arch(sp.profile) == arch]
         # the 16-bit matmul fraction only where some run has 16-bit matmuls (an FP8 run
         # prices every linear layer at the FP8 fraction; the overhead applies to both)
         if any(not _fp8(sp) for sp in rows):
             keys.append((arch, "matmul_peak_fraction"))
-        keys.append((arch, "matmul_overhead_s"))
-        if any(sp.options.fused_attention for sp in rows):
+        if rows:
+            keys.append((arch, "matmul_overhead_s"))
+        if arch in attention:
             keys.append((arch, "attention_peak_fraction"))
         if any(_fp8(sp) for sp in rows):
             keys.append((arch, "fp8_peak_fraction"))
@@ -667,11 +678,17 @@ def _free_parameters(specs) -> list[tuple[str, str]]:
 
 
 def _calibration_from(values: dict[tuple[str, str], float], source: str) -> Calibration:
+    # an architecture with no rows of its own (only its attention fraction is informed, by
+    # FlashAttention-2 runs elsewhere) gets the mean of the fitted per-kernel overheads
+    overheads = [v for (a, n), v in values.items() if n == "matmul_overhead_s"]
+    mean_overhead = sum(overheads) / len(overheads) if overheads else PARAM_START[
+        "matmul_overhead_s"]
     archs = {}
     for arch in sorted({k[0] for k in values if k[0] != "links"}):
         get = lambda n: values.get((arch, n))  # noqa: E731
+        overhead = get("matmul_overhead_s")
         archs[arch] = ArchitectureCalibration(get("matmul_peak_fraction"),
-                                              get("matmul_overhead_s"),
+                                              mean_overhead if overhead is None else overhead,
                                               get("attention_peak_fraction"),
                                               get("fp8_peak_fraction"), source)
     links = LinkCalibration(values[("links", "nvlink")], values[("links", "network")], source)

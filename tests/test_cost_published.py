@@ -4,9 +4,10 @@ In-sample (the default calibration, fitted to every row): MAPE <= 10% over every
 measured step time that the model expresses, no row off by more than 25%, every layout of
 the sources whose memory settings are known fits in predicted memory.  Held out
 (``validation/held_out_errors.csv``, written by ``published_runs.py --fit``: each source
-predicted by a fit that never saw it): the figures are checked against the limits in
-:data:`HELD_OUT_LIMITS`, which record what the model reaches today, not the issue's targets
-(MAPE <= 10% per source, no row > 30%), which it misses on some sources (README).
+predicted by a fit that never saw it): every fitted source within the issue's MAPE target
+(10%); the worst row and the never-fitted MoE sources against the limits in
+:data:`HELD_OUT_LIMITS`, which record what the model reaches today (the issue's "no row
+> 30%" is missed by one fitted row and by MoE rows; README).
 
 Captured graphs are cached per distinct (architecture, sequence length) in
 ``$AUTOPLAN_CACHE/traces`` (default ``~/.cache/autoplan/traces``, keyed by a
@@ -40,8 +41,10 @@ MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfound
 #: worst Narayanan T1-04 +45.7% and MosaicML 1B at 64K -45.7%; MoE 23.9% over 52 rows;
 #: refit with Blackwell's 16-bit fraction carried over and link floors at 0.5: 14.8%, worst
 #: MosaicML 1B at 64K -45.7%, MoE 23.7%; refit with torchtitan's A100 rows as a fifth
-#: source: 11.6%, Narayanan 9.7%, worst MosaicML 1B at 64K -45.7%, MoE 25.0%)
-HELD_OUT_LIMITS = {"mape": 0.13, "max_error": 0.50, "moe_mape": 0.27}
+#: source: 11.6%, Narayanan 9.7%, worst MosaicML 1B at 64K -45.7%, MoE 25.0%; refit with
+#: Hopper's attention priced from Ampere's FlashAttention-2 fraction: 7.2%, every source
+#: <= 9.8%, worst Narayanan T2-04 -32.2%, MoE 24.7%)
+HELD_OUT_LIMITS = {"mape": 0.09, "max_error": 0.35, "moe_mape": 0.27}
 
 
 #: In-sample worst row: the issue's 25% is missed by Narayanan et al.'s ZeRO-3 row T2-04
@@ -119,6 +122,9 @@ def test_held_out_errors_are_recorded_for_every_row(results):
     fitted = held[~held["source"].isin(pr.TEST_ONLY_SOURCES)]
     assert fitted["error"].abs().mean() <= HELD_OUT_LIMITS["mape"]
     assert fitted["error"].abs().max() <= HELD_OUT_LIMITS["max_error"]
+    per_source = fitted.assign(e=fitted["error"].abs()).groupby("source")["e"].mean()
+    over = per_source[per_source > pr.TARGET_HELD_OUT_MAPE]
+    assert over.empty, f"held-out MAPE over {pr.TARGET_HELD_OUT_MAPE:.0%}: {over.to_dict()}"
     # the MoE rows (never fitted): a guard at today's figure, far from the 15% target
     moe = held[held["source"].isin(pr.TEST_ONLY_SOURCES)]
     assert moe["error"].abs().mean() <= HELD_OUT_LIMITS["moe_mape"]

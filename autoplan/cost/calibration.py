@@ -56,7 +56,8 @@ from ..records import Record
 from .constants import cost_profiles_dir, read_yaml_record
 
 __all__ = ["ArchitectureCalibration", "LinkCalibration", "Calibration", "load_calibration",
-           "apply_calibration", "attention_tables", "resolve_calibration", "DEFAULT_CALIBRATION"]
+           "apply_calibration", "attention_tables", "resolve_calibration", "DEFAULT_CALIBRATION",
+           "FLASH_ATTENTION_2_HOPPER_VS_AMPERE", "FLASH_ATTENTION_2_SPEED"]
 
 #: The calibration fitted to the published runs in the repository's
 #: ``validation/published_public.csv`` (``benchmarks/published_runs.py --fit``).
@@ -67,6 +68,26 @@ DEFAULT_CALIBRATION = "published-fit"
 CURVE_FLOPS = tuple(10.0 ** (k / 2) for k in range(12, 31))
 
 _NVLINK = (IntraNodeTopology.NVSWITCH, IntraNodeTopology.HYBRID_CUBE_MESH)
+
+
+#: FlashAttention-2 on Hopper, as a multiple of the fraction of peak it reaches on Ampere.
+#: FlashAttention-2 has no Hopper code path: the same kernels (Ampere's ``mma.sync``
+#: instructions) run on both, reaching up to 230 TFLOP/s on an A100 (73% of its 312
+#: TFLOP/s 16-bit peak) and up to 335 TFLOP/s on an H100 SXM5 (of 989): Dao 2023,
+#: "FlashAttention-2", arXiv:2307.08691, Sec. 4.1.  So its fraction on Hopper is
+#: (335/989) / (230/312) = 0.46 of its fraction on Ampere, where it is the fused kernel
+#: the fitted ``attention_peak_fraction`` describes (torchtitan's SDPA flash runs).
+FLASH_ATTENTION_2_HOPPER_VS_AMPERE = (335 / 989) / (230 / 312)
+
+#: Speed of FlashAttention-2 relative to an architecture's own fused kernels
+#: (Transformer Engine's cuDNN kernels, ``CostOptions.attention_kernel="cudnn"``).
+#: Hopper: FlashAttention-3 (and cuDNN's kernels of its class) run 1.5-2.0x faster than
+#: FlashAttention-2 in 16-bit (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608,
+#: abstract; FlashAttention-2 reaches 35% of the H100's peak): the midpoint, 1/1.75.
+#: Blackwell: FlashAttention-2 runs its Ampere code there, like on Hopper; no published
+#: comparison was found, so Hopper's ratio stands in.  Ampere and Volta: FlashAttention-2
+#: is the kernel of their generation (1.0).
+FLASH_ATTENTION_2_SPEED = {"hopper": 1 / 1.75, "blackwell": 1 / 1.75}
 
 
 @dataclass(frozen=True)
@@ -166,6 +187,43 @@ class Calibration(Record):
                                           is not None else mean("fp8_peak_fraction")))
 
 
+    def attention_fraction(self, arch: str, kernel: str = "cudnn") -> tuple[float | None, str]:
+        """The fraction of the 16-bit peak the fused attention ``kernel``
+        (``CostOptions.attention_kernel``) reaches on a large problem on ``arch``, and its
+        source.
+
+        Hopper, when it has no fitted figure of its own (the published fit leaves it out):
+        FlashAttention-2 at Ampere's fitted fraction times
+        :data:`FLASH_ATTENTION_2_HOPPER_VS_AMPERE` (the same kernel, measured on both),
+        and the cuDNN kernels at that over ``FLASH_ATTENTION_2_SPEED["hopper"]`` (measured
+        against it on the same H100).  Elsewhere: ``"cudnn"`` is the architecture's
+        ``attention_peak_fraction`` (:meth:`for_architecture`) and FlashAttention-2 that
+        times :data:`FLASH_ATTENTION_2_SPEED` (1 on Ampere and Volta, where it is the
+        fused kernel).  ``None`` where nothing gives a figure.
+        """
+        fa2 = kernel == "flash-attention-2"
+        own = self.architectures.get(arch)
+        ampere = self.architectures.get("ampere")
+        if (arch == "hopper" and (own is None or own.attention_peak_fraction is None)
+                and ampere is not None and ampere.attention_peak_fraction is not None):
+            f = ampere.attention_peak_fraction * FLASH_ATTENTION_2_HOPPER_VS_AMPERE
+            why = (f"Ampere's fitted FlashAttention-2 fraction x "
+                   f"{FLASH_ATTENTION_2_HOPPER_VS_AMPERE:.3f} (Dao 2023, Sec. 4.1)")
+            if not fa2:
+                f /= FLASH_ATTENTION_2_SPEED["hopper"]
+                why += f" / {FLASH_ATTENTION_2_SPEED['hopper']:.3f} (Shah et al. 2024)"
+            return min(1.0, f), f"{why}; {ampere.source}"
+        fig = self.for_architecture(arch)
+        if fig.attention_peak_fraction is None:
+            return None, fig.source
+        if fa2 and arch in FLASH_ATTENTION_2_SPEED:
+            speed = FLASH_ATTENTION_2_SPEED[arch]
+            return (fig.attention_peak_fraction * speed,
+                    f"FlashAttention-2: x {speed:.3f} of the fused kernels (Shah et al. 2024); "
+                    f"{fig.source}")
+        return fig.attention_peak_fraction, fig.source
+
+
 def _load(path: str, mtime_ns: int) -> Calibration:
     return read_yaml_record(Calibration, path, mtime_ns, "the calibration")
 
@@ -252,32 +310,36 @@ def _apply(cluster: Cluster, calibration: Calibration) -> Cluster:
     return Cluster(cluster.name, profiles, cluster.nodes, cluster.site_links)
 
 
-def attention_tables(cluster: Cluster, calibration: Calibration) -> dict[str, EfficiencyTable]:
+def attention_tables(cluster: Cluster, calibration: Calibration,
+                     kernel: str = "cudnn") -> dict[str, EfficiencyTable]:
     """Device type name -> fused-attention efficiency curve (fraction of the 16-bit peak vs
-    the FLOPs of one ``QK^T`` product on one device), for every device type of ``cluster``.
+    the FLOPs of one ``QK^T`` product on one device), for every device type of ``cluster``,
+    for the attention ``kernel`` (``CostOptions.attention_kernel``).
 
-    GPUs: the architecture's ``attention_peak_fraction`` with its matmul overhead.
-    CPU and unstated-architecture devices: their own matmul table scaled by the
-    fitted attention / matmul ratio (mean over the fitted architectures).
+    GPUs: :meth:`Calibration.attention_fraction` of the architecture, with its matmul
+    overhead.  CPU and unstated-architecture devices, either kernel: their own matmul table
+    scaled by the fitted attention / matmul ratio (mean over the fitted architectures).
     """
     out: dict[str, EfficiencyTable] = {}
     for profile in cluster.profiles.values():
         device = profile.device
-        arch = calibration.for_architecture(device.architecture if _is_gpu(device) else "")
+        if _is_gpu(device):
+            fraction, source = calibration.attention_fraction(device.architecture, kernel)
+            if fraction is not None:
+                arch = calibration.for_architecture(device.architecture)
+                out[device.name] = arch.curve(_half_peak(device), fraction, source)
+            continue
+        arch = calibration.for_architecture("")
         if arch.attention_peak_fraction is None:
             continue
-        if _is_gpu(device):
-            out[device.name] = arch.curve(_half_peak(device), arch.attention_peak_fraction,
-                                          arch.source)
-        else:
-            ratio = arch.attention_peak_fraction / arch.matmul_peak_fraction
-            dtype = device.resolve_dtype("bf16") if any(
-                d in device.peak_flops_per_s for d in ("bf16", "fp16")) else "fp32"
-            own = device.matmul_efficiency.get(dtype) or device.matmul_efficiency["default"]
-            out[device.name] = EfficiencyTable(
-                tuple((f, min(1.0, e * ratio)) for f, e in own.points),
-                source=f"the device's own {dtype} matmul table x the fitted attention/matmul "
-                       f"ratio {ratio:.3f}; {arch.source}")
+        ratio = arch.attention_peak_fraction / arch.matmul_peak_fraction
+        dtype = device.resolve_dtype("bf16") if any(
+            d in device.peak_flops_per_s for d in ("bf16", "fp16")) else "fp32"
+        own = device.matmul_efficiency.get(dtype) or device.matmul_efficiency["default"]
+        out[device.name] = EfficiencyTable(
+            tuple((f, min(1.0, e * ratio)) for f, e in own.points),
+            source=f"the device's own {dtype} matmul table x the fitted attention/matmul "
+                   f"ratio {ratio:.3f}; {arch.source}")
     return out
 
 

@@ -193,11 +193,13 @@ class CostOptions(Record):
     attention_kernel : {"cudnn", "flash-attention-2"}
         The fused attention kernel, when ``fused_attention``: ``"cudnn"`` (Transformer
         Engine's cuDNN fused attention, what Megatron-Core runs; on Hopper and Blackwell the
-        kernels of FlashAttention-3's class) prices it at the architecture's fitted
-        ``attention_peak_fraction``; ``"flash-attention-2"`` (the ``flash-attn`` 2.x package,
-        PyTorch SDPA's flash backend: LLM Foundry, torchtitan, HF ``flash_attention_2``) at
-        that times :data:`~autoplan.cost.engine.FLASH_ATTENTION_2_SPEED` of the
-        architecture (FlashAttention-2 has no Hopper-specific code path).
+        kernels of FlashAttention-3's class) or ``"flash-attention-2"`` (the ``flash-attn``
+        2.x package, PyTorch SDPA's flash backend: LLM Foundry, torchtitan, HF
+        ``flash_attention_2``), which has no Hopper or Blackwell code path and runs slower
+        there.  Each is priced at the fraction of peak
+        :meth:`~autoplan.cost.calibration.Calibration.attention_fraction` gives (on Hopper
+        both from Ampere's fitted FlashAttention-2 fraction and published comparisons of the
+        kernels).
     pp_scatter_gather : bool
         Under tensor parallelism, each tp rank sends ``1/tp`` of a pipeline boundary's
         activation (and gradient) and the receiving stage all-gathers it (Megatron-LM's

@@ -105,7 +105,7 @@ from ..graph import LayerKind
 from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
-from .constants import CostConstants, CostOptions, load_constants
+from .constants import ATTENTION_KERNELS, CostConstants, CostOptions, load_constants
 from .memory import activation_bytes, model_state_bytes
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
@@ -122,17 +122,6 @@ ELEMENTWISE_BACKWARD_FACTOR = 2.0
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
 CAUSAL_BLOCK_FRACTION = 0.5
-
-#: Speed of FlashAttention-2 relative to the fused attention the calibration's
-#: ``attention_peak_fraction`` describes (Transformer Engine's cuDNN kernels,
-#: ``CostOptions.attention_kernel``), per architecture.  Hopper: FlashAttention-3 (and
-#: cuDNN's kernels of its class) run 1.5-2.0x faster than FlashAttention-2 in 16-bit
-#: (Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608, abstract; FlashAttention-2
-#: reaches 35% of the H100's peak): the midpoint, 1/1.75.  Blackwell: FlashAttention-2
-#: runs its Ampere code there, like on Hopper; no published comparison was found, so
-#: Hopper's ratio stands in.  Ampere and Volta: FlashAttention-2 is the kernel of its
-#: generation there (1.0).
-FLASH_ATTENTION_2_SPEED = {"hopper": 1 / 1.75, "blackwell": 1 / 1.75}
 
 #: Device-memory bytes moved per element quantized to FP8, per scaling recipe
 #: (``CostOptions.fp8_scaling``).  ``"tensor"`` (per-tensor current scaling, Transformer
@@ -377,7 +366,9 @@ class CostEngine:
         calibration = resolve_calibration(calibration)
         self.calibration = calibration
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
-        self._attention_tables = attention_tables(cluster, calibration) if calibration else {}
+        #: fused-attention curves per device type, per attention kernel
+        self._attention_tables = ({k: attention_tables(cluster, calibration, k)
+                                   for k in ATTENTION_KERNELS} if calibration else {})
         self.options = options or CostOptions()
         self.constants = constants or load_constants()
         self._template_times: dict[tuple, LayerTime] = {}
@@ -527,9 +518,8 @@ class CostEngine:
         peak = device.peak(dtype)
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
-        attention = self._attention_tables.get(device.name) if fused else None
-        kernel_speed = (FLASH_ATTENTION_2_SPEED.get(device.architecture, 1.0)
-                        if self.options.attention_kernel == "flash-attention-2" else 1.0)
+        attention = (self._attention_tables.get(self.options.attention_kernel, {})
+                     .get(device.name) if fused else None)
         experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         grouped = self.options.expert_grouped_gemm
@@ -548,7 +538,7 @@ class CostEngine:
                 # one GEMM over all local experts' rows, or one expert's GEMM each
                 ref = ref * imbalance * (1 if grouped else ep / experts)
             if n.core and attention is not None:
-                rate = peak * attention.efficiency(ref) * kernel_speed
+                rate = peak * attention.efficiency(ref)
             elif fp8 and n.weight and not n.core:
                 rate = fp8_peak * device.efficiency(ref, "fp8")
                 # quantize inputs, grads (~ m sqrt(kn) each, k ~ n) and the weight (kn)
