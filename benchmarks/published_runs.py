@@ -436,16 +436,38 @@ def row_spec(row: pd.Series) -> RunSpec | None:
         if precision == "fp8":
             notes.append(f"FP8 {scaling} scaling" + ("" if "CS" in prec or "MX" in prec
                                                      else " (granularity not stated; assumed)"))
+        dispatcher = ("deepep" if profile in FLEX_DISPATCHER.get(row["model_name"], ())
+                      else "alltoall")
+        notes.append("token dispatcher: " + (
+            "flex (DeepEP/HybridEP: one copy per destination node or rank), as the stored "
+            "Megatron-Bridge perf recipe for this model and GPU" if dispatcher == "deepep" else
+            "alltoall (Megatron-Core's default; the stored perf recipe sets no flex backend)"))
         strategy = Strategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
                             micro_batch=int(row["micro_batch_size"]), global_batch=gbs, zero=1,
                             sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
                             precision=precision)
-        options = replace(MEGATRON_CORE_2024, fp8_scaling=scaling)
+        options = replace(MEGATRON_CORE_2024, fp8_scaling=scaling, moe_dispatcher=dispatcher)
     else:
         return None
     nodes = max(1, n // NODE_SIZE[profile])
     return RunSpec(row["run_id"], src, model, profile, nodes, strategy, options, float(measured),
                    mem, tuple(notes))
+
+
+#: Where the Megatron-Bridge perf recipes run Megatron-Core's flex token dispatcher
+#: (``moe_flex_dispatcher_backend`` "hybridep" or "deepep"; priced as
+#: ``CostOptions.moe_dispatcher="deepep"``), per model: the profiles of the GPUs whose
+#: recipe sets it (scripts/performance/configs/{deepseek,qwen,gpt_oss}/*_workload_base_
+#: configs.py of NVIDIA-NeMo/Megatron-Bridge, the revision in the library: every
+#: DeepSeek-V3 recipe; Qwen3-30B-A3B on H100, B200 and GB200; Qwen3-235B-A22B on GB200 only,
+#: "alltoall" on B200 and H100; gpt-oss-120b's V1 recipes set none).  The tables do not
+#: name the recipe revision each release ran, so this is an assumption.  NeMo's Mixtral
+#: runs (25.02/25.04) predate the flex dispatcher.
+FLEX_DISPATCHER = {
+    "DeepSeek-V3": ("h100-sxm5-80gb", "b200-sxm-180gb", "gb200-nvl72"),
+    "Qwen3-30B-A3B": ("h100-sxm5-80gb", "b200-sxm-180gb", "gb200-nvl72"),
+    "Qwen3-235B-A22B": ("gb200-nvl72",),
+}
 
 
 #: Hugging Face model type and zoo preset (attention details the CSV does not carry:

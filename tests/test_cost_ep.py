@@ -125,6 +125,40 @@ def test_all_to_all_bytes_by_hand(moe, ep, mb, recompute):
     assert autoplan.cost.engine_for(moe, c, calibration=None).dispatch_bytes(block, mb, 1, fp32) == send
 
 
+def test_a_deepep_dispatcher_sends_one_copy_per_destination(moe):
+    """CostOptions.moe_dispatcher="deepep" (DeepEP / HybridEP): a token goes once to each
+    rank (inside a node) or node (across nodes) that holds any of its top-k experts.  With
+    4 experts, top-2: over 2 destinations of 2 experts each a token misses one with
+    probability C(2,2)/C(4,2) = 1/6, so it reaches 2 x 5/6 = 5/3 of them, 5/6 of its 2
+    copies; over 4 ranks of one expert each every copy has its own rank (share 1)."""
+    from autoplan.cost import engine_for
+    one_node = toy_cluster(devices_per_node=8)
+    deepep = CostOptions(moe_dispatcher="deepep")
+    block = summarize(moe).layers[1]
+    engine = engine_for(moe, one_node, options=deepep, calibration=None)
+    assert engine.dispatch_share(block, (0, 1)) == pytest.approx(5 / 6, rel=1e-12)
+    assert engine.dispatch_share(block, (0, 1, 2, 3)) == pytest.approx(1.0, rel=1e-12)
+    assert engine.dispatch_share(block, ()) == 1.0
+    assert engine_for(moe, one_node, calibration=None).dispatch_share(block, (0, 1)) == 1.0
+    # ranks 0, 1 on node 0 and 4, 5 on node 1: two destinations (nodes) of 2 experts each
+    two_nodes = toy_cluster(nodes=2, devices_per_node=4)
+    across = engine_for(moe, two_nodes, options=deepep, calibration=None)
+    assert across.dispatch_share(block, (0, 1, 4, 5)) == pytest.approx(5 / 6, rel=1e-12)
+    # the step prices the all-to-alls at that share of their bytes
+    s = Strategy(dp=8, ep=2, global_batch=16, precision="fp32")
+    plain = estimate(moe, one_node, s, calibration=None)
+    dedup = estimate(moe, one_node, s, options=deepep, calibration=None)
+    assert dedup.comm_total["ep_comm_s"] == pytest.approx(
+        5 / 6 * plain.comm_total["ep_comm_s"], rel=1e-12)
+    assert dedup.step_time_s < plain.step_time_s
+
+
+def test_an_unknown_dispatcher_is_refused():
+    from autoplan.errors import ConfigError
+    with pytest.raises(ConfigError, match="moe_dispatcher must be one of alltoall, deepep"):
+        CostOptions(moe_dispatcher="nccl")
+
+
 def test_capture_sizes_the_all_to_all_alike(moe):
     # the capture's expert-parallel collective records carry the same routed-token bytes
     block = moe.blocks[0]

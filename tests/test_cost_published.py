@@ -43,8 +43,9 @@ MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfound
 #: MosaicML 1B at 64K -45.7%, MoE 23.7%; refit with torchtitan's A100 rows as a fifth
 #: source: 11.6%, Narayanan 9.7%, worst MosaicML 1B at 64K -45.7%, MoE 25.0%; refit with
 #: Hopper's attention priced from Ampere's FlashAttention-2 fraction: 7.2%, every source
-#: <= 9.8%, worst Narayanan T2-04 -32.2%, MoE 24.7%)
-HELD_OUT_LIMITS = {"mape": 0.09, "max_error": 0.35, "moe_mape": 0.27}
+#: <= 9.8%, worst Narayanan T2-04 -32.2%, MoE 24.7%; with the recipes' token dispatchers:
+#: MoE 23.6%)
+HELD_OUT_LIMITS = {"mape": 0.09, "max_error": 0.35, "moe_mape": 0.25}
 
 
 #: In-sample worst row: the issue's 25% is missed by Narayanan et al.'s ZeRO-3 row T2-04

@@ -43,6 +43,7 @@ __all__ = [
     "Stack",
     "STACKS",
     "ATTENTION_KERNELS",
+    "MOE_DISPATCHERS",
     "cost_profiles_dir",
     "load_constants",
 ]
@@ -178,6 +179,15 @@ class CostOptions(Record):
         the sequence-parallel shard, expert tensor parallelism 1).  ``False``: every tp
         rank routes all tokens and runs whole experts on them (what
         :func:`autoplan.parallelize` does).
+    moe_dispatcher : {"alltoall", "deepep"}
+        How MoE tokens reach their experts.  ``"alltoall"``: every token-to-expert
+        assignment is a row of an all-to-all, ``top-k`` copies of each token (Megatron-Core's
+        ``alltoall`` dispatcher, what :func:`autoplan.parallelize` runs).  ``"deepep"``: each
+        token crosses to a node (a rank, inside one node) once however many of its experts
+        live there, and fans out past that over NVLink (DeepSeek's DeepEP and NVIDIA's
+        HybridEP, Megatron-Core's ``flex`` dispatcher): priced at the expected number of
+        distinct destinations of ``top-k`` experts drawn uniformly, over ``top-k``
+        (:meth:`~autoplan.cost.engine.CostEngine.dispatch_share`).
     pp_buffers_per_micro_batch : bool
         Pipeline receive buffers: one per micro-batch of a step for every chunk's input
         activation and output gradient, allocated once and kept (torch.distributed
@@ -240,6 +250,7 @@ class CostOptions(Record):
     pp_scatter_gather: bool | None = None
     attention_kernel: str | None = None
     zero_buffer_copies: bool | None = None
+    moe_dispatcher: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -261,6 +272,9 @@ class CostOptions(Record):
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
                               f"got {self.attention_kernel!r}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ConfigError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, "
+                              f"got {self.moe_dispatcher!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
             raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
                               f"{self.zero3_gather_unit!r}")
@@ -303,10 +317,14 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
-                          "pp_scatter_gather", "attention_kernel", "zero_buffer_copies")
+                          "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
+                          "moe_dispatcher")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
+
+#: MoE token dispatchers a stack may run (``CostOptions.moe_dispatcher``).
+MOE_DISPATCHERS = ("alltoall", "deepep")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
@@ -316,7 +334,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            moe_tokens_split_over_tp: bool = False,
            pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
            attention_kernel: str = "flash-attention-2",
-           zero_buffer_copies: bool = False) -> Stack:
+           zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall") -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -326,7 +344,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
-        zero_buffer_copies=zero_buffer_copies))
+        zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout

@@ -52,7 +52,9 @@ and backward times of all its chunks:
   all-to-all, ``(ep - 1) / ep`` of it to other ranks, for the dispatch and the combine
   in the forward and their transposes in the backward (again under full recompute),
   blocking, so exposed (:meth:`CostEngine.dispatch_bytes`; pairwise exchange in
-  :mod:`autoplan.hardware.collectives`).  The expert GEMMs run one expert at a time:
+  :mod:`autoplan.hardware.collectives`); a DeepEP-style dispatcher
+  (``CostOptions.moe_dispatcher="deepep"``) sends one copy per destination node or rank
+  instead of one per assignment (:meth:`CostEngine.dispatch_share`).  The expert GEMMs run one expert at a time:
   ``ep x tokens x top-k / experts`` rows each (the tokens of the ep group spread over
   all experts), priced at that size's efficiency, and the busiest rank computes
   ``CostOptions.expert_imbalance`` times the mean.  The router and shared experts are
@@ -810,8 +812,8 @@ class CostEngine:
         # blocking, so exposed
         ep_forward = ep_backward = 0.0
         if ep > 1 and layer.expert_tokens:
-            ep_forward = 2 * self.collective_time("all_to_all", groups.ep,
-                                                  self.dispatch_bytes(layer, b, cp, act_scale, t))
+            ep_forward = 2 * self.collective_time(
+                "all_to_all", groups.ep, self.dispatch_bytes(layer, b, cp, act_scale, t, groups.ep))
             ep_backward = ep_forward * (2 if seg.recompute is Recompute.FULL and layer.is_block
                                         else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
@@ -886,15 +888,43 @@ class CostEngine:
             ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params)
 
     def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float,
-                       tp: int = 1) -> float:
+                       tp: int = 1, group: tuple[int, ...] = ()) -> float:
         """Bytes one rank sends into one token all-to-all of layer ``l`` per micro-batch
         of ``b`` sequences: ``tokens x top-k x hidden x bytes`` (tokens: this rank's
         ``b x seq / cp``, and ``/ tp`` when ``CostOptions.moe_tokens_split_over_tp``),
-        its whole send buffer; the collective model sends the ``(ep - 1) / ep`` of it
-        bound for other ranks (:mod:`autoplan.hardware.collectives`, pairwise exchange)."""
+        its whole send buffer, times :meth:`dispatch_share` over the ep ``group`` (its
+        devices; none: 1); the collective model sends the ``(ep - 1) / ep`` of it bound for
+        other ranks (:mod:`autoplan.hardware.collectives`, pairwise exchange)."""
         if self.options.moe_tokens_split_over_tp:
             cp = cp * tp
-        return l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes * act_scale
+        return (l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes
+                * act_scale * self.dispatch_share(l, group))
+
+    def dispatch_share(self, l: LayerCost, group: tuple[int, ...]) -> float:
+        """The share of a token's ``top-k`` copies that ``CostOptions.moe_dispatcher``
+        sends over the ep ``group`` (device indices).
+
+        ``"alltoall"``: 1 (a copy per token-to-expert assignment).  ``"deepep"``: a token
+        crosses once to each destination holding any of its experts: the group's nodes
+        when it spans several (the inter-node network, the slowest level, carries one copy
+        per node; the NVLink fan-out inside a node is not priced apart), else its ranks.
+        With ``u`` destinations of ``E / u`` experts each and ``k`` experts drawn uniformly
+        without replacement, a destination is missed with probability ``C(E - E/u, k) /
+        C(E, k)``, so a token reaches ``u (1 - that)`` of them on average; the share is that
+        over ``k``.  (Uniform routing; a router limited to fewer nodes per token, as
+        DeepSeek-V3's four, sends less.)
+        """
+        if self.options.moe_dispatcher != "deepep" or len(group) < 2 or l.num_experts <= 1:
+            return 1.0
+        experts = l.num_experts
+        k = min(experts, max(1, round(l.expert_tokens / (self.summary.seq_len or 1))))
+        nodes = len({self._node_of[d] for d in group})
+        units = nodes if nodes > 1 else len(group)
+        per_unit = experts / units
+        missed = 1.0
+        for i in range(k):
+            missed *= max(0.0, experts - per_unit - i) / (experts - i)
+        return min(1.0, units * (1.0 - missed) / k)
 
     def _groups(self, all_devs: tuple[int, ...], tp: int, cp: int, ep: int, r: int) -> _RankGroups:
         """The device groups of replica ``r`` on a pipeline rank with devices ``all_devs``

@@ -609,9 +609,10 @@ def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidat
                                           recipe.dtype, False, ep)
         forward, backward = layer_time.forward_s, layer_time.backward_s
         # the token all-to-alls: dispatch and combine, forward and backward
-        a2a = engine.collective_time("all_to_all", lay.rank_devices[p][0::c.tp][:ep],
+        ep_group = lay.rank_devices[p][0::c.tp][:ep]
+        a2a = engine.collective_time("all_to_all", ep_group,
                                      engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale,
-                                                           c.tp)) \
+                                                           c.tp, ep_group)) \
             if ep > 1 else 0.0
         flight = in_flight(c.schedule, p, c.pp, m, 1)
         t_row, m_row = [], []
