@@ -186,7 +186,6 @@ class Calibration(Record):
                        fp8_peak_fraction=(own.fp8_peak_fraction if own.fp8_peak_fraction
                                           is not None else mean("fp8_peak_fraction")))
 
-
     def attention_fraction(self, arch: str, kernel: str = "cudnn") -> tuple[float | None, str]:
         """The fraction of the 16-bit peak the fused attention ``kernel``
         (``CostOptions.attention_kernel``) reaches on a large problem on ``arch``, and its

@@ -54,11 +54,11 @@ and backward times of all its chunks:
   blocking, so exposed (:meth:`CostEngine.dispatch_bytes`; pairwise exchange in
   :mod:`autoplan.hardware.collectives`); a DeepEP-style dispatcher
   (``CostOptions.moe_dispatcher="deepep"``) sends one copy per destination node or rank
-  instead of one per assignment (:meth:`CostEngine.dispatch_share`).  The expert GEMMs run one expert at a time:
-  ``ep x tokens x top-k / experts`` rows each (the tokens of the ep group spread over
-  all experts), priced at that size's efficiency, and the busiest rank computes
-  ``CostOptions.expert_imbalance`` times the mean.  The router and shared experts are
-  ordinary (dense) matmuls.
+  instead of one per assignment (:meth:`CostEngine.dispatch_share`).  The expert GEMMs
+  run one expert at a time: ``ep x tokens x top-k / experts`` rows each (the tokens of
+  the ep group spread over all experts), priced at that size's efficiency, and the
+  busiest rank computes ``CostOptions.expert_imbalance`` times the mean.  The router and
+  shared experts are ordinary (dense) matmuls.
 * **ZeRO-3 / FSDP** (Rajbhandari et al. 2020, Sec. 5.3; Zhao et al. 2023,
   Sec. 3.3): each micro-batch all-gathers every layer's parameters in the
   forward and again in the backward and reduce-scatters its gradients; with
