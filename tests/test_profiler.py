@@ -142,6 +142,30 @@ def test_the_overhead_block_has_the_operators_it_counts():
     assert len(ops) == OVERHEAD_BLOCK_OPS, ops
 
 
+def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
+    """Each timed matmul takes the next of distinct operand sets spanning at least the cold
+    size, so none finds its operands in cache; every call is a real product."""
+    import torch
+
+    from autoplan.hardware.profiler import _COLD_BYTES, _cold_matmul
+    assert _COLD_BYTES >= 2 * 32 * 2**20        # twice this machine's last-level cache
+    n, per_set = 8, 3 * 8 * 8 * 4
+    call = _cold_matmul(torch, n, torch.float32, "cpu", 5 * per_set)
+    sets = call.sets
+    assert len(sets) == 5
+    starts = sorted(t.data_ptr() for trio in sets for t in trio)
+    assert len(set(starts)) == 15                 # no two sets share memory
+    assert all(b - a >= n * n * 4 for a, b in zip(starts, starts[1:]))
+    for trio in sets:
+        trio[2].zero_()
+    for _ in range(len(sets)):
+        call()
+    for a, b, out in sets:
+        torch.testing.assert_close(out, a @ b)
+    # at least two sets, however small the cold size
+    assert len(_cold_matmul(torch, n, torch.bfloat16, "cpu", 1).sets) == 2
+
+
 def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err
@@ -166,6 +190,7 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e8 < device.peak_flops_per_s["fp32"] < 1e14  # 0.1 GFLOP/s .. 100 TFLOP/s per rank
     assert 1e7 < device.peak_flops_per_s["bf16"] < 1e14
     assert 0 < device.efficiency(1e6, "fp32") <= 1
+    assert "timed cold" in device.matmul_efficiency["fp32"].source
     assert 2**27 < device.memory_bytes < 2**50
     assert 1e8 < device.memory_bw_bytes_per_s < 1e13
     node = cluster.profiles["local-test"].node
