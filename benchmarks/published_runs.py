@@ -92,6 +92,7 @@ if str(REPO) not in sys.path:
 
 from autoplan.cost import CostOptions, engine_for  # noqa: E402
 from autoplan.cost.calibration import (  # noqa: E402
+    ATTENTION_PRICED_FROM,
     DEFAULT_CALIBRATION,
     Calibration,
     ArchitectureCalibration,
@@ -673,7 +674,7 @@ def _attention_arch(spec) -> str:
     published kernel comparisons (:meth:`autoplan.cost.calibration.Calibration
     .attention_fraction`): the fit has no Hopper attention figure."""
     arch = _arch(spec.profile)
-    return "ampere" if arch == "hopper" else arch
+    return ATTENTION_PRICED_FROM.get(arch, arch)
 
 
 def _free_parameters(specs) -> list[tuple[str, str]]:
@@ -701,7 +702,7 @@ def _free_parameters(specs) -> list[tuple[str, str]]:
 
 def _calibration_from(values: dict[tuple[str, str], float], source: str) -> Calibration:
     # an architecture with no rows of its own (only its attention fraction is informed, by
-    # FlashAttention-2 runs elsewhere) gets the mean of the fitted per-kernel overheads
+    # the runs of an architecture priced from it) gets the mean of the fitted overheads
     overheads = [v for (a, n), v in values.items() if n == "matmul_overhead_s"]
     mean_overhead = sum(overheads) / len(overheads) if overheads else PARAM_START[
         "matmul_overhead_s"]

@@ -57,7 +57,8 @@ from .constants import cost_profiles_dir, read_yaml_record
 
 __all__ = ["ArchitectureCalibration", "LinkCalibration", "Calibration", "load_calibration",
            "apply_calibration", "attention_tables", "resolve_calibration", "DEFAULT_CALIBRATION",
-           "FLASH_ATTENTION_2_HOPPER_VS_AMPERE", "FLASH_ATTENTION_2_SPEED"]
+           "FLASH_ATTENTION_2_HOPPER_VS_AMPERE", "FLASH_ATTENTION_2_SPEED",
+           "ATTENTION_PRICED_FROM"]
 
 #: The calibration fitted to the published runs in the repository's
 #: ``validation/published_public.csv`` (``benchmarks/published_runs.py --fit``).
@@ -78,6 +79,11 @@ _NVLINK = (IntraNodeTopology.NVSWITCH, IntraNodeTopology.HYBRID_CUBE_MESH)
 #: (335/989) / (230/312) = 0.46 of its fraction on Ampere, where it is the fused kernel
 #: the fitted ``attention_peak_fraction`` describes (torchtitan's SDPA flash runs).
 FLASH_ATTENTION_2_HOPPER_VS_AMPERE = (335 / 989) / (230 / 312)
+
+#: Architectures whose fused attention, when they have no fitted figure of their own, is
+#: priced from another architecture's fitted FlashAttention-2 fraction
+#: (:meth:`Calibration.attention_fraction`; the published fit then fits only that one).
+ATTENTION_PRICED_FROM = {"hopper": "ampere"}
 
 #: Speed of FlashAttention-2 relative to an architecture's own fused kernels
 #: (Transformer Engine's cuDNN kernels, ``CostOptions.attention_kernel="cudnn"``).
@@ -202,8 +208,8 @@ class Calibration(Record):
         """
         fa2 = kernel == "flash-attention-2"
         own = self.architectures.get(arch)
-        ampere = self.architectures.get("ampere")
-        if (arch == "hopper" and (own is None or own.attention_peak_fraction is None)
+        ampere = self.architectures.get(ATTENTION_PRICED_FROM.get(arch, ""))
+        if ((own is None or own.attention_peak_fraction is None)
                 and ampere is not None and ampere.attention_peak_fraction is not None):
             f = ampere.attention_peak_fraction * FLASH_ATTENTION_2_HOPPER_VS_AMPERE
             why = (f"Ampere's fitted FlashAttention-2 fraction x "
