@@ -92,7 +92,7 @@ def test_hopper_attention_is_priced_from_ampere_flash_attention_2():
         assert _attention_fraction(profile, "flash-attention-2") == pytest.approx(fa2, rel=1e-3)
         assert _attention_fraction(profile, "cudnn") == pytest.approx(
             fa2 / FLASH_ATTENTION_2_SPEED["hopper"], rel=1e-3)
-    fraction, source = cal.attention_fraction("hopper", "cudnn")
+    _, source = cal.attention_fraction("hopper", "cudnn")
     assert "Ampere's fitted FlashAttention-2 fraction" in source
     blackwell = cal.architectures["blackwell"].attention_peak_fraction
     assert _attention_fraction("b200-sxm-180gb", "cudnn") == pytest.approx(blackwell, rel=1e-3)
