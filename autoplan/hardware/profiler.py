@@ -100,6 +100,7 @@ _OVERRUN = 2.0  # stop repeating once a point has taken this many times its targ
 #: CPU collectives are timed after a matmul of this shape (m, k, n): 134 MFLOP, about a
 #: millisecond on one core, like the compute between a step's collectives
 _WORK_SHAPE = (256, 256, 1024)
+_WORK_FLOPS = 2 * math.prod(_WORK_SHAPE)
 #: floor of a collective's time after the compute is subtracted (noise can take it below 0)
 _MIN_COLLECTIVE_S = 1e-6
 #: Matmuls are timed cold, as a training step runs them (other layers' weights and
@@ -734,7 +735,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     op_latency = CollectiveLatency(
         **{op: f["latency_per_step_s"] for op, f in fits.items()},
         source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed call"
-               + (", each after a 134-MFLOP matmul, less the matmul"
+               + (f", each after a {_WORK_FLOPS / 1e6:.0f}-MFLOP matmul, less the matmul"
                   if raw.get("comm_after_compute") else "")
                + ") over its ring steps")
     backend = "NCCL" if cuda else "gloo"
