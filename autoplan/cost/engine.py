@@ -107,7 +107,7 @@ from ..graph import LayerKind
 from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
-from .constants import ATTENTION_KERNELS, CostConstants, CostOptions, load_constants
+from .constants import CostConstants, CostOptions, load_constants
 from .memory import activation_bytes, model_state_bytes
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
@@ -368,10 +368,11 @@ class CostEngine:
         calibration = resolve_calibration(calibration)
         self.calibration = calibration
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
-        #: fused-attention curves per device type, per attention kernel
-        self._attention_tables = ({k: attention_tables(cluster, calibration, k)
-                                   for k in ATTENTION_KERNELS} if calibration else {})
         self.options = options or CostOptions()
+        #: fused-attention curves per device type, for the options' attention kernel
+        self._attention_tables = (attention_tables(cluster, calibration,
+                                                   self.options.attention_kernel)
+                                  if calibration else {})
         self.constants = constants or load_constants()
         self._template_times: dict[tuple, LayerTime] = {}
         self._collective_times: dict[tuple, float] = {}
@@ -520,8 +521,7 @@ class CostEngine:
         peak = device.peak(dtype)
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
-        attention = (self._attention_tables.get(self.options.attention_kernel, {})
-                     .get(device.name) if fused else None)
+        attention = self._attention_tables.get(device.name) if fused else None
         experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         grouped = self.options.expert_grouped_gemm
