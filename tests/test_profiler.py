@@ -166,6 +166,16 @@ def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
     assert len(_cold_matmul(torch, n, torch.bfloat16, "cpu", 1).sets) == 2
 
 
+def test_cpu_collectives_are_timed_up_to_a_bandwidth_bound_size():
+    """Both CPU plans time collectives from 1 KiB to 16 MiB: the fit's slope (the bandwidth)
+    needs sizes where bytes, not the per-call latency, take most of the time (on 4 ranks of
+    2 cores a 2 MiB all-reduce is still mostly latency)."""
+    from autoplan.hardware.profiler import MeasurementPlan
+    for quick in (True, False):
+        sizes = MeasurementPlan.for_machine(cuda=False, quick=quick).comm_sizes_bytes
+        assert min(sizes) <= 2**10 and max(sizes) >= 16 * 2**20
+
+
 def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err
@@ -195,6 +205,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e8 < device.memory_bw_bytes_per_s < 1e13
     node = cluster.profiles["local-test"].node
     assert 1e6 < node.bw_unidir_bytes_per_s < 1e12  # gloo through shared memory
+    # every byte a collective moves goes through memory: no faster than a copy
+    assert node.bw_unidir_bytes_per_s < device.memory_bw_bytes_per_s
     assert 1e-7 < node.latency_s < 0.1
     lat = node.collective_latency   # each collective's own, timed after a matmul
     assert lat is not None and all(0 <= lat.of(op) < 0.1 for op in

@@ -14,7 +14,8 @@ training):
   arithmetic is negligible) forward and forward + backward, per captured operator,
   the extra time per operator under selective recompute (torch's selective checkpoint
   dispatches every operator through Python), and the extra time of a tensor-parallel
-  (DTensor) linear over a plain one; every repeat is timed on all ranks at once.  The
+  (DTensor) linear over a plain one; every repeat is timed on all ranks at once, from the
+  first rank's start to the last rank's end (ranks that share cores take turns).  The
   cost model adds it per operator and micro-batch (on a GPU the host enqueues work
   ahead of the device and this time is hidden, so it is not measured there).
 
@@ -136,8 +137,10 @@ class MeasurementPlan:
                        tuple(4**i * kib for i in range(0, 9 if quick else 10, 2 if quick else 1)),
                        0.05 if quick else 0.2, 3 if quick else 5)
         if quick:
+            # collectives up to 16 MiB, where a CPU collective is bandwidth-bound: up to 2 MiB
+            # the fit's slope was noise under latency on 4 ranks of 2 cores (1000 GB/s)
             return cls({"fp32": (128, 256, 512, 768), "bf16": (128, 256, 512)}, 0.06,
-                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 2 * mib), 0.2, 3, 0.1)
+                       64 * mib, 0.1, (1 * kib, 16 * kib, 256 * kib, 16 * mib), 0.2, 3, 0.1)
         return cls({"fp32": (64, 128, 256, 512, 1024, 1536), "bf16": (64, 128, 256, 512, 1024)},
                    0.4, 256 * mib, 0.5, tuple(4**i * kib for i in range(0, 8)), 0.35, 5, 0.4)
 
@@ -417,12 +420,21 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     say = (lambda m: _say(m, start)) if rank == 0 else (lambda m: None)
     say(f"{world} ranks up ({backend}); measuring matmul throughput")
 
-    # timed together: every repeat starts on all ranks at once (a barrier) and counts as its
-    # slowest rank's time; the ranks agree on iteration counts through a max-reduction
+    # timed together: every repeat starts on all ranks at once (a barrier) and lasts from the
+    # first rank's start to the last rank's end, on the host's monotonic clock (the ranks are
+    # processes of this one host).  Not each rank's own elapsed time: ranks that share cores
+    # leave the barrier apart, and a rank that starts only once another has finished its
+    # batch would time itself at a whole core's speed.  The ranks agree on iteration counts
+    # through a max-reduction.
     def agreed_max(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
+
+    def agreed_span(start: float, end: float) -> float:
+        t = torch.tensor([-start, end], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t[0].item() + t[1].item())
 
     def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s,
               mean: bool = False) -> float:
@@ -445,7 +457,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             for _ in range(iters):
                 fn()
             sync()
-            elapsed = agreed_max(time.perf_counter() - t0)  # the slowest rank; same on all
+            elapsed = agreed_span(t0, time.perf_counter())  # the same on every rank
             best, spent, calls = min(best, elapsed / iters), spent + elapsed, calls + iters
             if spent > _OVERRUN * target_s:  # every rank decides alike
                 break
