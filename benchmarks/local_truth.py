@@ -38,9 +38,7 @@ Confirmation (``--confirm``): is the plan the search picks the fastest when run?
 GPT (``CONFIG``) and a small Llama (Hugging Face ``LlamaForCausalLM``, same sizes, 4 query
 and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
 
-1. profile 4 ranks (``autoplan profile --nproc 4``, the full profile: on 4 ranks of 2 cores
-   the quick one's short batches leave the small matmuls' figures to the scheduler, 8-31
-   GFLOP/s at 128^3 between runs against 37 twice in full) or load ``--profile``;
+1. profile 4 ranks (``autoplan profile --quick --nproc 4``) or load ``--profile``;
 2. ``autoplan.plan(..., top_k=100000, precision="fp32", options=GLOO_ON_CPU)`` ranks every
    layout its search keeps (the default calibration has no entry for a CPU, so the figures
    are the profile's own, as above); :func:`confirm_layouts` says which of them are run
@@ -483,10 +481,10 @@ def _confirm_model(name: str):
 
 
 def profile_machine_4(out: Path) -> Path:
-    """``autoplan profile`` (full, ~40 s) on ``CONFIRM_WORLD`` CPU processes (one device per rank,
+    """``autoplan profile --quick`` on ``CONFIRM_WORLD`` CPU processes (one device per rank,
     the RAM divided among them)."""
     from autoplan.hardware import profiler
-    status = profiler.main(["--nproc", str(CONFIRM_WORLD), "--device", "cpu",
+    status = profiler.main(["--quick", "--nproc", str(CONFIRM_WORLD), "--device", "cpu",
                             "--out", str(out), "--name", f"local-truth-{CONFIRM_WORLD}"])
     if status != 0:
         raise SystemExit(f"profiling failed (exit {status})")
