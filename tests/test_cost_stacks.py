@@ -159,3 +159,41 @@ def test_the_attention_kernel_changes_only_the_attention_core(profile):
 def test_each_stack_names_its_attention_kernel():
     assert CostOptions.preset("megatron-core").attention_kernel == "cudnn"
     assert CostOptions.preset("fsdp").attention_kernel == "flash-attention-2"
+
+
+def test_prefetch_exposed_is_the_layerwise_overlap_for_equal_modules():
+    from autoplan.cost.engine import prefetch_exposed
+    for comm in (0.5, 1.0, 1.5):
+        assert prefetch_exposed((0.25,) * 4, 1.0, comm) == pytest.approx(max(0.0, comm - 1.0))
+    # a large module's gather hides only under the small module before it
+    assert prefetch_exposed((0.1, 0.4, 0.5), 1.0, 1.0) == pytest.approx(0.3 + 0.1)
+    # never less than the layer-wise overlap
+    for comm in (0.2, 0.9, 1.1, 3.0):
+        assert prefetch_exposed((0.25, 0.08, 0.33, 0.34), 1.0, comm) >= max(0.0, comm - 1.0)
+
+
+def test_a_per_module_gather_exposes_more_near_the_balance_of_gather_and_compute():
+    """DeepSpeed ZeRO-3 (per-module gathers, one module ahead) against the same layout with
+    per-layer gathers: never faster, slower where gathers and compute are of a size (the
+    small projection cannot hide the large MLP's gather), alike without overlap."""
+    from autoplan import estimate, trace
+    from autoplan.hardware import load_cluster
+    from autoplan.models import GPT, GPTConfig
+    from autoplan.strategy import Strategy
+
+    graph = trace(GPT(GPTConfig(vocab_size=256, seq_len=512, hidden=512, heads=8, layers=2)),
+                  seq_len=512)
+    cluster = load_cluster("a100-sxm4-80gb", nodes=4)
+    gaps = []
+    for mb in (1, 2, 4, 8, 16):
+        s = Strategy(dp=32, zero=3, recompute="full", micro_batch=mb, global_batch=32 * mb)
+        t = {unit: estimate(graph, cluster, s, options=CostOptions(
+                 stack="deepspeed-zero3", zero3_gather_unit=unit)).step_time_s
+             for unit in ("module", "layer")}
+        assert t["module"] >= t["layer"] * (1 - 1e-12)
+        gaps.append(t["module"] / t["layer"] - 1)
+        off = {unit: estimate(graph, cluster, s, options=CostOptions(
+                   stack="deepspeed-zero3", zero3_gather_unit=unit,
+                   overlap_param_gather=False)).step_time_s for unit in ("module", "layer")}
+        assert off["module"] == pytest.approx(off["layer"], rel=1e-12)
+    assert max(gaps) > 0.02, gaps

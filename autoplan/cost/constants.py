@@ -147,7 +147,9 @@ class CostOptions(Record):
     zero3_gather_unit : {"layer", "module"}
         What ZeRO-3 gathers at once: a whole layer (FSDP wrapping each block) or
         one submodule's parameters (DeepSpeed's per-module hooks); sets the
-        gathered-parameter buffers.
+        gathered-parameter buffers.  A per-module gather is prefetched one module
+        ahead, under the module before it (:func:`autoplan.cost.engine.prefetch_exposed`),
+        a per-layer one under the layer before it.
     dp_nic_per_device : bool
         Data-parallel collectives get only each device's own share of its node's
         NICs (``concurrent_groups = devices per node``) instead of all the NICs of

@@ -246,6 +246,26 @@ class PrecisionCosts(NamedTuple):
     activation_scale: float         # the recipe's activation bytes per captured byte
 
 
+def prefetch_exposed(shares: tuple[float, ...], compute_s: float, comm_s: float) -> float:
+    """Seconds a one-ahead prefetch leaves exposed over one layer's modules.
+
+    Module ``i`` computes for ``compute_s * shares[i]`` while the next module's gather
+    (``comm_s * shares[i + 1]``; after the last module, the first of the next layer, alike)
+    runs; a gather issued when its predecessor starts, as DeepSpeed ZeRO-3 does with a
+    prefetch bucket smaller than a module (``stage3_prefetch_bucket_size``, 5e7 elements by
+    default), is waited for by the amount it outlasts that module.  Equal shares give
+    ``max(0, comm_s - compute_s)``, the layer-wise overlap; unequal ones expose more: a
+    large module's gather hides only under the small module before it.
+
+    >>> round(prefetch_exposed((0.5, 0.5), 1.0, 1.2), 6)
+    0.2
+    >>> round(prefetch_exposed((0.25, 0.75), 1.0, 1.0), 6)
+    0.5
+    """
+    k = len(shares)
+    return sum(max(0.0, comm_s * shares[(i + 1) % k] - compute_s * shares[i]) for i in range(k))
+
+
 class LayerTime(NamedTuple):
     """Compute seconds of one layer and micro-batch on one device, memory-bound
     operators included (:meth:`CostEngine.template_time`)."""
@@ -370,6 +390,7 @@ class CostEngine:
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
         self.options = options or CostOptions()
         #: fused-attention curves per device type, for the options' attention kernel
+        self._module_shares: dict[str, tuple[float, ...]] = {}
         self._attention_tables = (attention_tables(cluster, calibration,
                                                    self.options.attention_kernel)
                                   if calibration else {})
@@ -859,7 +880,17 @@ class CostEngine:
             gathers_backward = 2 if (opts.zero3_regather_for_recompute and
                                      seg.recompute is Recompute.FULL and layer.is_block) else 1
             all_gather_backward = all_gather * gathers_backward
-            if opts.overlap_param_gather:
+            if opts.overlap_param_gather and seg.zero == 3 and opts.zero3_gather_unit == "module":
+                # one module's gather prefetched under the module before it (module_shares)
+                shares = self.module_shares(layer.template)
+                zero_forward_exposed = prefetch_exposed(shares, forward_with_comm, all_gather)
+                backward_only = backward_with_comm
+                if gathers_backward == 2:   # the recomputed forward's gathers, in order
+                    zero_backward_exposed = prefetch_exposed(shares, recompute, all_gather)
+                    backward_only -= recompute
+                zero_backward_exposed += prefetch_exposed(shares[::-1], backward_only,
+                                                          all_gather + reduce_scatter)
+            elif opts.overlap_param_gather:
                 zero_forward_exposed = max(0.0, all_gather - forward_with_comm)
                 zero_backward_exposed = max(0.0, all_gather_backward + reduce_scatter
                                             - backward_with_comm)
@@ -886,6 +917,20 @@ class CostEngine:
             forward_with_comm + zero_forward_exposed, backward_with_comm + zero_backward_exposed,
             local_params, gather_unit, saved, working,
             ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params)
+
+    def module_shares(self, template: str) -> tuple[float, ...]:
+        """Each weight-carrying module's share of ``template``'s weight matmul FLOPs, in
+        execution order (``(1.0,)`` for a layer with fewer than two): under a per-module
+        ZeRO-3 gather (``zero3_gather_unit="module"``) both its gather's and its compute's
+        share of the layer's (a linear's FLOPs and parameters are in proportion), the
+        attention core and memory-bound operators spread in proportion."""
+        hit = self._module_shares.get(template)
+        if hit is None:
+            flops = [n.fwd_flops for n in self.summary.templates[template] if n.weight]
+            total = sum(flops)
+            hit = tuple(f / total for f in flops) if len(flops) > 1 and total > 0 else (1.0,)
+            self._module_shares[template] = hit
+        return hit
 
     def dispatch_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float,
                        tp: int = 1, group: tuple[int, ...] = ()) -> float:
