@@ -4,10 +4,10 @@ In-sample (the default calibration, fitted to every row): MAPE <= 10% over every
 measured step time that the model expresses, no row off by more than 25%, every layout of
 the sources whose memory settings are known fits in predicted memory.  Held out
 (``validation/held_out_errors.csv``, written by ``published_runs.py --fit``: each source
-predicted by a fit that never saw it): every fitted source within the issue's MAPE target
-(10%); the worst row and the never-fitted MoE sources against the limits in
-:data:`HELD_OUT_LIMITS`, which record what the model reaches today (the issue's "no row
-> 30%" is missed by one fitted row and by MoE rows; README).
+predicted by a fit that never saw it): every fitted source within the issue's targets
+(MAPE <= 10%, no row off by more than 30%); the never-fitted MoE sources against the limit
+in :data:`HELD_OUT_LIMITS`, which records what the model reaches today (far from the
+targets; README).
 
 Captured graphs are cached per distinct (architecture, sequence length) in
 ``$AUTOPLAN_CACHE/traces`` (default ``~/.cache/autoplan/traces``, keyed by a
@@ -44,13 +44,9 @@ MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfound
 #: source: 11.6%, Narayanan 9.7%, worst MosaicML 1B at 64K -45.7%, MoE 25.0%; refit with
 #: Hopper's attention priced from Ampere's FlashAttention-2 fraction: 7.2%, every source
 #: <= 9.8%, worst Narayanan T2-04 -32.2%, MoE 24.7%; with the recipes' token dispatchers:
-#: MoE 23.6%)
-HELD_OUT_LIMITS = {"mape": 0.09, "max_error": 0.35, "moe_mape": 0.25}
-
-
-#: In-sample worst row: the issue's 25% is missed by Narayanan et al.'s ZeRO-3 row T2-04
-#: (-28.9%, see README); this guards today's figure.
-IN_SAMPLE_MAX_ERROR = 0.35
+#: MoE 23.6%; with DeepSpeed's gathers prefetched one module ahead: 6.8%, worst
+#: Megatron-Bridge H100 Llama 3 8B +26.2%, MoE 23.9%)
+HELD_OUT_LIMITS = {"mape": 0.09, "moe_mape": 0.25}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +108,8 @@ def test_mape_overall_and_per_row(results):
     stats = pr.summarize_errors(df)
     worst = df.loc[df["error"].abs().idxmax()]
     assert stats["mape"] <= pr.TARGET_MAPE, f"MAPE {stats['mape']:.1%} > {pr.TARGET_MAPE:.0%}"
-    assert stats["max_error"] <= IN_SAMPLE_MAX_ERROR, \
-        f"{worst.run_id} off by {worst.error:+.1%} (limit {IN_SAMPLE_MAX_ERROR:.0%})"
+    assert stats["max_error"] <= pr.TARGET_MAX_ERROR, \
+        f"{worst.run_id} off by {worst.error:+.1%} (limit {pr.TARGET_MAX_ERROR:.0%})"
 
 
 def test_held_out_errors_are_recorded_for_every_row(results):
@@ -122,7 +118,9 @@ def test_held_out_errors_are_recorded_for_every_row(results):
     assert set(held["run_id"]) == set(df["run_id"]), "rerun published_runs.py --fit"
     fitted = held[~held["source"].isin(pr.TEST_ONLY_SOURCES)]
     assert fitted["error"].abs().mean() <= HELD_OUT_LIMITS["mape"]
-    assert fitted["error"].abs().max() <= HELD_OUT_LIMITS["max_error"]
+    worst = fitted.loc[fitted["error"].abs().idxmax()]
+    assert abs(worst["error"]) <= pr.TARGET_HELD_OUT_MAX_ERROR, \
+        f"{worst.run_id} off by {worst.error:+.1%} held out"
     per_source = fitted.assign(e=fitted["error"].abs()).groupby("source")["e"].mean()
     over = per_source[per_source > pr.TARGET_HELD_OUT_MAPE]
     assert over.empty, f"held-out MAPE over {pr.TARGET_HELD_OUT_MAPE:.0%}: {over.to_dict()}"
