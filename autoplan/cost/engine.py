@@ -389,8 +389,8 @@ class CostEngine:
         self.calibration = calibration
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
         self.options = options or CostOptions()
+        self._module_shares: dict[str, tuple[float, ...]] = {}   # per template
         #: fused-attention curves per device type, for the options' attention kernel
-        self._module_shares: dict[str, tuple[float, ...]] = {}
         self._attention_tables = (attention_tables(cluster, calibration,
                                                    self.options.attention_kernel)
                                   if calibration else {})
