@@ -30,10 +30,7 @@ import published_runs as pr  # noqa: E402
 
 from autoplan.cost.calibration import load_calibration  # noqa: E402
 
-#: Sources whose memory-relevant settings (recompute, ZeRO/FSDP) are stated or implied:
-#: every layout they ran must fit.  The Megatron-Bridge tables state neither.
-MEMORY_KNOWN = {"narayanan2021", "megatron_readme_h100_2024", "mosaicml_llmfoundry",
-                "torchtitan"}
+MEMORY_KNOWN = pr.MEMORY_KNOWN_SOURCES
 
 #: Held-out limits (regression guards at today's figures plus a margin; the issue's
 #: targets are TARGET_HELD_OUT_MAPE / TARGET_HELD_OUT_MAX_ERROR in published_runs.py).
