@@ -848,6 +848,12 @@ TARGET_HELD_OUT_MAX_ERROR = 0.30
 # ----------------------------------------------------------------------------- main
 
 
+def _worst_rows(rows: pd.DataFrame, column: str, n: int = 5) -> str:
+    """``run_id error`` of the ``n`` rows with the largest ``|column|``, largest first."""
+    worst = rows.reindex(rows[column].abs().sort_values(ascending=False).index).head(n)
+    return ", ".join(f"{run_id} {e:+.1%}" for run_id, e in zip(worst["run_id"], worst[column]))
+
+
 def report(df: pd.DataFrame, out=print, verbose: bool = False, specs=None,
            held: pd.DataFrame | None = None) -> dict[str, float]:
     pd.set_option("display.width", 200)
@@ -891,13 +897,10 @@ def report(df: pd.DataFrame, out=print, verbose: bool = False, specs=None,
                            ("test-only", df[df["source"].isin(TEST_ONLY_SOURCES)])):
             if rows.empty:
                 continue
-            worst = rows.reindex(rows["held_out"].abs().sort_values(ascending=False).index).head(5)
-            out(f"worst rows {what}: " + ", ".join(f"{r.run_id} {r.held_out:+.1%}"
-                                                   for r in worst.itertuples()))
+            out(f"worst rows {what}: " + _worst_rows(rows, "held_out"))
     out(f"every layout fits in predicted memory: {stats['all_fit']} (sources that state their "
         f"recompute and ZeRO settings: {', '.join(sorted(MEMORY_KNOWN_SOURCES))})")
-    worst = fitted.reindex(fitted["error"].abs().sort_values(ascending=False).index).head(5)
-    out("worst rows in-sample: " + ", ".join(f"{r.run_id} {r.error:+.1%}" for r in worst.itertuples()))
+    out("worst rows in-sample: " + _worst_rows(fitted, "error"))
     return stats
 
 
