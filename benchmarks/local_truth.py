@@ -45,16 +45,16 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    (the cap) and adds the ZeRO-2/3 and recompute options at the picked layout that the
    search's memory ladder never reaches when memory is plentiful;
 3. layouts :func:`autoplan.parallelize` rejects are reported as not runnable with its
-   reason; the others run one after another in one launch of 4 processes per round
-   (``CONFIRM_WARMUP`` warm-up then ``CONFIRM_TIMED`` timed steps each), over
-   ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's measured step is its
-   fastest; a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S`` is reported and the
-   rest go on in fresh processes;
+   reason; the others run each in its own launch of 4 fresh processes, as a user's job
+   runs (``CONFIRM_LAYOUTS_PER_LAUNCH``; ``CONFIRM_WARMUP`` warm-up then ``CONFIRM_TIMED``
+   timed steps each), over ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's
+   measured step is its fastest; a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
+   is reported;
 4. per model: predicted and measured step and rank of each layout, the picked layout's
    measured step over the fastest measured one (target <= 1.05), and Spearman's rank
    correlation of predicted vs measured.
 
-    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~15-25 min on 2 cores)
+    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~8 min on 2 cores)
     python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
 """
 
@@ -649,17 +649,42 @@ def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
         os._exit(0)
 
 
-def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[int, list[float] | str]:
-    """Step times of each job (index, plan JSON) on ``CONFIRM_WORLD`` processes, run one
-    after the other in one launch; a job that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
-    gets its reason (a string) and the rest continue in a fresh launch."""
+#: Modules the launcher's fork server imports once, so that a launch of 4 ranks costs
+#: forks (~1 s) rather than 4 interpreters importing torch on 2 cores (~5 s).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "autoplan.runtime", "transformers",
+           "transformers.models.llama.modeling_llama"]
+
+
+def _launcher():
+    """A ``forkserver`` context preloading :data:`PRELOAD`: each launch forks fresh
+    processes from a server that has imported torch but never run an op or made a thread."""
     import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+#: Layouts run per launch of ``CONFIRM_WORLD`` processes.  One: a process that has laid
+#: out and run other layouts steps slower than a fresh one, as a user's job is (on 4
+#: ranks over 2 cores, a DP=4 step 4% slower after 8 layouts; DP=4 and TP=4 steps 16%
+#: and 22% slower half-way through a 41-layout launch than in fresh processes minutes
+#: later; each layout leaves ~12 threads behind), which read as cost-model error.
+CONFIRM_LAYOUTS_PER_LAUNCH = 1
+
+
+def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[int, list[float] | str]:
+    """Step times of each job (index, plan JSON) on ``CONFIRM_WORLD`` processes, launched
+    ``CONFIRM_LAYOUTS_PER_LAUNCH`` at a time; a job that fails or passes
+    ``CONFIRM_LAYOUT_TIMEOUT_S`` gets its reason (a string) and the rest continue in a
+    fresh launch."""
     from dataclasses import replace
-    ctx = mp.get_context("spawn")
+    ctx = _launcher()
     graph = replace(graph, fx_graph=None)   # what parallelize keeps of a capture
     out: dict[int, list[float] | str] = {}
-    todo = list(jobs)
-    while todo:
+    pending = list(jobs)
+    while pending:
+        todo, pending = pending[:CONFIRM_LAYOUTS_PER_LAUNCH], pending[CONFIRM_LAYOUTS_PER_LAUNCH:]
         with tempfile.TemporaryDirectory() as outdir:
             port = _free_port()
             procs = [ctx.Process(target=_confirm_worker,
@@ -696,7 +721,7 @@ def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[in
                               if timed_out else "failed: the ranks exited without a result")
                 else:
                     rest.append((i, text))
-            todo = rest
+            pending = rest + pending
     return out
 
 
