@@ -12,7 +12,7 @@ import yaml
 from autoplan.hardware import (IntraNodeTopology, NodeGroup, available_profiles, compose_cluster,
                                load_cluster, load_profile)
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-from autoplan.hardware.profiler import _build_profile, fit_alpha_beta, main
+from autoplan.hardware.profiler import _build_profile, _p2p_partner, fit_alpha_beta, main
 from runtime_cases import synthetic_measurements
 
 
@@ -180,6 +180,16 @@ def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err
     assert main(["--no-such-option"]) == 2
+
+
+def test_p2p_partners():
+    """Ranks 0 and 1 alone where each rank has its cores; every pair at once where ranks
+    share cores (the others busy, as data-parallel pipelines' stages are)."""
+    assert [_p2p_partner(r, 4, every_pair=False) for r in range(4)] == [1, 0, None, None]
+    assert [_p2p_partner(r, 4, every_pair=True) for r in range(4)] == [1, 0, 3, 2]
+    assert [_p2p_partner(r, 3, every_pair=True) for r in range(3)] == [1, 0, None]
+    assert [_p2p_partner(r, 2, every_pair=flag) for r in range(2) for flag in (False, True)] \
+        == [1, 1, 0, 0]
 
 
 @pytest.mark.slow
