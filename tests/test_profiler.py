@@ -98,6 +98,12 @@ def test_build_profile_keeps_each_collectives_own_latency():
                                     nproc=2, threads=1, devices_per_node=2, quick=True,
                                     copy_bytes=2**20)
     assert "after a 134-MFLOP matmul" in timed_after.node.collective_latency.source
+    assert "every pair" not in timed_after.node.collective_latency.source
+    pairs, _ = _build_profile("local-test", {**raw, "p2p_pairs_after_compute": True}, cuda=False,
+                              nproc=2, threads=1, devices_per_node=2, quick=True,
+                              copy_bytes=2**20)
+    assert "p2p after a 134-MFLOP matmul, every pair of ranks at once" in \
+        pairs.node.collective_latency.source
 
 
 def test_build_profile_keeps_the_slowest_ranks_operator_overhead():

@@ -601,7 +601,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         payload = {"ranks": gathered, "comm": comm, "world": world,
-                   "comm_after_compute": after_compute}
+                   "comm_after_compute": after_compute, "p2p_pairs_after_compute": shared}
         atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
@@ -769,6 +769,9 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         source=f"{how}: each operation's fitted latency (t = a + b S, the mean of every timed call"
                + (f", each after a {_WORK_FLOPS / 1e6:.0f}-MFLOP matmul, less the matmul"
                   if raw.get("comm_after_compute") else "")
+               + (f"; the ranks share cores: p2p after a {_WORK_FLOPS / 1e6:.0f}-MFLOP matmul, "
+                  "every pair of ranks at once, less the matmul, the others back to back"
+                  if raw.get("p2p_pairs_after_compute") else "")
                + ") over its ring steps")
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
