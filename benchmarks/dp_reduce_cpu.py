@@ -13,8 +13,8 @@ over ``--steps`` steps, every rank timed from the first start to the last end.
     python benchmarks/dp_reduce_cpu.py --nproc 2 --dp 2
 
 What it found on the 2-core machine this was written on (2026-11-24, several runs on 2 and 4
-processes): replicate's reduction took 1.4-2.9x the bare all-reduce, DDP's 1.7-2.0x, ZeRO-1/2/3's
-2.3-3.4x.  FSDP2 copies each reduction's gradients into a flat buffer allocated for the call,
+processes, one with 3): replicate's reduction took 1.4-3.7x the bare all-reduce, DDP's 1.3-2.0x,
+ZeRO-1/2/3's 0.9-4.3x (the widest with ``--steps 3``).  FSDP2 copies each reduction's gradients into a flat buffer allocated for the call,
 and the same 64 MiB copy into a new tensor took 0.5-1.7 ms per MiB more than into a reused one
 (the pages fault on first write).  The figures moved by up to 2x between runs and with the
 order the wrappers ran in; read the ratios of one run.
@@ -26,23 +26,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_truth import _run_ranks  # noqa: E402  (spawn, join by a deadline, error reports)
+
 WRAPPERS = ("ddp", "replicate", "zero1", "zero2", "zero3")
+TIMEOUT_S = 900.0   # for the whole launch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, dp: int, steps: int, outdir: str) -> None:
+def _worker(rank: int, world: int, port: int, _label: str, outdir: str, *, dp: int,
+            steps: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -125,29 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 2 or dp < 2 or args.nproc % dp or args.steps < 1:
         parser.error(f"need --nproc >= 2, --dp >= 2 dividing it and --steps >= 1; got "
                      f"--nproc {args.nproc} --dp {dp} --steps {args.steps}")
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as outdir:
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, dp, args.steps, outdir))
-                 for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 900
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        errors = sorted(Path(outdir).glob("error*.txt"))
-        if errors:
-            print("failed: " + "; ".join(e.read_text() for e in errors), file=sys.stderr)
-            return 1
-        path = Path(outdir, "result.json")
-        if not path.exists():
-            print("failed: no result (a process died or passed 900 s)", file=sys.stderr)
-            return 1
-        r = json.loads(path.read_text())
+    label = f"{args.nproc} processes, dp {dp}"
+    try:
+        r = _run_ranks(partial(_worker, dp=dp, steps=args.steps), args.nproc, label, TIMEOUT_S,
+                       lambda out: json.loads((out / "result.json").read_text())
+                       if (out / "result.json").exists() else None)
+    except RuntimeError as exc:   # a rank's error report
+        print(f"failed: {exc}", file=sys.stderr)
+        return 1
+    if r is None:
+        print(f"failed: no result (a process died or passed {TIMEOUT_S:.0f} s)", file=sys.stderr)
+        return 1
     bare = r["all_reduce_s"]
     print(f"{args.nproc} processes, data-parallel groups of {dp}; gradients "
           f"{r['grad_bytes'] / 2**20:.1f} MiB fp32; bare all-reduce {bare * 1e3:.1f} ms (median)")
