@@ -94,12 +94,15 @@ def test_pipeline_sends_whole_from_every_tp_rank_unless_scattered(tp):
         (bare.stages[1].forward_s, bare.stages[1].backward_s), rel=1e-12)
 
 
-@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_fsdp2_copies_through_its_flat_buffers(zero):
     """FSDP2 (autoplan's runtime) copies each layer's gradients into the reduce-scatter
     input and, under ZeRO-3, its local shards into the all-gather input and the gathered
     output into the parameters, forward and backward: read + write at the device's memory
-    bandwidth, per layer and micro-batch.  fp32 on 8 A100: 4-byte parameters and gradients."""
+    bandwidth, per layer and micro-batch.  Once per step: ZeRO-0's all-reduce (DDP's
+    buckets, FSDP2's replicate) copies the gradients in and back out, ZeRO-1's
+    reduce-scatter copies them in, and the step's all-gather (ZeRO-1 and 2) copies the
+    shard in and the parameters out.  fp32 on 8 A100: 4-byte parameters and gradients."""
     from autoplan.cost import CostOptions
     cluster = load_cluster("a100-sxm4-80gb")
     s = Strategy(dp=8, micro_batch=1, global_batch=16, zero=zero, precision="fp32")
@@ -111,9 +114,14 @@ def test_fsdp2_copies_through_its_flat_buffers(zero):
     bw = cluster.device_type_of(0).memory_bw_bytes_per_s
     params = sum(l.params for l in summarize(_graph()).layers)
     m = 16 // 8
-    per_micro_batch = 2 * params * 4 / bw                       # gradients into the buffer
+    per_micro_batch = per_step = 0.0
+    if zero >= 2:
+        per_micro_batch = 2 * params * 4 / bw                   # gradients into the buffer
     if zero == 3:
         per_micro_batch += 2 * (2 * params * 4 * (1 + 1 / 8) / bw)  # forward and backward
+    gather = 2 * params * 4 * (1 + 1 / 8) / bw                  # shard in, parameters out
+    per_step = {0: 2 * 2 * params * 4 / bw, 1: 2 * params * 4 / bw + gather, 2: gather,
+                3: 0.0}[zero]
     assert copies.comm_total["dp_comm_s"] - views.comm_total["dp_comm_s"] == pytest.approx(
-        m * per_micro_batch, rel=1e-9)
+        m * per_micro_batch + per_step, rel=1e-9)
     assert CostOptions().zero_buffer_copies and not CostOptions(stack="megatron-core").zero_buffer_copies

@@ -196,12 +196,13 @@ class CostOptions(Record):
         .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
         receive and one send buffer (Megatron's p2p communication).
     zero_buffer_copies : bool
-        ZeRO-2/3 copy through flat communication buffers (FSDP2, what
+        Data parallelism copies through flat communication buffers (FSDP2 and DDP, what
         :func:`autoplan.parallelize` runs): each all-gather copies the local shards into
         its input and its output into the parameters, each reduce-scatter the gradients
-        into its input; memory-bound work on the device, priced at its memory bandwidth.
-        ``False``: parameters and gradients are views of the buffers (FSDP1's flat
-        parameters, Megatron's contiguous buffers).
+        into its input, each all-reduce (DDP's buckets, FSDP2's ``replicate``) the
+        gradients into its input and the result back out; memory-bound work on the
+        device, priced at its memory bandwidth.  ``False``: parameters and gradients are
+        views of the buffers (FSDP1's flat parameters, Megatron's contiguous buffers).
     attention_kernel : {"cudnn", "flash-attention-2"}
         The fused attention kernel, when ``fused_attention``: ``"cudnn"`` (Transformer
         Engine's cuDNN fused attention, what Megatron-Core runs; on Hopper and Blackwell the
@@ -354,7 +355,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
 #: part of the Strategy/Plan, not of the stack.
 STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack("autoplan",
-           "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce) or "
+           "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce, "
+           "copying the gradients into its buckets and back) or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
            "backward, both through flat buffers it copies into and out of); tensor-parallel "
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "

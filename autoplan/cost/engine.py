@@ -74,7 +74,12 @@ The ranks combine through the schedule (:mod:`autoplan.cost.schedules`).  After
 the last backward, each rank reduces its gradients over its data-parallel (x
 context-parallel) group: an all-reduce (ZeRO-0) or reduce-scatter plus
 parameter all-gather (ZeRO-1, Megatron's distributed optimizer; ZeRO-2's
-all-gather).  With ``overlap_grad_reduce`` the reduction runs under the last
+all-gather).  Under ``zero_buffer_copies`` (torch's wrappers, what
+:func:`autoplan.parallelize` runs) these step-level collectives also copy through
+flat buffers at the memory bandwidth: the gradients into the reduction's input
+and, for an all-reduce, its result back out (DDP's buckets, FSDP2's
+``replicate``); the shard into the all-gather's input and its output into the
+parameters.  With ``overlap_grad_reduce`` the reduction runs under the last
 backward; rank ``p`` also finishes its backward ``sum_{q<p} B_q`` before rank 0
 does, which hides more.  Tied embeddings split over the first and last stages
 all-reduce their gradient between the two (Shoeybi et al. 2019).  The
@@ -1216,6 +1221,15 @@ class CostEngine:
                 self.collective_time("reduce_scatter", edp_group, x1 * grad_bytes, dp_concurrency, edp_key)
             t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * param_bytes,
                                              dp_concurrency, edp_key)
+        if opts.zero_buffer_copies and zero_degree > 1:
+            # once per step, memory-bound (read + write) on the device: DDP's buckets and
+            # FSDP2's replicate copy the gradients in and the reduced ones back out;
+            # FSDP2's reduce-scatter copies them in (its output is the shard); its
+            # all-gather copies the shard in and the gathered parameters out
+            bw = device.memory_bw_bytes_per_s
+            t_reduce += (2 * 2 * (reduced0 + x0) + 2 * (reduced1 + x1)) * grad_bytes / bw
+            experts = (x1 + x2) * (1 + 1 / edp) if (x1 or x2) else 0.0
+            t_gather += 2 * (gathered * (1 + 1 / zero_degree) + experts) * param_bytes / bw
         ev.dp_step_total = t_reduce + t_gather
         exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
         exposed_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
