@@ -919,6 +919,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true", help="print each row's assumptions")
     ap.add_argument("--workers", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.csv is not None and not args.csv.is_file():
+        ap.error(f"--csv {args.csv}: no such file; the validation files are in "
+                 f"{MOE_CSV.parent} (published_public.csv, published_moe.csv, "
+                 f"published_torchtitan.csv)")
     t0 = time.perf_counter()
     specs = load_specs(args.csv)
     graphs = load_graphs(specs, workers=args.workers, log=print)

@@ -316,3 +316,20 @@ def test_grouped_gemm_prices_local_experts_as_one_kernel():
     assert not CostOptions().expert_grouped_gemm          # autoplan runs the family's loop
     assert grouped.breakdown["compute_s"] < loop.breakdown["compute_s"]
     assert grouped.comm_total["ep_comm_s"] == loop.comm_total["ep_comm_s"]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_banks_copy_through_buffers_only_where_reduced(moe, ep):
+    """zero_buffer_copies, ZeRO-0 on dp 4: every dense gradient is copied into the
+    all-reduce's buffer and back (read + write each); an expert bank's only where its edp
+    group (dp / ep) has more than one rank to reduce over."""
+    c = toy_cluster(devices_per_node=4)
+    s = Strategy(dp=4, ep=ep, global_batch=16, precision="fp32")
+    copies = estimate(moe, c, s, calibration=None)
+    views = estimate(moe, c, s, calibration=None, options=CostOptions(zero_buffer_copies=False))
+    layers = summarize(moe).layers
+    dense = sum(l.params - l.expert_params for l in layers)
+    experts = sum(l.expert_params for l in layers) / ep if 4 // ep > 1 else 0.0
+    bw = c.device_type_of(0).memory_bw_bytes_per_s
+    assert copies.comm_total["dp_comm_s"] - views.comm_total["dp_comm_s"] == pytest.approx(
+        2 * 2 * (dense + experts) * 4 / bw, rel=1e-9)

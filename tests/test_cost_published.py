@@ -188,3 +188,11 @@ def test_measured_profiles_keep_their_tables_and_get_an_attention_curve():
              / cal.for_architecture("").matmul_peak_fraction)
     own = dev.matmul_efficiency["default"].points[0][1]
     assert table.points[0][1] == pytest.approx(min(1.0, own * ratio))
+
+
+def test_a_missing_validation_file_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pr.main(["--csv", str(tmp_path / "published_moe.csv")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no such file" in err and "published_moe.csv" in err and "Traceback" not in err

@@ -1226,9 +1226,11 @@ class CostEngine:
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
             # FSDP2's reduce-scatter copies them in (its output is the shard); its
             # all-gather copies the shard in and the gathered parameters out
+            # (expert banks over their edp group only, when it has more than one rank)
             bw = device.memory_bw_bytes_per_s
-            t_reduce += (2 * 2 * (reduced0 + x0) + 2 * (reduced1 + x1)) * grad_bytes / bw
-            experts = (x1 + x2) * (1 + 1 / edp) if (x1 or x2) else 0.0
+            e0, e1, e2 = (x0, x1, x2) if edp > 1 else (0.0, 0.0, 0.0)
+            t_reduce += (2 * 2 * (reduced0 + e0) + 2 * (reduced1 + e1)) * grad_bytes / bw
+            experts = (e1 + e2) * (1 + 1 / edp) if (e1 or e2) else 0.0
             t_gather += 2 * (gathered * (1 + 1 / zero_degree) + experts) * param_bytes / bw
         ev.dp_step_total = t_reduce + t_gather
         exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
