@@ -114,7 +114,7 @@ def test_fsdp2_copies_through_its_flat_buffers(zero):
     bw = cluster.device_type_of(0).memory_bw_bytes_per_s
     params = sum(l.params for l in summarize(_graph()).layers)
     m = 16 // 8
-    per_micro_batch = per_step = 0.0
+    per_micro_batch = 0.0
     if zero >= 2:
         per_micro_batch = 2 * params * 4 / bw                   # gradients into the buffer
     if zero == 3:

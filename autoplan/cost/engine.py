@@ -1226,12 +1226,12 @@ class CostEngine:
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
             # FSDP2's reduce-scatter copies them in (its output is the shard); its
             # all-gather copies the shard in and the gathered parameters out
-            # (expert banks over their edp group only, when it has more than one rank)
             bw = device.memory_bw_bytes_per_s
-            e0, e1, e2 = (x0, x1, x2) if edp > 1 else (0.0, 0.0, 0.0)
-            t_reduce += (2 * 2 * (reduced0 + e0) + 2 * (reduced1 + e1)) * grad_bytes / bw
-            experts = (e1 + e2) * (1 + 1 / edp) if (e1 or e2) else 0.0
-            t_gather += 2 * (gathered * (1 + 1 / zero_degree) + experts) * param_bytes / bw
+            t_reduce += (4 * reduced0 + 2 * reduced1) * grad_bytes / bw
+            t_gather += 2 * gathered * (1 + 1 / zero_degree) * param_bytes / bw
+            if edp > 1:   # expert banks, over their edp group (none to reduce when edp is 1)
+                t_reduce += (4 * x0 + 2 * x1) * grad_bytes / bw
+                t_gather += 2 * (x1 + x2) * (1 + 1 / edp) * param_bytes / bw
         ev.dp_step_total = t_reduce + t_gather
         exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
         exposed_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
