@@ -179,7 +179,12 @@ class LayerRecord(Record):
     forward (activations produced at or before it and used after it).
     ``attention_core`` names, for a block, the operators selective recompute
     re-runs (``None`` for other layers and in graphs captured before it was
-    recorded).
+    recorded).  ``param_tensors`` counts the parameter tensors the layer owns (a tied
+    one counted in the layer that uses it first), ``tp_param_tensors`` those of them in
+    the linears tensor parallelism shards (column, row, vocabulary embedding and head):
+    an optimizer step and a data-parallel wrapper pay host time per tensor
+    (``OpOverhead.optimizer_param_s``); both are 0 in graphs captured before they were
+    recorded.
     """
 
     name: str
@@ -202,6 +207,8 @@ class LayerRecord(Record):
     tp: TPStructure
     tied_params: tuple[str, ...] = ()
     attention_core: AttentionCore | None = None
+    param_tensors: int = 0
+    tp_param_tensors: int = 0
 
     @property
     def flops(self) -> int:

@@ -3,7 +3,8 @@
 On a CPU every operator of an eager step pays the dispatcher before its arithmetic; the
 profiler measures that per captured operator (:mod:`autoplan.hardware.profiler`) and the
 cost model adds it per captured operator of each layer and micro-batch, whatever the
-micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1.
+micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1;
+and once per step the optimizer's per parameter tensor, plain or DTensor.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from runtime_cases import cpu_cluster
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=4, layers=4)
 OVERHEAD = {"forward_s": 10e-6, "backward_s": 20e-6, "tp_linear_forward_s": 300e-6,
-            "tp_linear_backward_s": 700e-6, "selective_s": 150e-6}
+            "tp_linear_backward_s": 700e-6, "selective_s": 150e-6,
+            "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 200e-6}
 NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
                          tp_comm_overlap=False, pp_comm_overlap=False)
 
@@ -56,8 +58,64 @@ def test_overhead_is_per_operator_and_micro_batch(graph, tp):
         per_micro_batch += (1 + 4 * 4 + 1) * (300e-6 + 700e-6)
     added = with_overhead.breakdown["compute_s"] - base.breakdown["compute_s"]
     assert added == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
-    others = {k: v for k, v in with_overhead.breakdown.items() if k != "compute_s"}
-    assert others == pytest.approx({k: v for k, v in base.breakdown.items() if k != "compute_s"})
+    # (the optimizer's host time per parameter tensor: test_optimizer_pays_the_host_...)
+    others = {k: v for k, v in with_overhead.breakdown.items()
+              if k not in ("compute_s", "optimizer_s")}
+    assert others == pytest.approx({k: v for k, v in base.breakdown.items()
+                                    if k not in ("compute_s", "optimizer_s")})
+
+
+def test_parameter_tensors_are_counted_per_layer(graph):
+    """The GPT's embedding layer owns the token and position tables (the token table is
+    sharded by tensor parallelism), each block 12 tensors (weights and biases of two layer
+    norms and four linears, the linears' 8 sharded), the last layer the final norm and
+    the head: every parameter of the model once."""
+    counts = [(l.name, l.param_tensors, l.tp_param_tensors) for l in graph.layers]
+    assert counts == [("pre", 2, 1), *((f"blocks.{i}", 12, 8) for i in range(4)),
+                      ("post", 3, 1)]
+    assert sum(c[1] for c in counts) == len(list(GPT(CONFIG).parameters()))
+
+
+@pytest.mark.parametrize("layout, plain, dtensors", [
+    # DDP: plain parameters
+    (dict(dp=2), 53, 0),
+    # FSDP2 (ZeRO-1..3) wraps every parameter as a DTensor (its shard)
+    (dict(dp=2, zero=1), 0, 53),
+    (dict(dp=2, zero=3), 0, 53),
+    # tensor parallelism alone: only the sharded linears' parameters are DTensors
+    (dict(tp=2), 53 - 34, 34),
+    # with data parallelism too, FSDP2's replicate wraps them all
+    (dict(dp=2, tp=2), 0, 53),
+])
+def test_optimizer_pays_the_host_per_parameter_tensor(graph, layout, plain, dtensors):
+    world = layout.get("dp", 1) * layout.get("tp", 1)
+    s = Strategy(**layout, micro_batch=2, global_batch=8, precision="fp32")
+    cluster = cpu_cluster(world, overhead=OVERHEAD)
+    without = cpu_cluster(world, overhead={**OVERHEAD, "optimizer_param_s": 0.0,
+                                           "optimizer_dtensor_param_s": 0.0})
+    added = (estimate(graph, cluster, s, calibration=None, options=NO_OVERLAP)
+             .breakdown["optimizer_s"]
+             - estimate(graph, without, s, calibration=None, options=NO_OVERLAP)
+             .breakdown["optimizer_s"])
+    assert added == pytest.approx(plain * 40e-6 + dtensors * 200e-6, rel=1e-9)
+
+
+def test_pipeline_stages_pay_for_their_own_tensors(graph):
+    """Each stage's optimizer steps its own layers' tensors: pre + two blocks (26) and two
+    blocks + post (27); under a pipeline with data parallelism FSDP2's replicate makes
+    them DTensors."""
+    def busy(overhead, **layout):
+        world = layout.get("dp", 1) * layout["pp"]
+        s = Strategy(**layout, micro_batch=2, global_batch=8, schedule="1f1b",
+                     precision="fp32")
+        e = estimate(graph, cpu_cluster(world, overhead=overhead), s, calibration=None,
+                     options=NO_OVERLAP)
+        return [st.busy_s for st in e.stages]
+
+    zero = {**OVERHEAD, "optimizer_param_s": 0.0, "optimizer_dtensor_param_s": 0.0}
+    for layout, per_tensor in ((dict(pp=2), 40e-6), (dict(dp=2, pp=2), 200e-6)):
+        added = [a - b for a, b in zip(busy(OVERHEAD, **layout), busy(zero, **layout))]
+        assert added == pytest.approx([26 * per_tensor, 27 * per_tensor], rel=1e-9)
 
 
 def test_selective_recompute_pays_the_dispatch_mode_per_operator(graph):

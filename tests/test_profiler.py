@@ -110,21 +110,55 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     """Each figure of the operator overhead is the slowest rank's, as the matmuls are; the
     profile round-trips through YAML with it."""
     per_rank = [{"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 200e-6,
-                 "tp_linear_backward_s": 500e-6, "selective_s": 150e-6},
+                 "tp_linear_backward_s": 500e-6, "selective_s": 150e-6,
+                 "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 190e-6},
                 {"forward_s": 12e-6, "backward_s": 25e-6, "tp_linear_forward_s": 150e-6,
-                 "tp_linear_backward_s": 600e-6, "selective_s": 170e-6}]
+                 "tp_linear_backward_s": 600e-6, "selective_s": 170e-6,
+                 "optimizer_param_s": 35e-6, "optimizer_dtensor_param_s": 210e-6}]
     profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
                                 cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
                                 copy_bytes=2**20)
     o = profile.device.op_overhead
     assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s,
-            o.selective_s) == (12e-6, 30e-6, 200e-6, 600e-6, 170e-6)
-    assert "28 captured operators" in o.source
-    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+            o.selective_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
+        (12e-6, 30e-6, 200e-6, 600e-6, 170e-6, 40e-6, 210e-6)
+    assert "28 captured operators" in o.source and "AdamW step over 32" in o.source
+    text = profile_to_yaml(profile)
+    assert parse_profile(yaml.safe_load(text)) == profile
+    # a profile written before the optimizer's figures were measured loads with 0 for them
+    old = yaml.safe_load(text)
+    for key in ("optimizer_param_s", "optimizer_dtensor_param_s"):
+        del old["device"]["op_overhead"][key]
+    o_old = parse_profile(old).device.op_overhead
+    assert (o_old.optimizer_param_s, o_old.optimizer_dtensor_param_s) == (0.0, 0.0)
+    assert o_old.forward_s == o.forward_s
     # measurements without it (profiles written before it was measured): none
     plain, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
                               threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
     assert plain.device.op_overhead is None
+
+
+def test_optimizer_overhead_is_per_parameter_tensor():
+    """The optimizer's figure is one AdamW step's time over its tensors, per tensor (the
+    DTensor figure needs a process group: 0 without one)."""
+    import torch
+
+    from autoplan.hardware.profiler import _OPTIMIZER_TENSORS, _measure_optimizer_overhead
+
+    steps = []
+
+    def timed(fn):
+        fn()
+        steps.append(fn)
+        return 0.0032
+
+    plain, dtensor = _measure_optimizer_overhead(torch, timed)
+    assert (plain, dtensor) == (pytest.approx(0.0032 / _OPTIMIZER_TENSORS), 0.0)
+    opt = steps[0].__self__
+    assert isinstance(opt, torch.optim.AdamW)
+    params = opt.param_groups[0]["params"]
+    assert len(params) == _OPTIMIZER_TENSORS and all(p.numel() == 8 for p in params)
+    assert int(opt.state[params[0]]["step"]) == 1     # it stepped
 
 
 def test_the_overhead_block_has_the_operators_it_counts():
@@ -236,6 +270,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert o is not None and 1e-8 < o.forward_s < 1e-2 and 1e-8 < o.backward_s < 1e-2
     assert 0 <= o.tp_linear_forward_s < 0.1 and 0 <= o.tp_linear_backward_s < 0.1
     assert 1e-8 < o.selective_s < 0.1   # torch's selective checkpoint: Python per operator
+    # AdamW per parameter tensor: a DTensor's operators go through sharding propagation
+    assert 1e-8 < o.optimizer_param_s < o.optimizer_dtensor_param_s < 0.1
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

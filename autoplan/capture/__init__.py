@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..graph import LayerKind, ModelGraph, NodeRecord
+from ..graph import LayerKind, LinearRole, ModelGraph, NodeRecord
 from ..runtime.loss import token_cross_entropy
 from .assemble import (
     _assign_layers,
@@ -56,6 +56,10 @@ from .objective import _check_input_shapes, _example_inputs, _is_token_model, _O
 from .probe import _attention_core, _core_ops, _probe_length, _quadratic_probe
 from .roles import _aliases, _tp_structure, _weight_uses
 from .stacks import Stack, _representatives, _truncated, find_stacks
+
+#: Linears whose parameters tensor parallelism shards (DTensors under autoplan.runtime.tp)
+_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.VOCAB_EMBEDDING,
+                            LinearRole.VOCAB_HEAD})
 
 __all__ = ["trace", "find_stacks", "Stack", "token_cross_entropy"]
 
@@ -203,7 +207,9 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
     for li, (l, tp) in enumerate(zip(rep_layers, tps)):
         prefix = l.name if l.kind is LayerKind.BLOCK else ""
         nodes, params, tied = [], 0, []
-        pcount = 0
+        pcount = ptensors = tp_tensors = 0
+        sharded = {(prefix + "." + lin.name if prefix else lin.name) for lin in tp.linears
+                   if lin.role in _SHARDED_ROLES}
         for n in l.nodes:
             if n.op == "get_attr":
                 continue
@@ -221,6 +227,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
                         continue
                     if pname not in owner_of_param:
                         owner_of_param[pname] = l.name
+                        ptensors += 1
+                        tp_tensors += _strip(pname).rpartition(".")[0] in sharded
                         pcount += param_sizes[a.name][0]
                         params += param_sizes[a.name][1]
                         pb += param_sizes[a.name][1]
@@ -237,6 +245,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             template=tid, modules=modules,
             fwd_flops=sum(n.fwd_flops for n in nodes), bwd_flops=sum(n.bwd_flops for n in nodes),
             param_count=pcount, param_bytes=params,
+            param_tensors=ptensors, tp_param_tensors=tp_tensors,
             saved_bytes=sum(n.saved_bytes for n in nodes),
             saved_tp_sharded_bytes=sum(n.saved_tp_sharded_bytes for n in nodes),
             saved_quadratic_bytes=sum(n.saved_quadratic_bytes for n in nodes),

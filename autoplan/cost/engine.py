@@ -84,7 +84,9 @@ backward; rank ``p`` also finishes its backward ``sum_{q<p} B_q`` before rank 0
 does, which hides more.  Tied embeddings split over the first and last stages
 all-reduce their gradient between the two (Shoeybi et al. 2019).  The
 **optimizer** step is memory-bound: ``local params * bytes accessed per param /
-memory bandwidth``.
+memory bandwidth``; on a device whose host is the device (a CPU's ``op_overhead``) it
+adds the host's time per parameter tensor, for a DTensor (the parameters FSDP2's
+``fully_shard``/``replicate`` and tensor parallelism leave) at its own figure.
 
 Memory of one device
 --------------------
@@ -1117,6 +1119,7 @@ class CostEngine:
         recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
+        tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
         mine = self._stages_of(lay.stage_ranks)[rank]
         chunks = [lay.chunks[k] for k in mine]
         # per-micro-batch sums, in locals (the hot loop of a search)
@@ -1161,6 +1164,9 @@ class CostEngine:
                     backward += count * backward_s
                     params_by_zero[seg.zero] += count * local_params
                     experts_by_zero[seg.zero] += count * local_expert_params
+                    tensors += count * l.param_tensors
+                    if t > 1:
+                        tp_tensors += count * l.tp_param_tensors
                     max_layer_params = max(max_layer_params, gather_unit_params)
                     act_per_mb += count * saved_bytes
                     if working_bytes > saved_bytes:
@@ -1246,6 +1252,17 @@ class CostEngine:
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp
         ev.optimizer = local_opt * recipe.optimizer_bytes_accessed / device.memory_bw_bytes_per_s
+        overhead = device.op_overhead
+        if overhead is not None and tensors:
+            # the host's time per parameter tensor (CPU devices).  autoplan.parallelize
+            # wraps a data-parallel rank's parameters as DTensors (FSDP2's fully_shard or
+            # replicate) except under plain DDP (ZeRO-0, no pipeline, tensor or expert
+            # parallelism); without data parallelism only tensor parallelism's linears are
+            wrapped = zero_degree > 1 and (pp > 1 or lay.rank_tp[rank] > 1 or ep > 1
+                                           or any(params_by_zero[1:]) or any(experts_by_zero[1:]))
+            dtensors = tensors if wrapped else tp_tensors
+            ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
+                             + dtensors * overhead.optimizer_dtensor_param_s)
 
         # memory
         z = zero_degree

@@ -114,6 +114,8 @@ class LayerCost:
     (tokens x top-k, derived from the expert GEMMs' FLOPs: each assignment runs
     every expert matrix once, ``2 x in x out`` FLOPs); ``expert_hidden`` the
     features of one dispatched token (the expert bank's input width).
+    ``param_tensors`` and ``tp_param_tensors``: the layer's parameter tensors and those
+    of them tensor parallelism shards (:class:`~autoplan.graph.LayerRecord`).
     """
 
     index: int
@@ -144,6 +146,8 @@ class LayerCost:
     expert_tokens: float = 0.0
     expert_hidden: int = 0
     largest_module_expert: bool = False
+    param_tensors: int = 0
+    tp_param_tensors: int = 0
 
     @property
     def is_block(self) -> bool:
@@ -353,6 +357,7 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         sp_collectives=tuple((c.op, c.phase, c.nbytes * boundary / mb) for c in sp_colls),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
+        param_tensors=rec.param_tensors, tp_param_tensors=rec.tp_param_tensors,
         **_experts(rec, matmuls),
         **_largest_module(rec),
     )

@@ -193,6 +193,13 @@ class OpOverhead(Record):
         Extra seconds per captured operator of a block under selective recompute (torch's
         selective checkpoint runs a Python dispatch mode over every operator of the
         forward and of its recompute), forward and backward together.
+    optimizer_param_s, optimizer_dtensor_param_s : float
+        Seconds per parameter tensor of one optimizer step (torch's ``AdamW``, which runs
+        a few operators per tensor on a CPU), for a plain tensor and for a DTensor (the
+        parameters FSDP2's ``fully_shard``/``replicate`` and tensor parallelism leave:
+        every operator goes through DTensor's sharding propagation).  The bytes the step
+        moves are priced apart, at the memory bandwidth.  0 in profiles measured before
+        they were.
     source : str
         How the figures were measured.
     """
@@ -203,10 +210,12 @@ class OpOverhead(Record):
     tp_linear_backward_s: float
     source: str
     selective_s: float = 0.0
+    optimizer_param_s: float = 0.0
+    optimizer_dtensor_param_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
-                     "selective_s"):
+                     "selective_s", "optimizer_param_s", "optimizer_dtensor_param_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -248,6 +248,12 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
         values["selective_s"] = sec.quantity("selective", _LATENCY, "extra seconds per "
                                              "captured operator under selective recompute",
                                              _nonnegative, ">= 0")
+    for key, what in (("optimizer_param", "seconds per plain parameter tensor of an "
+                                           "optimizer step"),
+                      ("optimizer_dtensor_param", "seconds per DTensor parameter of an "
+                                                   "optimizer step")):
+        if any(k.startswith(key + "_") for k in sec.data):   # profiles before them have none
+            values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
     sec.finish()
     return _build(OpOverhead, sec, **values, source=source)
@@ -443,7 +449,10 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
         device["op_overhead"] = {"forward_s": o.forward_s, "backward_s": o.backward_s,
                                  "tp_linear_forward_s": o.tp_linear_forward_s,
                                  "tp_linear_backward_s": o.tp_linear_backward_s,
-                                 "selective_s": o.selective_s, "source": o.source}
+                                 "selective_s": o.selective_s,
+                                 "optimizer_param_s": o.optimizer_param_s,
+                                 "optimizer_dtensor_param_s": o.optimizer_dtensor_param_s,
+                                 "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,
         "bw_unidir_bytes_per_s": n.bw_unidir_bytes_per_s, "latency_s": n.latency_s,

@@ -282,6 +282,12 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
     return fwd / n, max(0.0, both - fwd) / n, max(0.0, sac - both) / n
 
 
+def _own_group(dist) -> Any:
+    """A process group of this rank alone (every rank must call it: it is collective)."""
+    own, _ = dist.new_subgroups(group_size=1)
+    return own
+
+
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float]
                          ) -> tuple[float, float]:
     """Extra seconds per tensor-parallel linear, ``(forward, backward)``, measured on each
@@ -303,7 +309,7 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     h = _OVERHEAD_WIDTH
-    own, _ = dist.new_subgroups(group_size=1)
+    own = _own_group(dist)
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
     sharded = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
@@ -322,6 +328,36 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     forward = max(0.0, tp_fwd - plain_fwd) / 2 + wrapper / 2
     backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd)) / 2 + wrapper / 2
     return forward, backward
+
+
+#: Parameter tensors the optimizer-step overhead is measured over (width ``_OVERHEAD_WIDTH``)
+_OPTIMIZER_TENSORS = 32
+
+
+def _measure_optimizer_overhead(torch, timed: Callable[[Callable[[], Any]], float],
+                                group: Any = None) -> tuple[float, float]:
+    """Seconds per parameter tensor of one ``torch.optim.AdamW`` step (the optimizer
+    :func:`autoplan.parallelize` builds by default), ``(plain, DTensor)``: over
+    :data:`_OPTIMIZER_TENSORS` tiny tensors (the bytes negligible, so the time is the
+    operators' dispatch), plain and as DTensors sharded on the one-rank mesh of ``group``
+    (as FSDP2 and tensor parallelism leave the parameters); without ``group`` the DTensor
+    figure is 0 (one rank runs no DTensor parameters)."""
+    def per_tensor(params: list) -> float:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params)
+        return timed(opt.step) / len(params)
+
+    h, n = _OVERHEAD_WIDTH, _OPTIMIZER_TENSORS
+    plain = per_tensor([torch.nn.Parameter(torch.randn(h)) for _ in range(n)])
+    if group is None:
+        return plain, 0.0
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = DeviceMesh.from_group(group, "cpu")
+    sharded = per_tensor([torch.nn.Parameter(distribute_tensor(torch.randn(h), mesh, [Shard(0)]))
+                          for _ in range(n)])
+    return plain, sharded
 
 
 # --------------------------------------------------------------------------- workers
@@ -581,6 +617,13 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
     if overhead is not None:
+        dist.barrier()
+        opt_plain, opt_dtensor = _measure_optimizer_overhead(
+            torch, lambda fn: timed(fn, plan.overhead_target_s),
+            _own_group(dist) if world > 1 else None)
+        overhead.update(optimizer_param_s=opt_plain, optimizer_dtensor_param_s=opt_dtensor)
+        say(f"optimizer step overhead: {opt_plain * 1e6:.1f} us per parameter tensor, "
+            f"{opt_dtensor * 1e6:.1f} us per DTensor parameter")
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
@@ -739,7 +782,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "selective checkpoint; tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP on a one-rank mesh less the same MLP unsharded, plus "
                     "the functional all-reduce's own time once each way, per linear"
-                    + ("" if nproc > 1 else " (one rank: not measured, 0)")))
+                    + ("" if nproc > 1 else " (one rank: not measured, 0)")
+                    + f"; optimizer: an AdamW step over {_OPTIMIZER_TENSORS} tiny parameters, "
+                    "plain and as DTensors on a one-rank mesh, per tensor"
+                    + ("" if nproc > 1 else " (DTensor on one rank: not measured, 0)")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
@@ -808,7 +854,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         *([f"  overhead {d.op_overhead.forward_s * 1e6:.1f} + {d.op_overhead.backward_s * 1e6:.1f} us "
            f"per captured operator (forward + backward); tensor-parallel linear "
            f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
-           f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us"] if d.op_overhead else []),
+           f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
+           f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
+           f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor"]
+          if d.op_overhead else []),
     ])
 
 
