@@ -182,9 +182,9 @@ class LayerRecord(Record):
     recorded).  ``param_tensors`` counts the parameter tensors the layer owns (a tied
     one counted in the layer that uses it first), ``tp_param_tensors`` those of them in
     the linears tensor parallelism shards (column, row, vocabulary embedding and head):
-    an optimizer step and a data-parallel wrapper pay host time per tensor
+    an optimizer step pays the host's time per tensor on a CPU
     (``OpOverhead.optimizer_param_s``); both are 0 in graphs captured before they were
-    recorded.
+    recorded (their optimizer is then priced by its bytes alone).
     """
 
     name: str

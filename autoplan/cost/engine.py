@@ -1257,7 +1257,8 @@ class CostEngine:
             # the host's time per parameter tensor (CPU devices).  autoplan.parallelize
             # wraps a data-parallel rank's parameters as DTensors (FSDP2's fully_shard or
             # replicate) except under plain DDP (ZeRO-0, no pipeline, tensor or expert
-            # parallelism); without data parallelism only tensor parallelism's linears are
+            # parallelism); without data parallelism only the linears tensor parallelism
+            # shards hold DTensors
             wrapped = zero_degree > 1 and (pp > 1 or lay.rank_tp[rank] > 1 or ep > 1
                                            or any(params_by_zero[1:]) or any(experts_by_zero[1:]))
             dtensors = tensors if wrapped else tp_tensors
