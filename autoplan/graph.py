@@ -22,6 +22,7 @@ from .records import TRANSIENT, Record
 __all__ = [
     "LayerKind",
     "LinearRole",
+    "TP_SHARDED_ROLES",
     "NodeRecord",
     "LinearRecord",
     "CollectiveRecord",
@@ -51,6 +52,14 @@ class LinearRole(str, enum.Enum):
     VOCAB_EMBEDDING = "vocab_embedding"  # vocab-parallel embedding
     VOCAB_HEAD = "vocab_head"      # vocab-parallel output projection (loss_parallel)
     REPLICATED = "replicated"
+
+
+#: Linear roles whose weight tensor parallelism splits (Megatron pattern; DTensors under
+#: :mod:`autoplan.runtime.tp`).  Expert banks are not: the runtime keeps the experts (and
+#: the router) whole on every rank of the tensor-parallel group, which all run the block's
+#: tokens through them; expert parallelism splits them over dp x cp instead.
+TP_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.VOCAB_EMBEDDING,
+                              LinearRole.VOCAB_HEAD})
 
 
 @dataclass(frozen=True)

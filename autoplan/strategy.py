@@ -24,7 +24,16 @@ from dataclasses import dataclass
 from .errors import StrategyError
 from .records import Record
 
-__all__ = ["Recompute", "Schedule", "Precision", "Strategy", "ep_problem", "schedule_problem", "stage_ranks"]
+__all__ = ["Recompute", "Schedule", "Precision", "Strategy", "ep_problem", "schedule_problem", "stage_ranks",
+           "uses_ddp"]
+
+
+def uses_ddp(*, pp: int, tp: int, ep: int, max_zero: int) -> bool:
+    """Whether :func:`autoplan.parallelize` wraps a data-parallel stage with DDP (plain
+    tensor parameters) rather than FSDP2's ``replicate`` or ``fully_shard`` (DTensor
+    parameters): ZeRO-0 on every layer of the stage, and no pipeline, tensor or expert
+    parallelism.  The cost model prices the optimizer's host time by the same rule."""
+    return max_zero == 0 and pp == 1 and tp == 1 and ep == 1
 
 
 #: Why zero-bubble schedules and ZeRO-3 are never combined.

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..graph import LayerKind, LinearRole, ModelGraph, NodeRecord
+from ..graph import TP_SHARDED_ROLES, LayerKind, ModelGraph, NodeRecord
 from ..runtime.loss import token_cross_entropy
 from .assemble import (
     _assign_layers,
@@ -56,10 +56,6 @@ from .objective import _check_input_shapes, _example_inputs, _is_token_model, _O
 from .probe import _attention_core, _core_ops, _probe_length, _quadratic_probe
 from .roles import _aliases, _tp_structure, _weight_uses
 from .stacks import Stack, _representatives, _truncated, find_stacks
-
-#: Linears whose parameters tensor parallelism shards (DTensors under autoplan.runtime.tp)
-_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.VOCAB_EMBEDDING,
-                            LinearRole.VOCAB_HEAD})
 
 __all__ = ["trace", "find_stacks", "Stack", "token_cross_entropy"]
 
@@ -209,7 +205,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         nodes, params, tied = [], 0, []
         pcount = ptensors = tp_tensors = 0
         sharded = {(prefix + "." + lin.name if prefix else lin.name) for lin in tp.linears
-                   if lin.role in _SHARDED_ROLES}
+                   if lin.role in TP_SHARDED_ROLES}
         for n in l.nodes:
             if n.op == "get_attr":
                 continue

@@ -111,7 +111,7 @@ from typing import NamedTuple
 
 from ..errors import ConfigError, StrategyError
 from ..graph import LayerKind
-from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks
+from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks, uses_ddp
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
@@ -1256,11 +1256,12 @@ class CostEngine:
         if overhead is not None and tensors:
             # the host's time per parameter tensor (CPU devices).  autoplan.parallelize
             # wraps a data-parallel rank's parameters as DTensors (FSDP2's fully_shard or
-            # replicate) except under plain DDP (ZeRO-0, no pipeline, tensor or expert
-            # parallelism); without data parallelism only the linears tensor parallelism
-            # shards hold DTensors
-            wrapped = zero_degree > 1 and (pp > 1 or lay.rank_tp[rank] > 1 or ep > 1
-                                           or any(params_by_zero[1:]) or any(experts_by_zero[1:]))
+            # replicate) unless it uses DDP; without data parallelism only the linears
+            # tensor parallelism shards hold DTensors
+            max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
+                           default=0)
+            wrapped = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
+                                                       max_zero=max_zero)
             dtensors = tensors if wrapped else tp_tensors
             ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
                              + dtensors * overhead.optimizer_dtensor_param_s)

@@ -18,16 +18,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from ..capture.probe import _attention_core
+from ..graph import TP_SHARDED_ROLES as _SHARDED_ROLES
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]
 
-# Linear roles whose weight is split by tensor parallelism (Megatron pattern).  Expert
-# banks are not: the runtime keeps the experts (and the router) whole on every rank of the
-# tensor-parallel group, which all run the block's tokens through them
-# (:mod:`autoplan.runtime.tp`); expert parallelism splits them over dp x cp instead.
-_SHARDED_ROLES = frozenset({LinearRole.COLUMN, LinearRole.ROW, LinearRole.VOCAB_EMBEDDING,
-                            LinearRole.VOCAB_HEAD})
 # Fused attention operators: the whole attention core in one node.
 _FUSED_ATTENTION_TARGETS = ("scaled_dot_product", "flash_attention", "efficient_attention",
                             "cudnn_attention")

@@ -283,16 +283,10 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
     return fwd / n, max(0.0, both - fwd) / n, max(0.0, sac - both) / n
 
 
-def _own_group(dist) -> Any:
-    """A process group of this rank alone (every rank must call it: it is collective)."""
-    own, _ = dist.new_subgroups(group_size=1)
-    return own
-
-
-def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float]
+def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any
                          ) -> tuple[float, float]:
     """Extra seconds per tensor-parallel linear, ``(forward, backward)``, measured on each
-    rank's own one-rank group (no other rank to wait for inside a call, so the figure does
+    rank's own one-rank group ``own`` (no other rank to wait for inside a call, so the figure does
     not carry the link's noise; ``timed(fn)`` is seconds per call):
 
     * the DTensor machinery: a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel``
@@ -310,7 +304,6 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     h = _OVERHEAD_WIDTH
-    own = _own_group(dist)
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
     sharded = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
@@ -618,17 +611,18 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
     if overhead is not None:
-        dist.barrier()
+        # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
+        own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
         opt_plain, opt_dtensor = _measure_optimizer_overhead(
-            torch, lambda fn: timed(fn, plan.overhead_target_s),
-            _own_group(dist) if world > 1 else None)
+            torch, lambda fn: timed(fn, plan.overhead_target_s), own)
         overhead.update(optimizer_param_s=opt_plain, optimizer_dtensor_param_s=opt_dtensor)
         say(f"optimizer step overhead: {opt_plain * 1e6:.1f} us per parameter tensor, "
             f"{opt_dtensor * 1e6:.1f} us per DTensor parameter")
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
-                                                  lambda fn: timed(fn, plan.overhead_target_s))
+                                                  lambda fn: timed(fn, plan.overhead_target_s),
+                                                  own)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")

@@ -35,7 +35,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
-from ..strategy import Precision, Recompute, Strategy
+from ..strategy import Precision, Recompute, Strategy, uses_ddp
 from .ac import apply_ac
 from .agree import on_rank0
 from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
@@ -599,9 +599,9 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
     if experts:
         # expert shards are data-parallel over their edp replicas only (see .ep)
         apply_expert_dp([(m, placement[x].zero) for m, x in experts], expert_mesh[0])
+    if uses_ddp(pp=plan.pp, tp=tp, ep=plan.ep, max_zero=max(zeros)):
+        return apply_ddp(part, dp_mesh)
     if max(zeros) == 0:
-        if plan.pp == 1 and tp == 1 and plan.ep == 1:
-            return apply_ddp(part, dp_mesh)
         # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
         return apply_replicate(part, dp_mesh)
     others = [placement[x].zero for x in names if kinds[x] is not LayerKind.BLOCK]
