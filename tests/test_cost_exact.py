@@ -96,9 +96,28 @@ def test_pipeline_point_to_point():
     g = toy_graph(layers=2, params=10**6, stream_bytes=stream)
     c = toy_cluster(devices_per_node=2)
     e = _est(g, c, Strategy(pp=2, global_batch=2))
-    send = stream / 1e11                                     # activation, and its gradient back
+    send = stream / 1e11
+    # each rank pays the sends it makes: rank 0 the activation in its forward, rank 1
+    # the activation's gradient in its backward
     assert e.stages[0].forward_s == pytest.approx(FWD_S + send, rel=1e-12)
-    assert e.breakdown["pp_comm_s"] == pytest.approx(2 * 2 * send, rel=1e-12)
+    assert e.stages[0].backward_s == pytest.approx(BWD_S, rel=1e-12)
+    assert e.stages[1].forward_s == pytest.approx(FWD_S, rel=1e-12)
+    assert e.stages[1].backward_s == pytest.approx(BWD_S + send, rel=1e-12)
+    assert e.breakdown["pp_comm_s"] == pytest.approx(2 * send, rel=1e-12)     # 2 micro-batches
+
+
+def test_a_middle_pipeline_stage_sends_both_ways():
+    stream = 10**8
+    g = toy_graph(layers=3, params=10**6, stream_bytes=stream)
+    e = _est(g, toy_cluster(devices_per_node=3), Strategy(pp=3, global_batch=3))
+    send = stream / 1e11
+    first, middle, last = e.stages
+    assert (first.forward_s, first.backward_s) == pytest.approx((FWD_S + send, BWD_S), rel=1e-12)
+    assert (middle.forward_s, middle.backward_s) == pytest.approx(
+        (FWD_S + send, BWD_S + send), rel=1e-12)
+    assert (last.forward_s, last.backward_s) == pytest.approx((FWD_S, BWD_S + send), rel=1e-12)
+    # the middle rank is the slowest: the pipeline runs at its pace
+    assert e.breakdown["pp_comm_s"] == pytest.approx(3 * 2 * send, rel=1e-12)
 
 
 @pytest.mark.parametrize("zero, params_b, grads_b, optim_b", [

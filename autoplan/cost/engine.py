@@ -66,9 +66,11 @@ and backward times of all its chunks:
   ``sum_i max(f_i, ag_i)`` in the forward and ``sum_i max(b_i, ag_i + rs_i)``
   in the backward.  ZeRO-2 reduce-scatters gradients per micro-batch the same
   way.
-* **pipeline point-to-point**: each chunk sends its boundary activation forward
-  and its gradient backward; with tensor parallelism each rank sends ``1/tp``
-  of it (scatter/gather, Narayanan et al. 2021, Sec. 4.1).
+* **pipeline point-to-point**: each chunk sends its output activation forward (in
+  its forward) and its input's gradient backward (in its backward), and its rank
+  pays for the sends it makes (the first and last stage one per micro-batch, a
+  middle stage two); with tensor parallelism each rank sends ``1/tp`` of it when
+  the stack scatters (Narayanan et al. 2021, Sec. 4.1), the whole tensor otherwise.
 
 The ranks combine through the schedule (:mod:`autoplan.cost.schedules`).  After
 the last backward, each rank reduces its gradients over its data-parallel (x
@@ -1117,6 +1119,7 @@ class CostEngine:
         max_layer_params = 0.0
         cut_out = 0.0
         recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
+        p2p_fwd = p2p_bwd = 0.0                 # pipeline sends of one micro-batch
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
         tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
@@ -1182,19 +1185,25 @@ class CostEngine:
             cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
             cut_out = max(cut_out, cut)
             # torch's stages receive whole (replicated) activations on every tp rank
+            # Each rank pays for what it sends (whole from every tp rank unless the stack
+            # scatters it over the tp ranks; every pair sends at once): its output
+            # activation in the forward, its input's gradient in the backward
             if k > 0:       # this chunk's input activation arrives from the previous stage
                 cut_in = s.layers[chunk[0].lo - 1].send_bytes * b * act_scale / cp
                 recv_per_micro_batch += cut_in
                 cut_out = max(cut_out, cut_in / chunk[0].tp)
+                prv = lay.stage_ranks[k - 1]
+                pair = (devices[0], self._replica_devices(lay, prv, replica)[0])
+                if pair[0] != pair[1]:
+                    sent = cut_in / chunk[0].tp if opts.pp_scatter_gather else cut_in
+                    p2p_bwd += self.collective_time("p2p", pair, sent)
             if k < pp * v - 1:  # and its output's gradient from the next
                 recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
                 nxt = lay.stage_ranks[k + 1]
                 pair = (devices[0], self._replica_devices(lay, nxt, replica)[0])
                 if pair[0] != pair[1]:
-                    # the activation and its gradient; whole from every tp rank unless
-                    # the stack scatters them over the tp ranks (every pair sends at once)
                     sent = cut if opts.pp_scatter_gather else cut * last.tp
-                    ev.p2p += 2 * self.collective_time("p2p", pair, sent)
+                    p2p_fwd += self.collective_time("p2p", pair, sent)
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
         ev.recompute, ev.wgrad = recompute, weight_grad
@@ -1203,10 +1212,10 @@ class CostEngine:
         ev.ep_total, ev.ep_exposed = ep_total, ep_exposed
         ev.zero_total, ev.zero_exposed = zero_total, zero_exposed
         ev.fwd, ev.bwd = forward, backward
-        if opts.pp_comm_overlap:
-            ev.p2p = 0.0
-        ev.fwd += ev.p2p / 2
-        ev.bwd += ev.p2p / 2
+        if not opts.pp_comm_overlap:
+            ev.p2p = p2p_fwd + p2p_bwd
+            ev.fwd += p2p_fwd
+            ev.bwd += p2p_bwd
 
         # per-step data-parallel reduction of the layers with ZeRO-0/1 (and ZeRO-2's gather)
         param_bytes, grad_bytes = recipe.param_bytes, recipe.grad_bytes   # per parameter
