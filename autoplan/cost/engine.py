@@ -1125,6 +1125,16 @@ class CostEngine:
         tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
         mine = self._stages_of(lay.stage_ranks)[rank]
         chunks = [lay.chunks[k] for k in mine]
+
+        def send(to: int, whole: float, scattered: float) -> float:
+            """Seconds of one send to virtual stage ``to``'s rank: the ``whole`` tensor from
+            every tp rank, or its ``scattered`` share where the stack scatters it over the
+            tp ranks (every pair sends at once); 0 when that stage is on this device."""
+            pair = (devices[0], self._replica_devices(lay, lay.stage_ranks[to], replica)[0])
+            if pair[0] == pair[1]:
+                return 0.0
+            return self.collective_time("p2p", pair,
+                                        scattered if opts.pp_scatter_gather else whole)
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
         forward_compute = backward_compute = recompute = weight_grad = 0.0
@@ -1184,26 +1194,17 @@ class CostEngine:
             last = chunk[-1]
             cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
             cut_out = max(cut_out, cut)
-            # torch's stages receive whole (replicated) activations on every tp rank
-            # Each rank pays for what it sends (whole from every tp rank unless the stack
-            # scatters it over the tp ranks; every pair sends at once): its output
-            # activation in the forward, its input's gradient in the backward
+            # torch's stages receive whole (replicated) activations on every tp rank.
+            # Each rank pays for what it sends: its output activation in the forward, its
+            # input's gradient in the backward
             if k > 0:       # this chunk's input activation arrives from the previous stage
                 cut_in = s.layers[chunk[0].lo - 1].send_bytes * b * act_scale / cp
                 recv_per_micro_batch += cut_in
                 cut_out = max(cut_out, cut_in / chunk[0].tp)
-                prv = lay.stage_ranks[k - 1]
-                pair = (devices[0], self._replica_devices(lay, prv, replica)[0])
-                if pair[0] != pair[1]:
-                    sent = cut_in / chunk[0].tp if opts.pp_scatter_gather else cut_in
-                    p2p_bwd += self.collective_time("p2p", pair, sent)
+                p2p_bwd += send(k - 1, cut_in, cut_in / chunk[0].tp)
             if k < pp * v - 1:  # and its output's gradient from the next
                 recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
-                nxt = lay.stage_ranks[k + 1]
-                pair = (devices[0], self._replica_devices(lay, nxt, replica)[0])
-                if pair[0] != pair[1]:
-                    sent = cut if opts.pp_scatter_gather else cut * last.tp
-                    p2p_fwd += self.collective_time("p2p", pair, sent)
+                p2p_fwd += send(k + 1, cut * last.tp, cut)
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
         ev.recompute, ev.wgrad = recompute, weight_grad
