@@ -229,6 +229,30 @@ def parity(rank: int, world: int, model_name: str, targets: list[tuple],
     return out
 
 
+def repeated_parallelize(rank: int, world: int, targets: list[tuple]) -> list[tuple]:
+    """:func:`parity` of ``targets`` three times in this process, then once more after every
+    process group but the world's is destroyed (the first call after builds them again).
+    Returns ``(live process groups, OS threads)`` after each of the four rounds."""
+    import gc
+
+    from torch.distributed import distributed_c10d as c10d
+
+    def counts() -> tuple[int, int]:
+        gc.collect()
+        return len(c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+    out = []
+    for _ in range(3):
+        parity(rank, world, "gpt", targets, steps=2, check_steps=(2,))
+        out.append(counts())
+    for pg in list(c10d._world.pg_map):
+        if pg is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(pg)
+    parity(rank, world, "gpt", targets, steps=2, check_steps=(2,))
+    out.append(counts())
+    return out
+
+
 def layer_names(model_name: str, layers: int = 4) -> list[str]:
     stack = {"gpt": "blocks", "llama": "model.layers"}[model_name.split("-")[0]]
     return ["pre"] + [f"{stack}.{i}" for i in range(layers)] + ["post"]

@@ -21,6 +21,7 @@ cluster (G, L).
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -76,6 +77,18 @@ def test_gpt_parity_2_ranks():
         ("tied: pp2 zbv", S(pp=2, micro_batch=2, schedule="zero_bubble"), "gpt-tied"),
     ]
     _report("GPT, 2 ranks", run(rc.parity, 2, "gpt", targets)[0])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_parallelize_again_reuses_its_process_groups():
+    # a process that parallelizes again (a replan, a notebook, a benchmark's next layout)
+    # reuses the mesh's and the tied weights' groups: no new groups or threads per call
+    targets = [("tp2", S(tp=2)), ("tied: pp2 1f1b", S(pp=2, micro_batch=2), "gpt-tied"),
+               ("dp2 (DDP)", S(dp=2))]
+    rounds = run(rc.repeated_parallelize, 2, targets)[0]
+    assert rounds[0] == rounds[1] == rounds[2], rounds
+    # destroyed groups are not handed out again: the next call builds a new set, as many
+    assert rounds[3][0] == rounds[0][0], rounds
 
 
 def test_gpt_parity_4_ranks(gpt_graph):

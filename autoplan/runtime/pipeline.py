@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from ..strategy import Schedule
 from .adapters import Adapter
+from .mesh import shared_group
 
 __all__ = ["StageModule", "build_stage_module", "build_schedule", "CrossStageTie",
            "cross_stage_ties", "TiedGrads"]
@@ -180,9 +181,8 @@ class TiedGrads:
         """``local``: stage index -> wrapped stage module on this rank; ``stage_rank``: pipeline
         rank of each stage; ``rank_of(pp_rank)``: this rank's peer on that pipeline rank;
         ``all_pairs(pp_ranks)``: every global rank group to create for those pipeline ranks,
-        in the same order on every rank (``new_group`` is collective)."""
-        import torch.distributed as dist
-
+        in the same order on every rank (``new_group`` is collective; one group per members
+        in a process, :func:`~autoplan.runtime.mesh.shared_group`)."""
         self.items: list[tuple[list[tuple[nn.Module, str]], Any]] = []
         for tie in ties:
             pp_ranks = tuple(sorted({stage_rank[s] for s in tie.stages}))
@@ -190,7 +190,7 @@ class TiedGrads:
             if len(pp_ranks) > 1:
                 mine = tuple(sorted(rank_of(r) for r in pp_ranks))
                 for members in all_pairs(pp_ranks):
-                    g = dist.new_group(list(members))
+                    g = shared_group(members)
                     if members == mine:
                         group = g
             holders = [(local[s], n) for s, n in zip(tie.stages, tie.names) if s in local]
