@@ -34,6 +34,13 @@ devices stands in for this machine.
 
     python benchmarks/local_truth.py --memory        # memory only (~3 min on 2 cores)
 
+The compute alone (``--plain``): the confirm models' single-process training step
+(no torch.distributed) on 4 processes at once, against the estimate on one device of
+the 4-process profile, which was measured with every rank busy as these are.  It
+separates what the device figures miss from what the distributed program adds.
+
+    python benchmarks/local_truth.py --plain --profile p4.yaml   # ~1 min on 2 cores
+
 Confirmation (``--confirm``): is the plan the search picks the fastest when run?  A small
 GPT (``CONFIG``) and a small Llama (Hugging Face ``LlamaForCausalLM``, same sizes, 4 query
 and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
@@ -858,6 +865,106 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+# ----------------------------------------------------------------------------- plain
+
+#: ``--plain``: micro-batches of the single-process step, and its warm-up and timed steps
+PLAIN_BATCHES = (2, 4)
+PLAIN_WARMUP, PLAIN_TIMED = 3, 10
+
+
+def _plain_worker(model_name: str, batch: int, queue) -> None:
+    """One process training the confirm model alone (no torch.distributed): the median
+    of :data:`PLAIN_TIMED` steps (forward, backward, AdamW) after the warm-up."""
+    import torch
+
+    from autoplan.runtime.loss import token_cross_entropy
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = _confirm_model(model_name)
+        opt = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len))
+        hf = model_name != "gpt"
+
+        def step() -> None:
+            logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids)
+            token_cross_entropy(logits, ids, shift=True).backward()
+            opt.step()
+            opt.zero_grad()
+
+        times = []
+        for k in range(PLAIN_WARMUP + PLAIN_TIMED):
+            t0 = time.perf_counter()
+            step()
+            if k >= PLAIN_WARMUP:
+                times.append(time.perf_counter() - t0)
+        queue.put(statistics.median(times))
+    except BaseException as exc:   # report it to the parent instead of hanging it
+        queue.put(f"{type(exc).__name__}: {exc}")
+
+
+def measure_plain(model_name: str, batch: int, procs: int, timeout_s: float = 600.0) -> list[float]:
+    """Median step seconds of ``procs`` processes each training ``model_name`` alone at
+    micro-batch ``batch``, all at once (the condition a shared-core profile is measured in)."""
+    import multiprocessing as mp
+    import queue as queues
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=_plain_worker, args=(model_name, batch, out)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        got = [out.get(timeout=timeout_s) for _ in workers]
+    except queues.Empty:
+        raise SystemExit(f"--plain: {model_name} at micro-batch {batch} did not finish in "
+                         f"{timeout_s:.0f} s") from None
+    finally:
+        for w in workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.kill()
+    failed = [g for g in got if isinstance(g, str)]
+    if failed:
+        raise SystemExit(f"--plain: {model_name} at micro-batch {batch} failed: {failed[0]}")
+    return got
+
+
+def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
+    """The compute alone, without parallelism: the confirm models' single-process training
+    step on each of ``CONFIRM_WORLD`` processes at once against the estimate on one device
+    of the 4-process profile (measured with every rank busy, as these processes are).  What
+    this misses, the device figures miss; what the confirm misses beyond it is the
+    distributed program's own (collectives, wrappers' hooks, ranks waiting on each other)."""
+    from autoplan import estimate, load_cluster, trace
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = profile or profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+        cluster = load_cluster(str(path), devices_per_node=1)
+    print(f"\nthe single-process step, {CONFIRM_WORLD} processes at once, fp32, seq "
+          f"{CONFIG.seq_len}; predicted on one device of the {CONFIRM_WORLD}-process profile")
+    print(f"{'model':<8} {'micro-batch':>11} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    errors = []
+    for name in models:
+        graph = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
+        for b in PLAIN_BATCHES:
+            strategy = Strategy(micro_batch=b, global_batch=b, precision="fp32")
+            pred = estimate(graph, cluster, strategy, calibration=None,
+                            options=GLOO_ON_CPU).step_time_s
+            if not run:
+                print(f"{name:<8} {b:>11} {pred:12.4f} {'-':>11} {'-':>8}")
+                continue
+            meas = statistics.median(measure_plain(name, b, CONFIRM_WORLD))
+            errors.append((pred - meas) / meas)
+            print(f"{name:<8} {b:>11} {pred:12.4f} {meas:11.4f} {errors[-1]:+8.1%}")
+    if errors:
+        print(f"mean |error| {statistics.mean(abs(e) for e in errors):.1%} (median over the "
+              f"processes of each one's median of {PLAIN_TIMED} steps)")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def _ranking(values: dict[str, float]) -> list[str]:
     return sorted(values, key=lambda k: (values[k], k))
 
@@ -878,7 +985,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true",
                     help="with --confirm: run every ranked layout (no cap)")
     ap.add_argument("--csv", type=Path, default=None, help="with --confirm: write the rows here")
+    ap.add_argument("--plain", action="store_true",
+                    help=f"the confirm models' single-process step on {CONFIRM_WORLD} processes "
+                         "at once against one device of the profile: the compute alone")
     args = ap.parse_args(argv)
+    if args.plain:
+        return plain_main(args.profile, args.models, run=not args.no_run)
     if args.confirm:
         return confirm_main(args.profile, args.models, run=not args.no_run, run_all=args.all,
                             csv_path=args.csv)

@@ -116,3 +116,18 @@ def test_live_bytes_counts_storages_at_their_current_size():
         assert live.current == entry - 2000 + 1000
     assert live.peak == entry
     del grad
+
+
+def test_plain_no_run_prices_the_single_process_step(profile4: Path, capsys):
+    assert lt.main(["--plain", "--no-run", "--models", "gpt", "--profile", str(profile4)]) == 0
+    lines = [l.split() for l in capsys.readouterr().out.splitlines() if l.startswith("gpt ")]
+    assert [int(l[1]) for l in lines] == list(lt.PLAIN_BATCHES)
+    two, four = (float(l[2]) for l in lines)
+    assert two < four < 2 * two     # twice the tokens, the per-operator overhead once
+
+
+def test_plain_measures_every_process_and_reports_a_failing_one():
+    times = lt.measure_plain("gpt", 1, 2)
+    assert len(times) == 2 and all(0 < t < 60 for t in times)
+    with pytest.raises(SystemExit, match="failed: ValueError: unknown model"):
+        lt.measure_plain("nope", 1, 1)
