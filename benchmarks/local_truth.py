@@ -862,9 +862,6 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
           f"layouts: {rho:+.2f}; mean |error| {mape:.1%}; {not_run} not runnable or failed")
 
 
-# ----------------------------------------------------------------------------- main
-
-
 # ----------------------------------------------------------------------------- plain
 
 #: ``--plain``: micro-batches of the single-process step, and its warm-up and timed steps
@@ -963,6 +960,9 @@ def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
               f"processes of each one's median of {PLAIN_TIMED} steps)")
     print(f"({time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+# ----------------------------------------------------------------------------- main
 
 
 def _ranking(values: dict[str, float]) -> list[str]:
