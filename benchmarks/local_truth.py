@@ -874,6 +874,7 @@ def _plain_worker(model_name: str, batch: int, queue) -> None:
     of :data:`PLAIN_TIMED` steps (forward, backward, AdamW) after the warm-up."""
     import torch
 
+    from autoplan.runtime.adapters import is_hf, model_output
     from autoplan.runtime.loss import token_cross_entropy
     torch.set_num_threads(1)
     try:
@@ -881,11 +882,11 @@ def _plain_worker(model_name: str, batch: int, queue) -> None:
         model = _confirm_model(model_name)
         opt = torch.optim.AdamW(model.parameters())
         ids = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len))
-        hf = model_name != "gpt"
+        hf = is_hf(model)
 
-        def step() -> None:
-            logits = model(input_ids=ids, use_cache=False).logits if hf else model(ids)
-            token_cross_entropy(logits, ids, shift=True).backward()
+        def step() -> None:   # the model called as autoplan.parallelize calls it
+            out = model(input_ids=ids, use_cache=False) if hf else model(ids)
+            token_cross_entropy(model_output(out), ids, shift=True).backward()
             opt.step()
             opt.zero_grad()
 
