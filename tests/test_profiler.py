@@ -216,6 +216,24 @@ def test_cpu_collectives_are_timed_up_to_a_bandwidth_bound_size():
         assert min(sizes) <= 2**10 and max(sizes) >= 16 * 2**20
 
 
+def test_ranks_that_share_cores_are_timed_by_the_mean_of_long_batches(monkeypatch):
+    """More CPU ranks than cores: every figure is the mean of batches of several calls each
+    (a step pays the usual share of the cores); a rank with cores of its own keeps the best
+    batch and as few calls as fill the target; CUDA ranks never share."""
+    from autoplan.hardware import profiler
+    monkeypatch.setattr(profiler, "_usable_cores", lambda: 2)
+    assert profiler._shares_cores(cuda=False, world=4, threads=1)
+    assert profiler._shares_cores(cuda=False, world=2, threads=2)
+    assert not profiler._shares_cores(cuda=False, world=2, threads=1)
+    assert not profiler._shares_cores(cuda=True, world=8, threads=1)
+    # a quick point (60 ms over 3 batches) of a 10 ms call: 2 calls a batch alone,
+    # _MIN_SHARED_CALLS where the ranks share cores
+    assert profiler._calls_per_batch(0.06, 3, 0.01, shares_cores=False) == 2
+    assert profiler._calls_per_batch(0.06, 3, 0.01, shares_cores=True) == profiler._MIN_SHARED_CALLS
+    assert profiler._calls_per_batch(0.06, 3, 1e-6, shares_cores=True) == 10_000   # capped
+    assert profiler._calls_per_batch(0.06, 3, 10.0, shares_cores=False) == 1
+
+
 def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err

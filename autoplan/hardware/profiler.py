@@ -98,6 +98,11 @@ __all__ = ["main", "MeasurementPlan", "fit_alpha_beta"]
 _PREFIX = "[autoplan profile]"
 _WARMUP_CALLS = 2  # untimed calls before timing (first-touch allocation, connection set-up)
 _CALIBRATION_CALLS = 3  # calls timed to choose the iteration count of the timed batches
+#: where ranks share cores, calls per timed batch at least: a batch spans from the first
+#: rank's start to the last rank's end, and ranks that share cores leave the barrier up to a
+#: scheduler slice apart (a quick 4-rank profile on 2 cores timed 2-call batches of its
+#: larger matmuls, and priced the confirm models' step ~5% slower than with 8-call ones)
+_MIN_SHARED_CALLS = 8
 _OVERRUN = 2.0  # stop repeating once a point has taken this many times its target
 #: CPU collectives are timed after a matmul of this shape (m, k, n): 134 MFLOP, about a
 #: millisecond on one core, like the compute between a step's collectives
@@ -401,7 +406,10 @@ def _cold_matmul(torch, n: int, dtype, device, cold_bytes: int) -> Callable[[], 
     sets = max(2, -(-cold_bytes // per_set))
     a_all = torch.randn(sets * n * n, device=device).to(dtype)
     b_all = torch.randn(sets * n * n, device=device).to(dtype)
-    out_all = torch.empty(sets * n * n, device=device, dtype=dtype)
+    # written once here: a step's outputs land in memory its allocator has used before,
+    # while a fresh page faults on its first write (~0.5-1.7 ms per MiB on this kind of VM);
+    # a quick profile's few calls of a size would otherwise all pay it
+    out_all = torch.zeros(sets * n * n, device=device, dtype=dtype)
     views = [(a_all[i * n * n:(i + 1) * n * n].view(n, n),
               b_all[i * n * n:(i + 1) * n * n].view(n, n),
               out_all[i * n * n:(i + 1) * n * n].view(n, n)) for i in range(sets)]
@@ -430,6 +438,25 @@ def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, t
     # skip the interpreter's teardown: after gloo it aborts (SIGABRT, "terminate called
     # without an active exception") in 5-20% of runs once the work is done
     os._exit(0)
+
+
+def _shares_cores(cuda: bool, world: int, threads: int) -> bool:
+    """Whether the CPU ranks outnumber the cores (threads included) and take turns on them.
+
+    There a timed batch's length depends on how the scheduler happened to share the
+    cores, and a training step pays the usual share, not the luckiest: every figure is
+    then the mean over the timed batches (with :data:`_MIN_SHARED_CALLS` calls or more
+    each), not the best batch.  Checked by ``benchmarks/local_truth.py --plain`` (the
+    confirm models' single-process step on 4 processes of 2 cores at once): a quick profile
+    timed so prices it within -0.2..+12.6%.
+    """
+    return not cuda and world * threads > _usable_cores()
+
+
+def _calls_per_batch(target_s: float, repeats: int, first_s: float, shares_cores: bool) -> int:
+    """Calls per timed batch: ``repeats`` batches fill ``target_s`` at ``first_s`` a call."""
+    calls = min(10_000, int(target_s / repeats / max(first_s, 1e-9)))
+    return max(_MIN_SHARED_CALLS if shares_cores else 1, calls)
 
 
 def _usable_cores() -> int:
@@ -474,10 +501,14 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t[0].item() + t[1].item())
 
+    shares_cores = _shares_cores(cuda, world, threads)
+
     def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s,
               mean: bool = False) -> float:
-        # the best batch for compute (other work only ever adds time); the mean of every
-        # call for a collective (``mean``): its waits are part of what a step pays
+        # the best batch for compute on a device of its own (other work only ever adds
+        # time); the mean of every call for a collective (``mean``): its waits are part of
+        # what a step pays; and the mean of everything where ranks share cores
+        mean = mean or shares_cores
         for _ in range(_WARMUP_CALLS):
             fn()
         sync()
@@ -487,7 +518,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             fn()
         sync()
         first = agreed_max((time.perf_counter() - t0) / _CALIBRATION_CALLS)
-        iters = max(1, min(10_000, int(target_s / plan.repeats / max(first, 1e-9))))
+        iters = _calls_per_batch(target_s, plan.repeats, first, shares_cores)
         best, spent, calls = math.inf, 0.0, 0
         for _ in range(plan.repeats):
             dist.barrier()
@@ -638,7 +669,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
-        payload = {"ranks": gathered, "comm": comm, "world": world,
+        payload = {"ranks": gathered, "comm": comm, "world": world, "shares_cores": shares_cores,
                    "comm_after_compute": after_compute, "p2p_pairs_after_compute": shared}
         atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
     dist.barrier()
@@ -753,7 +784,9 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
             tuple((flops, min(1.0, achieved / peak)) for flops, achieved in points),
             source=(f"{how}: square matmuls timed cold (each call's operands from a rotation "
                     f"of sets spanning {_fmt_bytes(ranks[0].get('cold_bytes', _COLD_BYTES))}), "
-                    f"throughput over the best measured ({dtype})"))
+                    f"throughput over the best measured ({dtype})"
+                    + ("; the ranks share cores: the mean of the timed batches"
+                       if raw.get("shares_cores") else "")))
     copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
     memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
     if not cuda:
