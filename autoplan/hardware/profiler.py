@@ -587,7 +587,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # after a matmul of about a millisecond, less that matmul timed alone -- where every
     # rank has cores of its own: ranks that share cores lend them to each other while one
     # waits, so the loop is not the matmul's time plus the collective's (back to back there).
-    after_compute = not cuda and world * threads <= _usable_cores()
+    after_compute = not cuda and not shares_cores
     # Where ranks share cores, a pipeline's send waits for its receiver to get a core among
     # busy ranks: on 4 ranks over 2 cores a one-way 128 KiB message after compute, every
     # rank busy, took 2.3 ms, against 0.08 ms back to back with the other ranks idle.  There
@@ -595,7 +595,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # of data-parallel pipelines exchange; the other collectives back to back, as above
     # (over all the ranks, a 16 B all-reduce after compute took 1% more than back to back,
     # 1 MiB 16% more; the fitted model already prices them above either).
-    shared = not cuda and not after_compute
+    shared = shares_cores
     if after_compute or shared:
         work_a = torch.randn(*_WORK_SHAPE[:2], device=device)
         work_b = torch.randn(*_WORK_SHAPE[1:], device=device)
