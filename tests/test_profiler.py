@@ -99,11 +99,15 @@ def test_build_profile_keeps_each_collectives_own_latency():
                                     copy_bytes=2**20)
     assert "after a 134-MFLOP matmul" in timed_after.node.collective_latency.source
     assert "every pair" not in timed_after.node.collective_latency.source
-    pairs, _ = _build_profile("local-test", {**raw, "p2p_pairs_after_compute": True}, cuda=False,
+    pairs, _ = _build_profile("local-test", {**raw, "shares_cores": True}, cuda=False,
                               nproc=2, threads=1, devices_per_node=2, quick=True,
                               copy_bytes=2**20)
     assert "p2p after a 134-MFLOP matmul, every pair of ranks at once" in \
         pairs.node.collective_latency.source
+    # and that every figure is the mean of its timed batches there, not the best
+    assert all("the mean of the timed batches" in t.source
+               for t in pairs.device.matmul_efficiency.values())
+    assert not any("the mean" in t.source for t in timed_after.device.matmul_efficiency.values())
 
 
 def test_build_profile_keeps_the_slowest_ranks_operator_overhead():

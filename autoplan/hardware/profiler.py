@@ -595,8 +595,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # of data-parallel pipelines exchange; the other collectives back to back, as above
     # (over all the ranks, a 16 B all-reduce after compute took 1% more than back to back,
     # 1 MiB 16% more; the fitted model already prices them above either).
-    shared = shares_cores
-    if after_compute or shared:
+    if not cuda:   # after compute (above), or p2p after compute where the ranks share cores
         work_a = torch.randn(*_WORK_SHAPE[:2], device=device)
         work_b = torch.randn(*_WORK_SHAPE[1:], device=device)
 
@@ -610,7 +609,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         shard = torch.ones(count // world, device=device)
         other = torch.empty(count, device=device)
 
-        partner = _p2p_partner(rank, world, every_pair=shared)
+        partner = _p2p_partner(rank, world, every_pair=shares_cores)
 
         def p2p() -> None:
             if partner is None:
@@ -630,10 +629,10 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             "broadcast": lambda: dist.broadcast(full, 0),
             "p2p": p2p,
         }
-        if after_compute or shared:
+        if not cuda:
             work_s = timed(work, mean=True)  # the matmul alone, in the same conditions
         for op, fn in ops.items():
-            if not (after_compute or (shared and op == "p2p")):
+            if not (after_compute or (shares_cores and op == "p2p")):
                 sec = timed(fn, mean=True)
             else:  # after compute, less the compute
                 sec = max(_MIN_COLLECTIVE_S, timed(lambda: (work(), fn()), mean=True) - work_s)
@@ -670,7 +669,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         payload = {"ranks": gathered, "comm": comm, "world": world, "shares_cores": shares_cores,
-                   "comm_after_compute": after_compute, "p2p_pairs_after_compute": shared}
+                   "comm_after_compute": after_compute}
         atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
@@ -845,7 +844,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                   if raw.get("comm_after_compute") else "")
                + (f"; the ranks share cores: p2p after a {_WORK_FLOPS / 1e6:.0f}-MFLOP matmul, "
                   "every pair of ranks at once, less the matmul, the others back to back"
-                  if raw.get("p2p_pairs_after_compute") else "")
+                  if raw.get("shares_cores") else "")
                + ") over its ring steps")
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
