@@ -253,6 +253,37 @@ def repeated_parallelize(rank: int, world: int, targets: list[tuple]) -> list[tu
     return out
 
 
+def sp_grad_reductions(rank: int, world: int, model_name: str, strategy) -> dict[str, int]:
+    """One step of ``strategy`` (sequence parallel, no FSDP2) on ``model_name``: how many
+    one-dimensional gradients ``reduce_partial_grads`` reduced together, and how many
+    all-reduces DTensor itself issued on one-dimensional tensors during the step (the
+    per-tensor reductions an optimizer would otherwise make)."""
+    import importlib
+
+    import torch.distributed._functional_collectives as funcol
+
+    module = importlib.import_module("autoplan.runtime.parallelize")
+    pm = module.parallelize(MODELS[model_name](0), strategy, seq_len=SEQ, optimizer=make_optimizer)
+    ids = make_batch()
+    counts = {"reduced": 0, "dtensor_1d_all_reduces": 0}
+    orig_ar, orig_reduce = funcol.all_reduce, module.reduce_partial_grads
+
+    def all_reduce(t, *a, **k):
+        counts["dtensor_1d_all_reduces"] += t.dim() == 1
+        return orig_ar(t, *a, **k)
+
+    def reduce(parts):
+        n = orig_reduce(parts)
+        counts["reduced"] += n
+        return n
+    funcol.all_reduce, module.reduce_partial_grads = all_reduce, reduce
+    try:
+        pm.step(ids)
+    finally:
+        funcol.all_reduce, module.reduce_partial_grads = orig_ar, orig_reduce
+    return counts
+
+
 def layer_names(model_name: str, layers: int = 4) -> list[str]:
     stack = {"gpt": "blocks", "llama": "model.layers"}[model_name.split("-")[0]]
     return ["pre"] + [f"{stack}.{i}" for i in range(layers)] + ["post"]

@@ -79,6 +79,16 @@ def test_gpt_parity_2_ranks():
     _report("GPT, 2 ranks", run(rc.parity, 2, "gpt", targets)[0])
 
 
+def test_sequence_parallel_gradients_are_reduced_together_once_per_step():
+    # the norms' weights and biases (4 tensors per block, 2 in the final norm) see a
+    # sequence shard under sequence parallelism and get partial gradients; two
+    # micro-batches accumulate them and one collective reduces them (AdamW would reduce
+    # each, three times: at lerp_ and at both operands of addcmul_)
+    counts = run(functools.partial(rc.sp_grad_reductions, model_name="gpt",
+                                   strategy=S(tp=2, sequence_parallel=True, micro_batch=4)), 2)
+    assert counts == [{"reduced": 18, "dtensor_1d_all_reduces": 0}] * 2, counts
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_parallelize_again_reuses_its_process_groups():
     # a process that parallelizes again (a replan, a notebook, a benchmark's next layout)

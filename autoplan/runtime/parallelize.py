@@ -45,7 +45,7 @@ from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_m
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
 from .pipeline import TiedGrads, build_schedule, build_stage_module, cross_stage_ties, make_stage
-from .tp import apply_tp
+from .tp import apply_tp, reduce_partial_grads
 
 __all__ = ["parallelize", "ParallelModel", "resolve_plan"]
 
@@ -275,6 +275,7 @@ class ParallelModel:
             # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
             local = (torch.stack([l.detach().double() for l in losses]).sum() / weight
                      if self.holds_loss else torch.zeros((), dtype=torch.float64))
+        reduce_partial_grads(self.parts)
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -182,3 +184,41 @@ def _retie(root: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
                     f"tied parameters {group} were sharded differently by tensor parallelism "
                     f"({getattr(first, 'placements', None)} vs {getattr(other, 'placements', None)})")
             m.register_parameter(p, first)
+
+
+def reduce_partial_grads(modules: Iterable[nn.Module]) -> int:
+    """All-reduce the gradients left as partial sums over a tensor-parallel group, all of
+    them in one collective per group; returns how many gradients were reduced.
+
+    Under sequence parallelism the parameters of the modules that run on the sharded
+    sequence with their parameters whole (:class:`SequenceParallel`: the norms) see only
+    their rank's share of the tokens, so their gradients are ``Partial`` DTensors.  Left
+    so, the optimizer reduces each of them at every operator that reads it (AdamW: three
+    small collectives per tensor per step, at ``lerp_`` and at both operands of
+    ``addcmul_``); Megatron-LM reduces them together once per step
+    (``_allreduce_layernorm_grads``), as this does.  Gradients FSDP2 manages arrive
+    reduced already (its post-backward redistributes them) and are left alone.
+    """
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for module in modules:
+        for p in module.parameters():
+            g = p.grad
+            if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+                groups.setdefault((id(g.device_mesh), g.placements, g.dtype), []).append(p)
+    for params in groups.values():
+        mesh, placements = params[0].grad.device_mesh, params[0].grad.placements
+        if any(pl.is_partial() and pl.reduce_op != "sum" for pl in placements):
+            for p in params:   # not a plain sum: let DTensor reduce each
+                p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl
+                                                         for pl in placements])
+            continue
+        local = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for dim, pl in enumerate(placements):
+            if pl.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        whole = [Replicate() if pl.is_partial() else pl for pl in placements]
+        for p, t, part in zip(params, local, flat.split([t.numel() for t in local])):
+            p.grad = DTensor.from_local(part.view_as(t), mesh, whole, run_check=False,
+                                        shape=p.grad.shape, stride=p.grad.stride())
+    return sum(len(params) for params in groups.values())
