@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import networkx as nx
 
@@ -124,9 +124,34 @@ class TPStructure(Record):
     sp_collectives: tuple[CollectiveRecord, ...] = ()   # TP with sequence parallel
     ep_collectives: tuple[CollectiveRecord, ...] = ()   # expert parallel (token all-to-all)
     divisors: tuple[int, ...] = ()  # a TP degree must divide every one of these (heads, features)
+    # elements of each parameter tensor of the modules sequence parallelism runs on the
+    # sequence shard with their parameters whole (sequence_parallel_modules: the norms);
+    # their gradients are partial sums over the tp group, all-reduced once per step
+    sp_replicated_params: tuple[int, ...] = ()
 
     def roles(self) -> dict[str, str]:
         return {lin.name: lin.role.value for lin in self.linears}
+
+    def sequence_parallel_modules(self, kind: "LayerKind", modules: Iterable[str]) -> list[str]:
+        """Of ``modules`` (names relative to the layer's module; each holds parameters of
+        its own), those sequence parallelism runs on the sequence shard with their
+        parameters whole (torch's ``SequenceParallel``): in a block, those outside the
+        linears tensor parallelism places (the experts and the router excepted: they stay
+        whole) and outside the modules that open a tensor-parallel region (the parents of
+        the column linears); in the last layer, those that are no such linear (the final
+        norm); none in other layers.  :func:`autoplan.runtime.tp.tp_plan` applies it, the
+        capture counts their parameters (``sp_replicated_params``)."""
+        placed = {lin.name: lin.role for lin in self.linears
+                  if lin.role not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW,
+                                      LinearRole.ROUTER)}
+        if kind is LayerKind.POST:
+            return [m for m in modules if m not in placed]
+        if kind is not LayerKind.BLOCK:
+            return []
+        entries = {n.rpartition(".")[0] for n, r in placed.items() if r is LinearRole.COLUMN}
+        inside = tuple(e + "." for e in entries if e)
+        return [m for m in modules
+                if m and m not in placed and m not in entries and not m.startswith(inside)]
 
     def max_degree(self) -> int:
         """Largest TP degree allowed by ``divisors`` (1 when nothing can shard)."""

@@ -235,3 +235,34 @@ def test_heterogeneous_replicas_the_slowest_sets_the_step():
     assert u.breakdown["compute_s"] == pytest.approx(3 * slow_mb / 2, rel=1e-12)
     assert u.step_time_s < e.step_time_s
     assert any("replica" in n for n in u.notes)
+
+
+def test_sequence_parallel_norm_gradients_are_reduced_once_per_step():
+    # under sequence parallelism the norms (here 2 tensors of 1000 elements per block) see
+    # a sequence shard; their partial gradients are all-reduced over tp once per step, whatever
+    # the micro-batches: all in one all-reduce without FSDP2, each in its own where FSDP2
+    # wraps the rank (the autoplan stack), all in one under Megatron-Core's
+    import dataclasses
+
+    g = toy_graph(layers=2, fwd_flops=10**9, params=10**6)
+    g = dataclasses.replace(g, layers=tuple(
+        dataclasses.replace(l, tp=dataclasses.replace(l.tp, sp_replicated_params=(1000, 1000)))
+        for l in g.layers))
+    lat = 1e-5
+    grad = load_constants().model_states.mixed_grad_bytes     # bf16 mixed precision
+
+    def ring(nbytes: float) -> float:       # two tp ranks: 2 steps, half the bytes each way
+        return 2 * lat + nbytes / 1e11
+
+    def tp_comm(strategy: Strategy, stack: str = "autoplan") -> float:
+        c = toy_cluster(devices_per_node=strategy.dp * strategy.tp, latency_s=lat)
+        return _est(g, c, strategy, CostOptions(stack=stack, overlap_grad_reduce=False,
+                                                overlap_param_gather=False)).breakdown["tp_comm_s"]
+
+    for mb in (1, 2):
+        alone = Strategy(tp=2, sequence_parallel=True, global_batch=2, micro_batch=mb)
+        assert tp_comm(alone) == pytest.approx(ring(4 * 1000 * grad), rel=1e-12)
+        assert tp_comm(dataclasses.replace(alone, sequence_parallel=False)) == 0.0
+    wrapped = Strategy(dp=2, tp=2, zero=1, sequence_parallel=True, global_batch=4)
+    assert tp_comm(wrapped) == pytest.approx(4 * ring(1000 * grad), rel=1e-12)
+    assert tp_comm(wrapped, "megatron-core") == pytest.approx(ring(4 * 1000 * grad), rel=1e-12)

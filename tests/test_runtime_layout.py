@@ -218,6 +218,11 @@ def test_tp_plan_comes_from_the_captured_roles(gpt_graph):
     post = tp_plan(gpt_graph.layer("post"), model, sequence_parallel=True)
     assert {k: type(v) for k, v in post.items()} == {"head": ColwiseParallel,
                                                       "ln_f": SequenceParallel}
+    # the capture counts the parameters of the same modules (the cost model reduces their
+    # gradients over tp once per step): the norms' weights and biases
+    hidden = model.config.hidden
+    assert block.tp.sp_replicated_params == (hidden,) * 4
+    assert gpt_graph.layer("post").tp.sp_replicated_params == (hidden,) * 2
 
 
 def test_tp_plan_of_llama_gathers_attention_input_by_keyword(llama_graph):
@@ -227,6 +232,9 @@ def test_tp_plan_of_llama_gathers_attention_input_by_keyword(llama_graph):
     assert sorted(k for k, v in plan.items() if isinstance(v, ColwiseParallel)) == [
         "mlp.gate_proj", "mlp.up_proj", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj"]
     assert plan["self_attn"].input_kwarg_layouts.keys() == {"hidden_states"}
+    assert sorted(k for k, v in plan.items() if isinstance(v, SequenceParallel)) == [
+        "input_layernorm", "post_attention_layernorm"]
+    assert llama_graph.layer("model.layers.0").tp.sp_replicated_params == (32, 32)
     assert tp_plan(llama_graph.layer("pre"), model, sequence_parallel=False).keys() == \
         {"model.embed_tokens"}
 

@@ -32,6 +32,7 @@ attention core selective recompute re-runs.  This module runs them: :func:`trace
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -54,7 +55,7 @@ from .export import _capture_fx, _strip
 from .measure import _fetch_attr, _Measure, _Measured, _tensors
 from .objective import _check_input_shapes, _example_inputs, _is_token_model, _Objective, _vocab_size
 from .probe import _attention_core, _core_ops, _probe_length, _quadratic_probe
-from .roles import _aliases, _tp_structure, _weight_uses
+from .roles import _aliases, _sp_replicated, _tp_structure, _weight_uses
 from .stacks import Stack, _representatives, _truncated, find_stacks
 
 __all__ = ["trace", "find_stacks", "Stack", "token_cross_entropy"]
@@ -204,6 +205,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         prefix = l.name if l.kind is LayerKind.BLOCK else ""
         nodes, params, tied = [], 0, []
         pcount = ptensors = tp_tensors = 0
+        owned: list[tuple[str, int]] = []      # (parameter, elements) this layer owns
         sharded = {(prefix + "." + lin.name if prefix else lin.name) for lin in tp.linears
                    if lin.role in TP_SHARDED_ROLES}
         for n in l.nodes:
@@ -223,6 +225,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
                         continue
                     if pname not in owner_of_param:
                         owner_of_param[pname] = l.name
+                        owned.append((_strip(pname), param_sizes[a.name][0]))
                         ptensors += 1
                         tp_tensors += _strip(pname).rpartition(".")[0] in sharded
                         pcount += param_sizes[a.name][0]
@@ -237,6 +240,8 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         core_ops = (_core_ops(l, {n.name for n in core}, dispatched)
                     if l.kind is LayerKind.BLOCK else None)
         modules = _top_modules({n.module for n in nodes}) if l.kind is not LayerKind.BLOCK else (l.name,)
+        tp = dataclasses.replace(tp, sp_replicated_params=_sp_replicated(l.kind, tp, owned,
+                                                                         prefix, modules))
         rep_records.append((l, dict(
             template=tid, modules=modules,
             fwd_flops=sum(n.fwd_flops for n in nodes), bwd_flops=sum(n.bwd_flops for n in nodes),

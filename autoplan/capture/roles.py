@@ -474,3 +474,19 @@ def _tp_structure(layer: _RepLayer, uses: list[_WeightUse], param_nodes: set[str
     tp = TPStructure(tuple(linears), tuple(tp_coll), tuple(sp_coll), tuple(ep_coll),
                      tuple(sorted(divisors)))
     return tp, region
+
+
+def _sp_replicated(kind: LayerKind, tp: TPStructure, owned: list[tuple[str, int]], prefix: str,
+                   top: tuple[str, ...]) -> tuple[int, ...]:
+    """Elements of each parameter (``(name, elements)`` pairs the layer owns, full names)
+    of the modules sequence parallelism keeps whole on the sequence shard
+    (:meth:`TPStructure.sequence_parallel_modules`; in the last layer, among its ``top``
+    modules)."""
+    def module_of(name: str) -> str:
+        m = name.rpartition(".")[0]
+        return m[len(prefix) + 1:] if prefix and m.startswith(prefix + ".") else m
+    owners = list(dict.fromkeys(module_of(n) for n, _ in owned))
+    if kind is LayerKind.POST:
+        owners = [m for m in owners if m in top]
+    sp = set(tp.sequence_parallel_modules(kind, owners))
+    return tuple(n for name, n in owned if module_of(name) in sp)

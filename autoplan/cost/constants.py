@@ -225,6 +225,13 @@ class CostOptions(Record):
         Megatron-Bridge's FP8-CS recipes) or block scaling (``"block"``: row-wise, MXFP8
         1x32 on Blackwell, DeepSeek-V3 1x128).  Sets the bytes each quantized element moves
         (``engine.FP8_CAST_BYTES_PER_ELEMENT``).
+    sp_grads_per_tensor_under_fsdp2 : bool
+        Under sequence parallelism the norms see a sequence shard, so their weights'
+        gradients are partial sums over the tp group, all-reduced once per step.  ``True``:
+        where FSDP2 wraps the data-parallel ranks, its post-backward reduces each tensor in
+        its own all-reduce (torch 2.13; :func:`autoplan.parallelize`, torchtitan).
+        ``False``, or without FSDP2: all of them in one all-reduce (Megatron-LM's
+        ``_allreduce_layernorm_grads``; :func:`autoplan.parallelize` without FSDP2).
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -254,6 +261,7 @@ class CostOptions(Record):
     attention_kernel: str | None = None
     zero_buffer_copies: bool | None = None
     moe_dispatcher: str | None = None
+    sp_grads_per_tensor_under_fsdp2: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -321,7 +329,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
-                          "moe_dispatcher")
+                          "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -337,7 +345,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            moe_tokens_split_over_tp: bool = False,
            pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
            attention_kernel: str = "flash-attention-2",
-           zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall") -> Stack:
+           zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
+           sp_grads_per_tensor_under_fsdp2: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -347,7 +356,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
-        zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher))
+        zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
+        sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -362,10 +372,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
            "overlapped, whole on every tp rank, its receive buffers kept for every "
            "micro-batch of a step; the model's own attention as captured; MoE: the family's "
-           "own expert forward (one GEMM per local expert), every tp rank routing all tokens",
+           "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
+           "sequence parallelism's norm gradients reduced over tp once per step, one "
+           "all-reduce each under FSDP2, all in one without it",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
-           zero_buffer_copies=True),
+           zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

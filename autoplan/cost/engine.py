@@ -350,6 +350,7 @@ class _RankEval:
     bwd: float = 0.0              # B_p
     dp_step_total: float = 0.0    # per-step gradient reduction / parameter gather
     dp_step_exposed: float = 0.0  # before the pipeline slack
+    tp_step: float = 0.0          # of those, the per-step reduction over tp (exposed)
     optimizer: float = 0.0
     memory: MemoryBreakdown | None = None
     in_flight: float = 1.0
@@ -731,11 +732,13 @@ class CostEngine:
         c = ranks[crit]
         tr = ranks[tail_rank]
         slack_before = sum(rk.bwd for rk in ranks[:tail_rank])
-        dp_step_exp = max(0.0, tr.dp_step_exposed - slack_before)
+        step_exp = max(0.0, tr.dp_step_exposed - slack_before)
+        tp_step_exp = min(tr.tp_step, step_exp)
+        dp_step_exp = step_exp - tp_step_exp
         breakdown = {
             "compute_s": m * (c.fwd_compute + c.bwd_compute),
             "recompute_s": m * c.recompute,
-            "tp_comm_s": m * c.tp_exposed,
+            "tp_comm_s": m * c.tp_exposed + tp_step_exp,
             "cp_comm_s": m * c.cp_exposed,
             "ep_comm_s": m * c.ep_exposed,
             "dp_comm_s": m * c.zero_exposed + dp_step_exp,
@@ -745,8 +748,9 @@ class CostEngine:
         }
         breakdown = {k: breakdown[k] for k in BREAKDOWN_KEYS}
         comm_total = {
-            "tp_comm_s": m * c.tp_total, "cp_comm_s": m * c.cp_total, "ep_comm_s": m * c.ep_total,
-            "dp_comm_s": m * c.zero_total + tr.dp_step_total, "pp_comm_s": m * c.p2p,
+            "tp_comm_s": m * c.tp_total + tr.tp_step, "cp_comm_s": m * c.cp_total,
+            "ep_comm_s": m * c.ep_total,
+            "dp_comm_s": m * c.zero_total + tr.dp_step_total - tr.tp_step, "pp_comm_s": m * c.p2p,
         }
         seq = s.seq_len or 1
         tokens = lay.global_batch * seq
@@ -1123,6 +1127,8 @@ class CostEngine:
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
         tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
+        sp_grads: dict[tuple, list[float]] = {}  # tp group -> [tensors, elements] (sequence
+        # parallelism's partial gradients)
         mine = self._stages_of(lay.stage_ranks)[rank]
         chunks = [lay.chunks[k] for k in mine]
 
@@ -1180,6 +1186,10 @@ class CostEngine:
                     tensors += count * l.param_tensors
                     if t > 1:
                         tp_tensors += count * l.tp_param_tensors
+                        if seg.sequence_parallel and l.sp_params:
+                            acc = sp_grads.setdefault(tp_group, [0.0, 0.0])
+                            acc[0] += count * len(l.sp_params)
+                            acc[1] += count * sum(l.sp_params)
                     max_layer_params = max(max_layer_params, gather_unit_params)
                     act_per_mb += count * saved_bytes
                     if working_bytes > saved_bytes:
@@ -1258,21 +1268,33 @@ class CostEngine:
                 t_tied = self.collective_time("all_reduce", pair, tied_extra * grad_bytes)
                 ev.dp_step_total += t_tied
                 ev.dp_step_exposed += t_tied
+        # autoplan.parallelize wraps a data-parallel rank's parameters as DTensors (FSDP2's
+        # fully_shard or replicate) unless it uses DDP
+        max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
+                       default=0)
+        fsdp2 = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
+                                                 max_zero=max_zero)
+        # sequence parallelism: the norms saw a sequence shard, their gradients are partial
+        # sums over tp, reduced once per step after the backward: each in its own
+        # all-reduce in FSDP2's post-backward (where it wraps the rank and the stack does
+        # so), or all together in one (Megatron; autoplan.parallelize without FSDP2)
+        for group, (n, elements) in sp_grads.items():
+            if fsdp2 and opts.sp_grads_per_tensor_under_fsdp2:
+                t_sp = n * self.collective_time("all_reduce", group, elements / n * grad_bytes)
+            else:
+                t_sp = self.collective_time("all_reduce", group, elements * grad_bytes)
+            ev.tp_step += t_sp
+            ev.dp_step_total += t_sp
+            ev.dp_step_exposed += t_sp
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp
         ev.optimizer = local_opt * recipe.optimizer_bytes_accessed / device.memory_bw_bytes_per_s
         overhead = device.op_overhead
         if overhead is not None and tensors:
-            # the host's time per parameter tensor (CPU devices).  autoplan.parallelize
-            # wraps a data-parallel rank's parameters as DTensors (FSDP2's fully_shard or
-            # replicate) unless it uses DDP; without data parallelism only the linears
-            # tensor parallelism shards hold DTensors
-            max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
-                           default=0)
-            wrapped = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
-                                                       max_zero=max_zero)
-            dtensors = tensors if wrapped else tp_tensors
+            # the host's time per parameter tensor (CPU devices): DTensors where FSDP2
+            # wraps the rank; without it only the linears tensor parallelism shards
+            dtensors = tensors if fsdp2 else tp_tensors
             ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
                              + dtensors * overhead.optimizer_dtensor_param_s)
 

@@ -111,6 +111,9 @@ class LayerCost:
     features of one dispatched token (the expert bank's input width).
     ``param_tensors`` and ``tp_param_tensors``: the layer's parameter tensors and those
     of them tensor parallelism shards (:class:`~autoplan.graph.LayerRecord`).
+    ``sp_params``: the elements of each parameter tensor whose gradient sequence
+    parallelism leaves partial over the tp group (the norms',
+    :attr:`~autoplan.graph.TPStructure.sp_replicated_params`).
     """
 
     index: int
@@ -143,6 +146,7 @@ class LayerCost:
     largest_module_expert: bool = False
     param_tensors: int = 0
     tp_param_tensors: int = 0
+    sp_params: tuple[int, ...] = ()
 
     @property
     def is_block(self) -> bool:
@@ -353,6 +357,7 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
         param_tensors=rec.param_tensors, tp_param_tensors=rec.tp_param_tensors,
+        sp_params=rec.tp.sp_replicated_params,
         **_experts(rec, matmuls),
         **_largest_module(rec),
     )

@@ -63,17 +63,15 @@ def _parent(path: str) -> str:
 
 
 def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
-            first_block: bool = False, region_kwargs: dict[str, str] | None = None,
-            prefix: str = "") -> dict[str, object]:
+            first_block: bool = False, region_kwargs: dict[str, str] | None = None
+            ) -> dict[str, object]:
     """The ``parallelize_module`` plan of one layer, relative to ``module``.
 
     ``module`` is the block itself for a block layer, the model (or pipeline
-    stage) root for the pre and post layers; ``prefix`` is prepended to
-    role names that are relative to the layer (blocks).
+    stage) root for the pre and post layers.
     """
     region_kwargs = region_kwargs or {}
-    roles = {(prefix + name if prefix else name): LinearRole(role)
-             for name, role in layer.tp.roles().items()}
+    roles = {name: LinearRole(role) for name, role in layer.tp.roles().items()}
     roles = {n: r for n, r in roles.items() if _has_module(module, n)}
     # MoE: the experts and the router stay whole on every tp rank (each runs the block's
     # tokens through them; expert parallelism splits the experts over dp x cp instead);
@@ -95,11 +93,9 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             elif role is LinearRole.ROW:
                 plan[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
         if sp:
-            inside = tuple(e + "." for e in entries if e)
-            for name, sub in module.named_modules():
-                if (name and name not in roles and _own_params(sub)
-                        and not name.startswith(inside) and name not in entries):
-                    plan[name] = SequenceParallel()
+            owners = [name for name, sub in module.named_modules() if name and _own_params(sub)]
+            for name in layer.tp.sequence_parallel_modules(layer.kind, owners):
+                plan[name] = SequenceParallel()
             for e in entries:
                 if not e:
                     continue
@@ -126,12 +122,11 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                          output_layouts=Replicate())
     if sp and layer.kind is LayerKind.POST:
-        for path in layer.modules:
-            if path in roles or not _has_module(module, path):
-                continue
-            sub = module.get_submodule(path)
-            if _own_params(sub) and not list(sub.children()):
-                plan[path] = SequenceParallel(use_local_output=True)
+        leaves = [path for path in layer.modules if _has_module(module, path)
+                  and _own_params(module.get_submodule(path))
+                  and not list(module.get_submodule(path).children())]
+        for path in layer.tp.sequence_parallel_modules(layer.kind, leaves):
+            plan[path] = SequenceParallel(use_local_output=True)
     return plan
 
 
