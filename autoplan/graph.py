@@ -132,7 +132,7 @@ class TPStructure(Record):
     def roles(self) -> dict[str, str]:
         return {lin.name: lin.role.value for lin in self.linears}
 
-    def sequence_parallel_modules(self, kind: "LayerKind", modules: Iterable[str]) -> list[str]:
+    def sequence_parallel_modules(self, kind: LayerKind, modules: Iterable[str]) -> list[str]:
         """Of ``modules`` (names relative to the layer's module; each holds parameters of
         its own), those sequence parallelism runs on the sequence shard with their
         parameters whole (torch's ``SequenceParallel``): in a block, those outside the

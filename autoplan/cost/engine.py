@@ -1279,7 +1279,7 @@ class CostEngine:
         # all-reduce in FSDP2's post-backward (where it wraps the rank and the stack does
         # so), or all together in one (Megatron; autoplan.parallelize without FSDP2)
         for group, (n, elements) in sp_grads.items():
-            if fsdp2 and opts.sp_grads_per_tensor_under_fsdp2:
+            if fsdp2 and opts.sp_grads_per_tensor_under_fsdp2:   # at their mean size
                 t_sp = n * self.collective_time("all_reduce", group, elements / n * grad_bytes)
             else:
                 t_sp = self.collective_time("all_reduce", group, elements * grad_bytes)
