@@ -195,9 +195,13 @@ def reduce_partial_grads(modules: Iterable[nn.Module]) -> int:
     reduced already (its post-backward redistributes them) and are left alone.
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
+    seen: set[int] = set()   # a parameter two stages of this rank share is reduced once
     for module in modules:
         for p in module.parameters():
             g = p.grad
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 groups.setdefault((id(g.device_mesh), g.placements, g.dtype), []).append(p)
     for params in groups.values():
