@@ -132,23 +132,34 @@ class TPStructure(Record):
     def roles(self) -> dict[str, str]:
         return {lin.name: lin.role.value for lin in self.linears}
 
+    def placed_roles(self) -> dict[str, LinearRole]:
+        """The linears tensor parallelism places, by name: all but the experts and the
+        router, which stay whole on every tp rank (:mod:`autoplan.runtime.tp`)."""
+        return {lin.name: lin.role for lin in self.linears
+                if lin.role not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW,
+                                    LinearRole.ROUTER)}
+
+    def region_entries(self) -> list[str]:
+        """The modules that open a block's tensor-parallel regions, sorted: the parents of
+        its column linears (``""``: the block itself)."""
+        return sorted({n.rpartition(".")[0] for n, r in self.placed_roles().items()
+                       if r is LinearRole.COLUMN})
+
     def sequence_parallel_modules(self, kind: LayerKind, modules: Iterable[str]) -> list[str]:
         """Of ``modules`` (names relative to the layer's module; each holds parameters of
         its own), those sequence parallelism runs on the sequence shard with their
         parameters whole (torch's ``SequenceParallel``): in a block, those outside the
-        linears tensor parallelism places (the experts and the router excepted: they stay
-        whole) and outside the modules that open a tensor-parallel region (the parents of
-        the column linears); in the last layer, those that are no such linear (the final
-        norm); none in other layers.  :func:`autoplan.runtime.tp.tp_plan` applies it, the
-        capture counts their parameters (``sp_replicated_params``)."""
-        placed = {lin.name: lin.role for lin in self.linears
-                  if lin.role not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW,
-                                      LinearRole.ROUTER)}
+        linears tensor parallelism places (:meth:`placed_roles`) and outside the modules
+        that open a tensor-parallel region (:meth:`region_entries`); in the last layer,
+        those that are no such linear (the final norm); none in other layers.
+        :func:`autoplan.runtime.tp.tp_plan` applies it, the capture counts their
+        parameters (``sp_replicated_params``)."""
+        placed = self.placed_roles()
         if kind is LayerKind.POST:
             return [m for m in modules if m not in placed]
         if kind is not LayerKind.BLOCK:
             return []
-        entries = {n.rpartition(".")[0] for n, r in placed.items() if r is LinearRole.COLUMN}
+        entries = self.region_entries()
         inside = tuple(e + "." for e in entries if e)
         return [m for m in modules
                 if m and m not in placed and m not in entries and not m.startswith(inside)]

@@ -71,20 +71,16 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
     stage) root for the pre and post layers.
     """
     region_kwargs = region_kwargs or {}
-    roles = {name: LinearRole(role) for name, role in layer.tp.roles().items()}
-    roles = {n: r for n, r in roles.items() if _has_module(module, n)}
     # MoE: the experts and the router stay whole on every tp rank (each runs the block's
     # tokens through them; expert parallelism splits the experts over dp x cp instead);
     # attention and shared experts split as in a dense block; replicated linears (a
     # one-feature gate) get no entry below and stay whole too
-    roles = {n: r for n, r in roles.items()
-             if r not in (LinearRole.EXPERT_COLUMN, LinearRole.EXPERT_ROW, LinearRole.ROUTER)}
+    roles = {n: r for n, r in layer.tp.placed_roles().items() if _has_module(module, n)}
     plan: dict[str, object] = {}
     sp = sequence_parallel
     if layer.kind is LayerKind.BLOCK:
-        columns = [n for n, r in roles.items() if r is LinearRole.COLUMN]
-        # the modules that open a tensor-parallel region: parents of column linears
-        entries = sorted({_parent(n) for n in columns})
+        # a block's module holds all its linears: the modules that open its regions
+        entries = layer.tp.region_entries()
         for name, role in roles.items():
             if role is LinearRole.COLUMN:
                 # without an enclosing module to gather once, each column linear gathers
@@ -198,10 +194,10 @@ def reduce_partial_grads(modules: Iterable[nn.Module]) -> int:
     seen: set[int] = set()   # a parameter two stages of this rank share is reduced once
     for module in modules:
         for p in module.parameters():
-            g = p.grad
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            g = p.grad
             if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
                 groups.setdefault((id(g.device_mesh), g.placements, g.dtype), []).append(p)
     for params in groups.values():
