@@ -57,11 +57,17 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    timed steps each), over ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's
    measured step is its fastest; a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
    is reported;
-4. per model: predicted and measured step and rank of each layout, the picked layout's
-   measured step over the fastest measured one (target <= 1.05), and Spearman's rank
-   correlation of predicted vs measured.
+4. the layouts that measured faster than the pick (``CONFIRM_CONTENDERS`` at most) run
+   again, each side by side with the pick (adjacent launches, alternating which goes
+   first) over ``CONFIRM_PAIRED_ROUNDS`` rounds: the fastest layouts lie within a few
+   percent of each other, about what one layout's step moves between passes of the
+   machine, and a pair measured side by side shares its state;
+5. per model: predicted and measured step and rank of each layout, the picked layout's
+   step over the fastest one's (the median side-by-side ratio against each faster layout,
+   1.000 where none measured faster; target <= 1.05), and Spearman's rank correlation of
+   predicted vs measured.
 
-    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~8 min on 2 cores)
+    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~8-12 min on 2 cores)
     python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
 """
 
@@ -464,6 +470,13 @@ CONFIRM_TARGET = 1.05
 CONFIRM_SAMPLE = 6
 CONFIRM_SEED = 0
 CONFIRM_WARMUP, CONFIRM_TIMED, CONFIRM_ROUNDS = 2, 3, 2
+#: The pick against the layouts that measured faster (at most ``CONFIRM_CONTENDERS``, the
+#: fastest first): each pair runs in adjacent launches, in alternating order, over
+#: ``CONFIRM_PAIRED_ROUNDS`` rounds, and the pick's step over the contender's is their median.
+#: The fastest layouts of a model lie within a few percent of each other, and one layout's
+#: step moves 5-8% between passes of the machine; a pair measured side by side shares the
+#: machine's state.
+CONFIRM_CONTENDERS, CONFIRM_PAIRED_ROUNDS = 4, 4
 #: A layout whose rank 0 reports nothing for this long (model build, warm-up and timed
 #: steps; the first layout of a launch also spawns the ranks and traces) is killed.
 CONFIRM_LAYOUT_TIMEOUT_S = 120.0
@@ -732,6 +745,43 @@ def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[in
     return out
 
 
+def _pair_the_pick(name: str, graph, rows: list[dict], measured: list[int]) -> None:
+    """Measure the pick against the layouts that measured faster (:func:`pick_against`,
+    ``CONFIRM_CONTENDERS`` at most, the fastest first) and set their ``paired_ratio``."""
+    pick = next(i for i, r in enumerate(rows) if r["source"] == "search" and r.get("search_rank") == 1)
+    if not rows[pick].get("measured_s"):
+        return
+    faster = sorted((i for i in measured if rows[i]["measured_s"] < rows[pick]["measured_s"]),
+                    key=lambda i: rows[i]["measured_s"])[:CONFIRM_CONTENDERS]
+
+    def in_order(order: list[int]) -> list:   # a job per position: the pick repeats
+        got = measure_many(name, graph, [(k, rows[i]["plan"].to_json()) for k, i in enumerate(order)])
+        return [got.get(k) for k in range(len(order))]
+    for i, ratio in pick_against(in_order, pick, faster, CONFIRM_PAIRED_ROUNDS).items():
+        rows[i]["paired_ratio"] = ratio
+
+
+def pick_against(measure, pick: int, contenders: list[int], rounds: int) -> dict[int, float | None]:
+    """The pick's step over each contender's, measured side by side: in each of ``rounds``
+    rounds, every (pick, contender) pair runs in adjacent launches, the pick first in even
+    rounds and second in odd ones; a launch's step is its fastest timed step, and a pair's
+    figure is the median over the rounds of the pick's step over the contender's (``None``
+    where no round measured both).  ``measure(order)``: for each index of ``order`` (one
+    may repeat), in that order, the step times of that layout's launch or a failure's reason
+    (a string)."""
+    ratios: dict[int, list[float]] = {c: [] for c in contenders}
+    for k in range(rounds):
+        order = [i for c in contenders for i in ((pick, c) if k % 2 == 0 else (c, pick))]
+        if not order:
+            break
+        got = measure(order)
+        for j, c in enumerate(contenders):
+            p, v = got[2 * j:2 * j + 2] if k % 2 == 0 else got[2 * j:2 * j + 2][::-1]
+            if isinstance(p, list) and isinstance(v, list) and p and v:
+                ratios[c].append(min(p) / min(v))
+    return {c: statistics.median(v) if v else None for c, v in ratios.items()}
+
+
 def _ranks(values: list[float]) -> list[float]:
     """1-based ranks, ties sharing their mean rank."""
     order = sorted(range(len(values)), key=lambda i: values[i])
@@ -757,7 +807,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 CSV_FIELDS = ("model", "label", "source", "search_rank", "predicted_s", "predicted_rank",
-              "measured_s", "measured_rank", "error", "status", "reason")
+              "measured_s", "measured_rank", "error", "paired_ratio", "status", "reason")
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -812,6 +862,7 @@ def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all:
                 rows[i]["measured_rank"] = rank + 1
                 r = rows[i]
                 r["error"] = (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
+            _pair_the_pick(name, graph, rows, measured)
         for r in rows:
             r["model"] = name
         _print_confirm(rows, run)
@@ -852,9 +903,20 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
         return
     fastest = min(measured, key=lambda r: r["measured_s"])
     ratio = picked["measured_s"] / fastest["measured_s"]
+    paired = [r for r in rows if r.get("paired_ratio") is not None]
     print(f"picked: {picked['label']} measured {picked['measured_s']:.3f} s; fastest measured: "
-          f"{fastest['label']} {fastest['measured_s']:.3f} s; ratio {ratio:.3f} "
-          f"(target <= {CONFIRM_TARGET}): {'ok' if ratio <= CONFIRM_TARGET else 'missed'}")
+          f"{fastest['label']} {fastest['measured_s']:.3f} s; ratio {ratio:.3f}"
+          + ("" if paired else f" (target <= {CONFIRM_TARGET}): "
+             f"{'ok' if ratio <= CONFIRM_TARGET else 'missed'}"))
+    if paired:
+        for r in paired:
+            print(f"  the pick against {r['label']}, side by side over {CONFIRM_PAIRED_ROUNDS} "
+                  f"rounds: median ratio {r['paired_ratio']:.3f}")
+        worst = max(paired, key=lambda r: r["paired_ratio"])
+        ratio = max(1.0, worst["paired_ratio"])
+        print(f"picked vs fastest, side by side: ratio {ratio:.3f}"
+              f"{'' if ratio == 1.0 else ' (against ' + worst['label'] + ')'} "
+              f"(target <= {CONFIRM_TARGET}): {'ok' if ratio <= CONFIRM_TARGET else 'missed'}")
     rho = spearman([r["predicted_s"] for r in measured], [r["measured_s"] for r in measured])
     mape = statistics.mean(abs(r["error"]) for r in measured)
     not_run = sum(1 for r in rows if r.get("status"))

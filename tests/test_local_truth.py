@@ -131,3 +131,41 @@ def test_plain_measures_every_process_and_reports_a_failing_one():
     assert len(times) == 2 and all(0 < t < 60 for t in times)
     with pytest.raises(SystemExit, match="failed: ValueError: unknown model"):
         lt.measure_plain("nope", 1, 1)
+
+
+def test_pick_against_pairs_the_pick_with_each_faster_layout_side_by_side():
+    """Each round runs (pick, contender) in adjacent launches, the pick first in even rounds
+    and second in odd ones; a pair's figure is the median of the pick's fastest step over the
+    contender's; a failed launch drops that round's pair only."""
+    steps = {0: 1.00, 1: 0.95, 2: 1.10}   # pick 0; contender 1 faster, 2 slower this pass
+    orders = []
+
+    def measure(order):
+        orders.append(list(order))
+        k = len(orders) - 1
+        slow = 1.0 + 0.1 * k     # the machine drifts between rounds, alike for a pair
+        return ["failed: timed out" if (k, i) == (2, 2) else [steps[i] * slow, steps[i] * slow * 1.3]
+                for i in order]
+
+    got = lt.pick_against(measure, 0, [1, 2], 3)
+    assert orders == [[0, 1, 0, 2], [1, 0, 2, 0], [0, 1, 0, 2]]
+    assert got[1] == pytest.approx(1.00 / 0.95)
+    assert got[2] == pytest.approx(1.00 / 1.10)     # rounds 0 and 1 only
+    assert lt.pick_against(measure, 0, [], 3) == {}
+
+
+def test_the_verdict_uses_the_side_by_side_ratio(capsys):
+    rows = [{"source": "search", "search_rank": 1, "label": "pick", "predicted_s": 1.0,
+             "measured_s": 1.06, "error": -0.06},
+            {"source": "search", "search_rank": 2, "label": "other", "predicted_s": 1.1,
+             "measured_s": 1.00, "error": 0.1, "paired_ratio": 1.02}]
+    lt._print_confirm(rows, True)
+    out = capsys.readouterr().out
+    assert "ratio 1.060" in out and "median ratio 1.020" in out
+    assert "side by side: ratio 1.020 (against other) (target <= 1.05): ok" in out
+    rows[1]["paired_ratio"] = 0.98
+    lt._print_confirm(rows, True)
+    assert "side by side: ratio 1.000 (target <= 1.05): ok" in capsys.readouterr().out
+    del rows[1]["paired_ratio"]
+    lt._print_confirm(rows, True)
+    assert "ratio 1.060 (target <= 1.05): missed" in capsys.readouterr().out
