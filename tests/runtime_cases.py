@@ -253,6 +253,24 @@ def repeated_parallelize(rank: int, world: int, targets: list[tuple]) -> list[tu
     return out
 
 
+def view_warnings(rank: int, world: int, strategy, custom_loss: bool) -> tuple[int, str]:
+    """One step of ``strategy`` on the GPT: FSDP2's "returned a view tensor" warnings and the
+    class of the wrapped model.  Under tensor parallelism the logits are a view (the head's
+    output DTensor's local tensor).  ``custom_loss``: a ``loss_fn`` of the user's (the
+    built-in loss, wrapped)."""
+    import importlib
+    import warnings
+
+    module = importlib.import_module("autoplan.runtime.parallelize")
+    kw = {"loss_fn": lambda out, y: module._next_token_loss(out, y)} if custom_loss else {}
+    pm = module.parallelize(MODELS["gpt"](0), strategy, seq_len=SEQ, optimizer=make_optimizer,
+                            **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm.step(make_batch())
+    return sum("returned a view" in str(w.message) for w in caught), type(pm.parts[0]).__name__
+
+
 def sp_grad_reductions(rank: int, world: int, model_name: str, strategy) -> dict[str, int]:
     """One step of ``strategy`` (sequence parallel, no FSDP2) on ``model_name``: how many
     one-dimensional gradients ``reduce_partial_grads`` reduced together, and how many

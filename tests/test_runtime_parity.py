@@ -89,6 +89,17 @@ def test_sequence_parallel_gradients_are_reduced_together_once_per_step():
     assert counts == [{"reduced": 18, "dtensor_1d_all_reduces": 0}] * 2, counts
 
 
+def test_the_builtin_loss_hides_fsdp2s_view_warning_for_the_root_only():
+    # FSDP2 warns when a module it wraps returns a view; under tensor parallelism the logits
+    # are one, and the built-in loss reads them out of place, so its steps do not warn; with
+    # a loss of the user's (anything may follow) the warning stays
+    strategy = S(dp=2, tp=2, zero=1, micro_batch=2)
+    for custom, expect in ((False, 0), (True, 1)):
+        got = run(functools.partial(rc.view_warnings, strategy=strategy, custom_loss=custom), 4)
+        for warned, root in got:
+            assert root == "FSDPGPT" and min(warned, 1) == expect, (custom, got)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_parallelize_again_reuses_its_process_groups():
     # a process that parallelizes again (a replan, a notebook, a benchmark's next layout)

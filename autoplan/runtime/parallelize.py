@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
@@ -226,7 +228,9 @@ class ParallelModel:
         return torch.autocast(device_type, dtype=torch.bfloat16)
 
     def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = part(input_ids=x, use_cache=False) if self.hf else part(x)
+        builtin = self.loss_fn is _next_token_loss or isinstance(self.loss_fn, NextTokenLoss)
+        with _root_view_warning_silenced(part) if builtin else contextlib.nullcontext():
+            out = part(input_ids=x, use_cache=False) if self.hf else part(x)
         return model_output(out)
 
     def step(self, batch: Any) -> float:
@@ -652,6 +656,19 @@ def _attach_pipeline(pm: ParallelModel, stage_ids: Sequence[int], ties: list,
 #: (Plan.pads_micro_batches), which the loss recognises; far below any token id or
 #: ignore index.
 _PAD_OFFSET = 2**40
+
+
+@contextlib.contextmanager
+def _root_view_warning_silenced(root: nn.Module):
+    """FSDP2 warns when a module it wraps returns a view (an in-place op on the view would
+    skip that module's pre-backward hook), and under tensor parallelism the logits are one
+    (the local tensor of the head's output DTensor).  The built-in losses read the whole
+    model's output out of place, so for the root module the warning is noise on every run;
+    a block's, or the root's under a loss of the user's, is left to be seen."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, message=(
+            rf"FSDP2-wrapped module \({re.escape(type(root).__name__)}\) returned a view"))
+        yield
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
