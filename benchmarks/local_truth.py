@@ -745,10 +745,15 @@ def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[in
     return out
 
 
+def _pick(rows: list[dict]) -> int:
+    """The index of the search's pick among the confirm's rows."""
+    return next(i for i, r in enumerate(rows) if r["source"] == "search" and r.get("search_rank") == 1)
+
+
 def _pair_the_pick(name: str, graph, rows: list[dict], measured: list[int]) -> None:
     """Measure the pick against the layouts that measured faster (:func:`pick_against`,
     ``CONFIRM_CONTENDERS`` at most, the fastest first) and set their ``paired_ratio``."""
-    pick = next(i for i, r in enumerate(rows) if r["source"] == "search" and r.get("search_rank") == 1)
+    pick = _pick(rows)
     if not rows[pick].get("measured_s"):
         return
     faster = sorted((i for i in measured if rows[i]["measured_s"] < rows[pick]["measured_s"]),
@@ -892,7 +897,7 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
               f"{fmt(r.get('predicted_rank'), '6d')} {fmt(r.get('measured_s'), '7.3f')} "
               f"{fmt(r.get('measured_rank'), '6d')} {fmt(r.get('error'), '+7.1%')}  "
               f"{r['reason'][:110] if r.get('reason') else ''}")
-    picked = next(r for r in rows if r["source"] == "search" and r.get("search_rank") == 1)
+    picked = rows[_pick(rows)]
     measured = [r for r in rows if r.get("measured_s")]
     if not run:
         print(f"picked: {picked['label']} predicted {picked['predicted_s']:.3f} s "
