@@ -942,8 +942,10 @@ def _plain_worker(model_name: str, batch: int, queue) -> None:
     import torch
 
     from autoplan.runtime.adapters import is_hf, model_output
+    from autoplan.runtime.cpu_heap import keep_cpu_heap
     from autoplan.runtime.loss import token_cross_entropy
     torch.set_num_threads(1)
+    keep_cpu_heap()   # as autoplan.parallelize keeps it on its CPU ranks
     try:
         torch.manual_seed(0)
         model = _confirm_model(model_name)

@@ -253,9 +253,10 @@ def repeated_parallelize(rank: int, world: int, targets: list[tuple]) -> list[tu
     return out
 
 
-def view_warnings(rank: int, world: int, strategy, custom_loss: bool) -> tuple[int, str]:
-    """One step of ``strategy`` on the GPT: FSDP2's "returned a view tensor" warnings and the
-    class of the wrapped model.  Under tensor parallelism the logits are a view (the head's
+def view_warnings(rank: int, world: int, strategy, custom_loss: bool) -> tuple[int, str, bool]:
+    """One step of ``strategy`` on the GPT: FSDP2's "returned a view tensor" warnings, the
+    class of the wrapped model, and whether ``parallelize`` kept the CPU heap
+    (:mod:`autoplan.runtime.cpu_heap`).  Under tensor parallelism the logits are a view (the head's
     output DTensor's local tensor).  ``custom_loss``: a ``loss_fn`` of the user's (the
     built-in loss, wrapped)."""
     import importlib
@@ -268,7 +269,9 @@ def view_warnings(rank: int, world: int, strategy, custom_loss: bool) -> tuple[i
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm.step(make_batch())
-    return sum("returned a view" in str(w.message) for w in caught), type(pm.parts[0]).__name__
+    heap = importlib.import_module("autoplan.runtime.cpu_heap")
+    return (sum("returned a view" in str(w.message) for w in caught), type(pm.parts[0]).__name__,
+            heap._applied is True or heap._glibc() is None)
 
 
 def sp_grad_reductions(rank: int, world: int, model_name: str, strategy) -> dict[str, int]:

@@ -96,8 +96,9 @@ def test_the_builtin_loss_hides_fsdp2s_view_warning_for_the_root_only():
     strategy = S(dp=2, tp=2, zero=1, micro_batch=2)
     for custom, expect in ((False, 0), (True, 1)):
         got = run(functools.partial(rc.view_warnings, strategy=strategy, custom_loss=custom), 4)
-        for warned, root in got:
+        for warned, root, heap_kept in got:
             assert root == "FSDPGPT" and min(warned, 1) == expect, (custom, got)
+            assert heap_kept, "parallelize on CPU keeps the heap (autoplan/runtime/cpu_heap.py)"
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

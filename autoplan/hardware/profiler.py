@@ -478,6 +478,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         device = torch.device("cuda", rank)
         sync: Callable[[], None] = torch.cuda.synchronize
     else:
+        from ..runtime.cpu_heap import keep_cpu_heap
+        keep_cpu_heap()   # the heap as autoplan.parallelize runs its CPU ranks
         device = torch.device("cpu")
         sync = lambda: None  # noqa: E731 - gloo and CPU ops are synchronous
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,

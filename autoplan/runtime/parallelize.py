@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 
+from .cpu_heap import keep_cpu_heap
 from .loss import token_cross_entropy
 from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, ModelGraph
@@ -469,6 +470,8 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
     # ---- no collective before this point (but for a Cluster's plan broadcast)
     device = next(model.parameters()).device
+    if device.type == "cpu":
+        keep_cpu_heap()   # freed activations stay for the next step (cpu_heap.py)
     mesh = build_mesh(plan, device.type)
     expert_mesh = expert_meshes(mesh, plan) if plan.ep > 1 else None
     if plan.pp == 1:
