@@ -21,7 +21,6 @@ libraries (macOS, musl) are left alone.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["keep_cpu_heap", "MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "ENV_VAR"]
@@ -40,9 +39,10 @@ _applied: bool | None = None
 
 
 def _glibc():
-    """The process's glibc, or ``None`` under another C library."""
+    """The process's glibc, or ``None`` under another C library.  The symbols already
+    loaded into the process (``CDLL(None)``), not ``find_library``, which runs ``ldconfig``."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version   # glibc only
         libc.mallopt
     except (OSError, AttributeError):
