@@ -45,10 +45,12 @@ def test_a_kept_heap_reuses_a_freed_tensor_without_faulting_its_pages_again():
     applied, kept = _faults(None)
     assert applied
     assert kept[0] >= pages // 2                  # the first touch faults, as always
-    assert max(kept[2:]) < pages // 20            # then the heap's pages are reused
+    # then the heap's pages are reused: the last four steps together fault less than half of
+    # one step (now and then glibc places one 40 MiB block anew: 10240 faults, once)
+    assert sum(kept[2:]) < pages // 2, kept
     applied, default = _faults("0")               # opted out: glibc maps the large ones
     assert not applied                            # afresh every step
-    assert min(default[2:]) >= pages // 2
+    assert min(default[2:]) >= pages // 2, default
 
 
 def test_the_setting_applies_once_and_the_opt_out_is_read(monkeypatch):
