@@ -127,6 +127,13 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
             o.selective_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
         (12e-6, 30e-6, 200e-6, 600e-6, 170e-6, 40e-6, 210e-6)
     assert "28 captured operators" in o.source and "AdamW step over 32" in o.source
+    # tensor-parallel linears: on a one-rank mesh here; on pairs of ranks where they share cores
+    assert "on a one-rank mesh, plus the functional" in o.source
+    shared, _ = _build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
+                                              "shares_cores": True},
+                               cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
+                               copy_bytes=2**20)
+    assert "on two-rank groups, every pair at once" in shared.device.op_overhead.source
     text = profile_to_yaml(profile)
     assert parse_profile(yaml.safe_load(text)) == profile
     # a profile written before the optimizer's figures were measured loads with 0 for them
@@ -252,6 +259,44 @@ def test_p2p_partners():
     assert [_p2p_partner(r, 3, every_pair=True) for r in range(3)] == [1, 0, None]
     assert [_p2p_partner(r, 2, every_pair=flag) for r in range(2) for flag in (False, True)] \
         == [1, 1, 0, 0]
+
+
+def _tp_overhead_both_ways(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.hardware.profiler import _measure_tp_overhead
+
+    def timed(fn) -> float:     # the mean of 20 calls after 3, the slowest rank's
+        for _ in range(3):
+            fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        t = torch.tensor([(time.perf_counter() - t0) / 20])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    own = dist.new_subgroups(group_size=1)[0]
+    pair = dist.new_subgroups(group_size=2)[0]
+    return {"one": _measure_tp_overhead(torch, dist, timed, own),
+            "pair": _measure_tp_overhead(torch, dist, timed, own, pair)}
+
+
+@pytest.mark.distributed
+def test_tp_overhead_on_one_rank_and_on_a_pair():
+    """Both ways of measuring a tensor-parallel linear's extra time run and give seconds:
+    on a one-rank mesh (no collective; funcol's Python side added) and on a real pair
+    (its collectives run, one all-reduce each way taken off)."""
+    from dist_harness import run
+    for got in run(_tp_overhead_both_ways, 2):
+        for way in ("one", "pair"):
+            fwd, bwd = got[way]
+            assert 0 <= fwd < 0.1 and 0 <= bwd < 0.1 and math.isfinite(fwd + bwd), (way, got)
+        assert sum(got["one"]) > 0 and sum(got["pair"]) > 0, got   # DTensor is never free
 
 
 @pytest.mark.slow

@@ -288,41 +288,56 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
     return fwd / n, max(0.0, both - fwd) / n, max(0.0, sac - both) / n
 
 
-def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any
-                         ) -> tuple[float, float]:
-    """Extra seconds per tensor-parallel linear, ``(forward, backward)``, measured on each
-    rank's own one-rank group ``own`` (no other rank to wait for inside a call, so the figure does
-    not carry the link's noise; ``timed(fn)`` is seconds per call):
+def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any,
+                         pair: Any = None) -> tuple[float, float]:
+    """Extra seconds per tensor-parallel linear, ``(forward, backward)``, beyond its
+    arithmetic and its collective, which the link model prices (``timed(fn)`` is seconds
+    per call): a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel`` (what
+    :mod:`autoplan.runtime.tp` builds) against the same MLP unsharded.
 
-    * the DTensor machinery: a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel``
-      (what :mod:`autoplan.runtime.tp` builds) on a one-rank mesh, against the same MLP
-      unsharded (on one rank DTensor runs its sharding propagation and wrapping but
-      skips the collectives);
-    * the functional collective's Python side, which the pair pays once each way (the
-      row linear's output all-reduce in the forward, the column linear's input-gradient
-      all-reduce in the backward): ``funcol.all_reduce`` + wait against
-      ``dist.all_reduce`` on the same one-rank group.
-
-    The collectives themselves are priced by the link model."""
+    * On each rank's own one-rank group ``own`` (``pair`` None): no other rank to wait for
+      inside a call, so the figure does not carry the link's noise.  There DTensor runs
+      its sharding propagation and wrapping but skips the collectives, so the functional
+      collective's Python side is added once each way (``funcol.all_reduce`` + wait
+      against ``dist.all_reduce`` on the same group: the row linear's output all-reduce
+      in the forward, the column linear's input-gradient all-reduce in the backward).
+    * On a two-rank group ``pair`` (the caller passes one where ranks share cores: the
+      ranks in pairs, every pair at once, as a run's tensor-parallel groups are): the
+      sharded MLP runs its real collectives, and each direction is measured less the
+      plain MLP and less one ``dist.all_reduce`` of the same bytes on the same group,
+      timed as the link model's collectives are timed there (back to back, the mean).
+      Where ranks share cores, the functional collective's asynchronous path (its work
+      handed to gloo's thread, the wait inside the autograd engine) waits for a core at
+      each hand-over, which a one-rank mesh, running no collective, never shows: on 4 CPU
+      ranks sharing 2 cores the pair read 1.7-2x the one-rank figure (2.2-2.8 against
+      1.3-1.4 ms per pair, 2026-11-24), and the confirm's tensor-parallel layouts, priced
+      ~20% fast against the rest on the one-rank figure, came within 5% of them.  On
+      ranks with cores of their own the pair overstated the 2-rank step (+15%, where the
+      one-rank figure reads within 5%), so there the one-rank figure is kept."""
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
     h = _OVERHEAD_WIDTH
+    group = pair if pair is not None else own
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
     sharded = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Linear(h, h))
     sharded.load_state_dict(plain.state_dict())
-    parallelize_module(sharded, DeviceMesh.from_group(own, "cpu"),
+    parallelize_module(sharded, DeviceMesh.from_group(group, "cpu"),
                        {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(1, 4, h).requires_grad_(True)
-    flat = torch.randn(4 * h)
+    flat = torch.randn(4 * h)    # the bytes of the MLP's output and of its input gradient
     plain_fwd = timed(lambda: plain(x))
     plain_both = timed(lambda: plain(x).sum().backward())
     tp_fwd = timed(lambda: sharded(x))
     tp_both = timed(lambda: sharded(x).sum().backward())
-    wrapped = timed(lambda: funcol.all_reduce(flat, "sum", own).wait())
-    bare = timed(lambda: dist.all_reduce(flat, group=own))
+    bare = timed(lambda: dist.all_reduce(flat, group=group))
+    if pair is not None:
+        forward = max(0.0, tp_fwd - plain_fwd - bare) / 2
+        backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - bare) / 2
+        return forward, backward
+    wrapped = timed(lambda: funcol.all_reduce(flat, "sum", group).wait())
     wrapper = max(0.0, wrapped - bare)
     forward = max(0.0, tp_fwd - plain_fwd) / 2 + wrapper / 2
     backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd)) / 2 + wrapper / 2
@@ -652,9 +667,13 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             f"{opt_dtensor * 1e6:.1f} us per DTensor parameter")
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
+            # where ranks share cores, measured on pairs of ranks (new_subgroups is
+            # collective: every rank takes part)
+            in_pairs = shares_cores and world % 2 == 0
+            pair = dist.new_subgroups(group_size=2)[0] if in_pairs else None
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
                                                   lambda fn: timed(fn, plan.overhead_target_s),
-                                                  own)
+                                                  own, pair)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
@@ -801,6 +820,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                                            for r in ranks)) if cuda else "cpu")
     op_overhead = None
     if not cuda and all(r.get("overhead") for r in ranks):
+        tp_in_pairs = bool(raw.get("shares_cores")) and nproc % 2 == 0  # as _worker_body does
         # the slowest rank decides, as for the matmuls
         worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
         op_overhead = OpOverhead(
@@ -809,8 +829,11 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     f"(width {_OVERHEAD_WIDTH}, arithmetic negligible), forward and forward + "
                     "backward, per operator, and the extra of forward + backward under torch's "
                     "selective checkpoint; tensor-parallel linears: a ColwiseParallel + "
-                    "RowwiseParallel MLP on a one-rank mesh less the same MLP unsharded, plus "
-                    "the functional all-reduce's own time once each way, per linear"
+                    "RowwiseParallel MLP less the same MLP unsharded, per linear: "
+                    + ("on two-rank groups, every pair at once (ranks share cores), less "
+                       "one all-reduce of the same bytes each way" if tp_in_pairs else
+                       "on a one-rank mesh, plus the functional all-reduce's own time once "
+                       "each way")
                     + ("" if nproc > 1 else " (one rank: not measured, 0)")
                     + f"; optimizer: an AdamW step over {_OPTIMIZER_TENSORS} tiny parameters, "
                     "plain and as DTensors on a one-rank mesh, per tensor"
