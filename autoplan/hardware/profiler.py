@@ -14,7 +14,7 @@ training):
   arithmetic is negligible) forward and forward + backward, per captured operator,
   the extra time per operator under selective recompute (torch's selective checkpoint
   dispatches every operator through Python), the extra time of a tensor-parallel
-  (DTensor) linear over a plain one, and an AdamW step's time per parameter tensor,
+  (DTensor) linear over a plain one (on real pairs of ranks where ranks share cores), and an AdamW step's time per parameter tensor,
   plain and DTensor (added once per step); every repeat is timed on all ranks at once, from the
   first rank's start to the last rank's end (ranks that share cores take turns).  The
   cost model adds it per operator and micro-batch (on a GPU the host enqueues work
@@ -310,8 +310,9 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       handed to gloo's thread, the wait inside the autograd engine) waits for a core at
       each hand-over, which a one-rank mesh, running no collective, never shows: on 4 CPU
       ranks sharing 2 cores the pair read 1.7-2x the one-rank figure (2.2-2.8 against
-      1.3-1.4 ms per pair, 2026-11-24), and the confirm's tensor-parallel layouts, priced
-      ~20% fast against the rest on the one-rank figure, came within 5% of them.  On
+      1.3-1.4 ms per pair, 2026-11-24; ten quick profiles, 1.1-2.6x), and in one confirm
+      pass the tensor-parallel layouts, priced ~20% fast against the rest on the one-rank
+      figure, came within 5% of them.  On
       ranks with cores of their own the pair overstated the 2-rank step (+15%, where the
       one-rank figure reads within 5%), so there the one-rank figure is kept."""
     import torch.distributed._functional_collectives as funcol
