@@ -115,13 +115,29 @@ def _llama_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tenso
     length = seq_len if ctx is None else ctx.local_len
     position_ids = _positions(root, length, x.device).unsqueeze(0)
     shape_only = x.new_empty((b, length, 0))
-    mask = create_causal_mask(config=inner.config, inputs_embeds=shape_only, attention_mask=None,
-                              past_key_values=None, position_ids=position_ids)
+    mask = create_causal_mask(**_mask_arguments(create_causal_mask, inner.config, shape_only,
+                                                position_ids))
     rope = inner.rotary_emb(shape_only, position_ids=position_ids)
-    for layer in inner.layers.values():
+    for layer in inner.layers.values():   # no cache: every version's default
         x = layer(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids,
-                  past_key_values=None, use_cache=False)
+                  use_cache=False)
     return x
+
+
+def _mask_arguments(create_causal_mask: Callable, config: Any, shape_only: torch.Tensor,
+                    position_ids: torch.Tensor) -> dict[str, Any]:
+    """``create_causal_mask``'s arguments for a step without a cache, under the names the
+    installed transformers uses: 5.0 takes ``input_embeds``, ``cache_position`` and
+    ``past_key_values``; later 5.x ``inputs_embeds`` and no ``cache_position``; 5.24
+    renamed ``past_key_values`` to ``cache`` (and warns on the old name)."""
+    import inspect
+    params = inspect.signature(create_causal_mask).parameters
+    kw: dict[str, Any] = {"config": config, "attention_mask": None, "position_ids": position_ids}
+    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = shape_only
+    if "cache_position" in params:
+        kw["cache_position"] = position_ids[0]
+    kw["cache" if "cache" in params else "past_key_values"] = None
+    return kw
 
 
 def _llama_head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
