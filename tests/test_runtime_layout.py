@@ -8,6 +8,7 @@ would fail here with torch's "default process group has not been initialized".
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -187,8 +188,16 @@ def test_stages_chained_compute_the_model_and_keep_parameter_names(name):
     stages = [build_stage_module(model, adapter, b, is_first=i == 0, is_last=i == 2, seq_len=rc.SEQ)
               for i, b in enumerate(splits)]
     x = ids
-    for st in stages:
-        x = st(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for st in stages:
+            x = st(x)
+    # the adapters call the installed transformers by its own names (5.24 renamed
+    # create_causal_mask's and the decoder layer's past_key_values to cache, and warns)
+    ours = [str(w.message) for w in caught
+            if issubclass(w.category, (FutureWarning, DeprecationWarning))
+            and ("autoplan" in w.filename or "past_key_values" in str(w.message))]
+    assert not ours, ours
     torch.testing.assert_close(x, rc._logits(model, ids), atol=0, rtol=0)
     names = [n for st in stages for n in st.state_dict()]
     assert sorted(names) == sorted(model.state_dict())
