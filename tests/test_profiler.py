@@ -12,8 +12,8 @@ import yaml
 from autoplan.hardware import (IntraNodeTopology, NodeGroup, available_profiles, compose_cluster,
                                load_cluster, load_profile)
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-from autoplan.hardware.profiler import (_TP_PAIR_ROUNDS, _build_profile, _p2p_partner, fit_alpha_beta,
-                                       main)
+from autoplan.hardware.profiler import (_TP_PAIR_ROUNDS, _build_profile, _p2p_partner,
+                                       fit_alpha_beta, main)
 from runtime_cases import synthetic_measurements
 
 

@@ -126,18 +126,14 @@ def _llama_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tenso
 
 def _mask_arguments(create_causal_mask: Callable, config: Any, shape_only: torch.Tensor,
                     position_ids: torch.Tensor) -> dict[str, Any]:
-    """``create_causal_mask``'s arguments for a step without a cache, under the names the
-    installed transformers uses: 5.0 takes ``input_embeds``, ``cache_position`` and
-    ``past_key_values``; later 5.x ``inputs_embeds`` and no ``cache_position``; 5.24
-    renamed ``past_key_values`` to ``cache`` (and warns on the old name)."""
+    """``create_causal_mask``'s arguments for a step without a cache, under the name the
+    installed transformers gives the cache: ``past_key_values`` until 5.23, ``cache`` from
+    5.24 (which warns on the old name and says it will drop it)."""
     import inspect
     params = inspect.signature(create_causal_mask).parameters
-    kw: dict[str, Any] = {"config": config, "attention_mask": None, "position_ids": position_ids}
-    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = shape_only
-    if "cache_position" in params:
-        kw["cache_position"] = position_ids[0]
-    kw["cache" if "cache" in params else "past_key_values"] = None
-    return kw
+    return {"config": config, "inputs_embeds": shape_only, "attention_mask": None,
+            "position_ids": position_ids,
+            "cache" if "cache" in params else "past_key_values": None}
 
 
 def _llama_head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
