@@ -14,8 +14,8 @@ training):
   arithmetic is negligible) forward and forward + backward, per captured operator,
   the extra time per operator under selective recompute (torch's selective checkpoint
   dispatches every operator through Python), the extra time of a tensor-parallel
-  (DTensor) linear over a plain one (on real pairs of ranks where ranks share cores), and an AdamW step's time per parameter tensor,
-  plain and DTensor (added once per step); every repeat is timed on all ranks at once, from the
+  (DTensor) linear over a plain one (on real pairs of ranks where ranks share cores),
+  and an AdamW step's time per parameter tensor, plain and DTensor (added once per step); every repeat is timed on all ranks at once, from the
   first rank's start to the last rank's end (ranks that share cores take turns).  The
   cost model adds it per operator and micro-batch (on a GPU the host enqueues work
   ahead of the device and this time is hidden, so it is not measured there).
@@ -472,6 +472,13 @@ def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, t
     os._exit(0)
 
 
+def _tp_in_pairs(shares_cores: bool, world: int) -> bool:
+    """Whether the tensor-parallel figure is measured on pairs of ranks (every pair at
+    once) rather than on each rank's one-rank mesh: where ranks share cores and pair up
+    (see :func:`_measure_tp_overhead`)."""
+    return shares_cores and world % 2 == 0
+
+
 def _shares_cores(cuda: bool, world: int, threads: int) -> bool:
     """Whether the CPU ranks outnumber the cores (threads included) and take turns on them.
 
@@ -686,7 +693,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         if world > 1:
             # where ranks share cores, measured on pairs of ranks (new_subgroups is
             # collective: every rank takes part)
-            in_pairs = shares_cores and world % 2 == 0
+            in_pairs = _tp_in_pairs(shares_cores, world)
             pair = dist.new_subgroups(group_size=2)[0] if in_pairs else None
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
                                                   lambda fn: timed(fn, plan.overhead_target_s),
@@ -837,7 +844,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                                            for r in ranks)) if cuda else "cpu")
     op_overhead = None
     if not cuda and all(r.get("overhead") for r in ranks):
-        tp_in_pairs = bool(raw.get("shares_cores")) and nproc % 2 == 0  # as _worker_body does
+        tp_in_pairs = _tp_in_pairs(bool(raw.get("shares_cores")), nproc)
         # the slowest rank decides, as for the matmuls
         worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
         op_overhead = OpOverhead(
