@@ -97,8 +97,8 @@ LAYOUTS = [dict(dp=8, global_batch=16, zero=1),
 def test_ep1_prices_as_before(moe_snapshot, gpt, model, layout):
     # the tiny model's expert GEMMs are far below any efficiency table's first point, so
     # pricing them at one expert's size changes nothing here (it does at scale)
-    e = _estimate(moe_snapshot if model == "moe" else gpt, toy_cluster(nodes=2, devices_per_node=4),
-                  **LAYOUTS[layout])
+    e = _estimate(moe_snapshot if model == "moe" else gpt,
+                  toy_cluster(nodes=2, devices_per_node=4), **LAYOUTS[layout])
     step, peak = BEFORE[(model, layout)]
     assert e.step_time_s == pytest.approx(step, rel=1e-12)
     assert e.peak_memory_bytes == pytest.approx(peak, rel=1e-12)

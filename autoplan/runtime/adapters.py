@@ -14,6 +14,7 @@ other families run every parallelism but pipelining.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -126,14 +127,19 @@ def _llama_blocks(root: nn.Module, x: torch.Tensor, seq_len: int) -> torch.Tenso
 
 def _mask_arguments(create_causal_mask: Callable, config: Any, shape_only: torch.Tensor,
                     position_ids: torch.Tensor) -> dict[str, Any]:
-    """``create_causal_mask``'s arguments for a step without a cache, under the name the
-    installed transformers gives the cache: ``past_key_values`` until 5.23, ``cache`` from
-    5.24 (which warns on the old name and says it will drop it)."""
+    """``create_causal_mask``'s arguments for a step without a cache."""
+    return {"config": config, "inputs_embeds": shape_only, "attention_mask": None,
+            "position_ids": position_ids, _cache_keyword(create_causal_mask): None}
+
+
+@functools.cache
+def _cache_keyword(create_causal_mask: Callable) -> str:
+    """The name the installed transformers gives ``create_causal_mask``'s cache:
+    ``past_key_values`` until 5.23, ``cache`` from 5.24 (which warns on the old name and
+    says it will drop it); read once, not on every step."""
     import inspect
     params = inspect.signature(create_causal_mask).parameters
-    return {"config": config, "inputs_embeds": shape_only, "attention_mask": None,
-            "position_ids": position_ids,
-            "cache" if "cache" in params else "past_key_values": None}
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _llama_head(root: nn.Module, x: torch.Tensor) -> torch.Tensor:
