@@ -229,7 +229,13 @@ class LayerRecord(Record):
     the linears tensor parallelism shards (column, row, vocabulary embedding and head):
     an optimizer step pays the host's time per tensor on a CPU
     (``OpOverhead.optimizer_param_s``); both are 0 in graphs captured before they were
-    recorded (their optimizer is then priced by its bytes alone).
+    recorded (their optimizer is then priced by its bytes alone).  ``dispatched_ops``
+    counts the operators one eager forward of the layer dispatches below autograd at the
+    captured micro-batch, where a Python dispatch mode sees them (composites such as
+    ``linear`` arrive as ``t`` + ``addmm``; views, casts and allocations count, metadata
+    queries do not; a reshape that needs a copy only at other sizes adds one there):
+    torch's selective checkpoint runs its mode for each (``OpOverhead.selective_dispatch_s``);
+    0 in graphs captured before it was recorded.
     """
 
     name: str
@@ -254,6 +260,7 @@ class LayerRecord(Record):
     attention_core: AttentionCore | None = None
     param_tensors: int = 0
     tp_param_tensors: int = 0
+    dispatched_ops: int = 0
 
     @property
     def flops(self) -> int:

@@ -53,11 +53,11 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import SAC_IGNORED_OPS
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpStream", "StorageSet", "op_name", "plain_tensors", "FREE", "ALLOC", "RANDOM",
-           "FOLLOW", "COUNTED"]
+__all__ = ["OpStream", "StorageSet", "DispatchCount", "enters_dispatch_mode", "op_name",
+           "plain_tensors", "FREE", "ALLOC", "RANDOM", "FOLLOW", "COUNTED"]
 
 FREE, ALLOC, RANDOM, FOLLOW, COUNTED = "free", "alloc", "random", "follow", "counted"
 
@@ -99,6 +99,27 @@ def op_name(func: Any) -> str:
     if name in _SDPA_KERNELS:
         return "sdpa"
     return name if ns == "aten" else f"{ns}.{name}"
+
+
+def enters_dispatch_mode(func: Any) -> bool:
+    """Whether a dispatched ``func`` is one that torch's selective checkpoint runs its
+    Python mode's work for: every operator (views, casts and allocations too) but the
+    metadata queries it passes straight through (``SAC_IGNORED_OPS``; on fake tensors
+    ``prim.device`` dispatches at every call, where a real tensor answers without
+    dispatching).  What :attr:`~autoplan.graph.LayerRecord.dispatched_ops` counts."""
+    return func not in SAC_IGNORED_OPS
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts, in ``total``, the operators run under it that :func:`enters_dispatch_mode`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.total += enters_dispatch_mode(func)
+        return func(*args, **(kwargs or {}))
 
 
 def _is_random(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -3,7 +3,8 @@
 On a CPU every operator of an eager step pays the dispatcher before its arithmetic; the
 profiler measures that per captured operator (:mod:`autoplan.hardware.profiler`) and the
 cost model adds it per captured operator of each layer and micro-batch, whatever the
-micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1;
+micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1,
+and under selective recompute torch's Python dispatch mode per operator a block dispatches;
 and once per step the optimizer's per parameter tensor, plain or DTensor.
 """
 
@@ -20,7 +21,7 @@ from runtime_cases import cpu_cluster
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=4, layers=4)
 OVERHEAD = {"forward_s": 10e-6, "backward_s": 20e-6, "tp_linear_forward_s": 300e-6,
-            "tp_linear_backward_s": 700e-6, "selective_s": 150e-6,
+            "tp_linear_backward_s": 700e-6,
             "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 200e-6}
 NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
                          tp_comm_overlap=False, pp_comm_overlap=False)
@@ -118,14 +119,50 @@ def test_pipeline_stages_pay_for_their_own_tensors(graph):
         assert added == pytest.approx([26 * per_tensor, 27 * per_tensor], rel=1e-9)
 
 
+def test_a_block_dispatches_what_the_capture_counts(graph):
+    """``dispatched_ops`` is what one eager forward of the block dispatches below autograd
+    (where torch's selective checkpoint runs its Python mode) at the captured micro-batch:
+    48 operators for the 28 captured (a linear arrives as view + t + addmm + view, a
+    matmul as expand + view + bmm + _unsafe_view).  With more than one sequence the
+    attention's three head-merging reshapes must copy (clone + _unsafe_view for a view):
+    51, which the count misses."""
+    import torch
+
+    from autoplan.opstream import DispatchCount
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    count = DispatchCount()
+
+    def enter(*_):
+        count.__enter__()
+
+    def leave(*_):
+        count.__exit__(None, None, None)
+
+    model.blocks[1].register_forward_pre_hook(enter)
+    model.blocks[1].register_forward_hook(leave)
+    eager = {}
+    for sequences in (graph.micro_batch, 2):
+        count.total = 0
+        model(torch.randint(0, CONFIG.vocab_size, (sequences, CONFIG.seq_len)))
+        eager[sequences] = count.total
+    assert graph.micro_batch == 1 and eager == {1: 48, 2: 51}
+    blocks = [layer for layer in graph.layers if layer.kind.value == "block"]
+    assert all(layer.dispatched_ops == 48 for layer in blocks)
+
+
 def test_selective_recompute_pays_the_dispatch_mode_per_operator(graph):
     """torch's selective checkpoint runs every operator of a block's forward and recompute
-    through a Python dispatch mode: ``selective_s`` per captured operator of each block."""
+    through a Python dispatch mode: ``selective_dispatch_s`` per operator each block
+    dispatches; a profile measured before it, per captured operator (``selective_s``)."""
     s = Strategy(dp=2, micro_batch=2, global_batch=8, recompute="selective", precision="fp32")
-    added = (_step(graph, s, OVERHEAD).breakdown["recompute_s"]
-             - _step(graph, s, None).breakdown["recompute_s"])
     micro_batches = 8 // 2 // 2
-    assert added == pytest.approx(micro_batches * 4 * 28 * 150e-6, rel=1e-9)
+    for overhead, per_block in (({**OVERHEAD, "selective_dispatch_s": 150e-6}, 48 * 150e-6),
+                                ({**OVERHEAD, "selective_s": 150e-6}, 28 * 150e-6)):
+        added = (_step(graph, s, overhead).breakdown["recompute_s"]
+                 - _step(graph, s, None).breakdown["recompute_s"])
+        assert added == pytest.approx(micro_batches * 4 * per_block, rel=1e-9)
 
 
 def test_overhead_does_not_grow_with_the_micro_batch(graph):

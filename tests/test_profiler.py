@@ -115,18 +115,19 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     """Each figure of the operator overhead is the slowest rank's, as the matmuls are; the
     profile round-trips through YAML with it."""
     per_rank = [{"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 200e-6,
-                 "tp_linear_backward_s": 500e-6, "selective_s": 150e-6,
+                 "tp_linear_backward_s": 500e-6, "selective_dispatch_s": 150e-6,
                  "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 190e-6},
                 {"forward_s": 12e-6, "backward_s": 25e-6, "tp_linear_forward_s": 150e-6,
-                 "tp_linear_backward_s": 600e-6, "selective_s": 170e-6,
+                 "tp_linear_backward_s": 600e-6, "selective_dispatch_s": 170e-6,
                  "optimizer_param_s": 35e-6, "optimizer_dtensor_param_s": 210e-6}]
     profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
                                 cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
                                 copy_bytes=2**20)
     o = profile.device.op_overhead
     assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s,
-            o.selective_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
+            o.selective_dispatch_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
         (12e-6, 30e-6, 200e-6, 600e-6, 170e-6, 40e-6, 210e-6)
+    assert o.selective_s == 0.0   # the per-captured-operator figure of older profiles
     assert "28 captured operators" in o.source and "AdamW step over 32" in o.source
     # tensor-parallel linears: on a one-rank mesh here; on pairs of ranks where they share cores
     assert "on a one-rank mesh, plus the functional" in o.source
@@ -145,6 +146,12 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     o_old = parse_profile(old).device.op_overhead
     assert (o_old.optimizer_param_s, o_old.optimizer_dtensor_param_s) == (0.0, 0.0)
     assert o_old.forward_s == o.forward_s
+    # one written when selective recompute was measured per captured operator keeps that
+    older = yaml.safe_load(text)
+    older["device"]["op_overhead"]["selective_s"] = 210e-6
+    del older["device"]["op_overhead"]["selective_dispatch_s"]
+    o_older = parse_profile(older).device.op_overhead
+    assert (o_older.selective_s, o_older.selective_dispatch_s) == (pytest.approx(210e-6), 0.0)
     # measurements without it (profiles written before it was measured): none
     plain, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
                               threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
@@ -193,6 +200,42 @@ def test_the_overhead_block_has_the_operators_it_counts():
                else str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     ops = [t for t in targets if not any(t.startswith(p) for p in _NOT_OPERATORS)]
     assert len(ops) == OVERHEAD_BLOCK_OPS, ops
+
+
+def test_the_selective_figure_is_per_operator_the_block_dispatches(monkeypatch):
+    """The selective-recompute figure is divided by the operators the block's forward
+    dispatches, counted as the capture counts a layer's (``dispatched_ops``), more than it
+    captures; the forward and backward figures stay per captured operator."""
+    import torch
+
+    from autoplan import trace
+    from autoplan.hardware import profiler
+    from autoplan.opstream import DispatchCount
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict(
+                profiler._overhead_params(torch, profiler._OVERHEAD_WIDTH))
+
+        def forward(self, x):
+            return profiler._overhead_block(torch, x, self.p)
+
+    block, x = Block(), torch.randn(1, 4, profiler._OVERHEAD_WIDTH)
+    with DispatchCount() as eager:
+        block(x.requires_grad_(True))
+    with DispatchCount() as objective:    # what the capture's objective adds (a sum)
+        block(x).sum()
+    graph = trace(block, example_inputs=x.detach())
+    assert sum(layer.dispatched_ops for layer in graph.layers) == objective.total
+    assert objective.total == eager.total + 1
+    assert eager.total > profiler.OVERHEAD_BLOCK_OPS     # linear: t + addmm, and views
+
+    calls = iter([0.28, 0.84, 1.0])     # forward, forward + backward, under selective
+    fwd, bwd, sel = profiler._measure_op_overhead(torch, lambda fn: next(calls))
+    n = profiler.OVERHEAD_BLOCK_OPS
+    assert (fwd, bwd) == (pytest.approx(0.28 / n), pytest.approx(0.56 / n))
+    assert sel == pytest.approx(0.16 / eager.total)
 
 
 def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
@@ -351,7 +394,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     o = device.op_overhead     # on CPU the host's time per operator adds to the device's
     assert o is not None and 1e-8 < o.forward_s < 1e-2 and 1e-8 < o.backward_s < 1e-2
     assert 0 <= o.tp_linear_forward_s < 0.1 and 0 <= o.tp_linear_backward_s < 0.1
-    assert 1e-8 < o.selective_s < 0.1   # torch's selective checkpoint: Python per operator
+    # torch's selective checkpoint: Python per dispatched operator
+    assert 1e-8 < o.selective_dispatch_s < 0.1 and o.selective_s == 0.0
     # AdamW per parameter tensor: a DTensor's operators go through sharding propagation
     assert 1e-8 < o.optimizer_param_s < o.optimizer_dtensor_param_s < 0.1
 

@@ -169,7 +169,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         # measure once with no TP region known, derive TP regions, then attribute sharding
         first = _Measure(gm, args, kwargs, quad_seq, set())
         measured, values, param_of_node = first.run()
-        dispatched = first.dispatched
+        dispatched, dispatch_counts = first.dispatched, first.dispatch_counts
         for node in gm.graph.nodes:
             if node.name in values and node.op != "output":
                 v = values[node.name]
@@ -247,6 +247,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             fwd_flops=sum(n.fwd_flops for n in nodes), bwd_flops=sum(n.bwd_flops for n in nodes),
             param_count=pcount, param_bytes=params,
             param_tensors=ptensors, tp_param_tensors=tp_tensors,
+            dispatched_ops=sum(dispatch_counts.get(n.name, 0) for n in l.nodes),
             saved_bytes=sum(n.saved_bytes for n in nodes),
             saved_tp_sharded_bytes=sum(n.saved_tp_sharded_bytes for n in nodes),
             saved_quadratic_bytes=sum(n.saved_quadratic_bytes for n in nodes),

@@ -4,8 +4,10 @@ No real storage is ever allocated, so a 400B-parameter model on the meta device 
 nothing.  :class:`_Measure` records per node (:class:`_Measured`) the forward and
 backward FLOPs (``FlopCounterMode``), the bytes autograd saves for backward
 (saved-tensor hooks; the share inside a tensor-parallel region and the share quadratic
-in the sequence, :func:`_quadratic_shape`, apart) and the counted dispatched operators
-(:class:`_Dispatched`, as the runtime's selective-checkpoint policy sees them).
+in the sequence, :func:`_quadratic_shape`, apart), the counted dispatched operators
+(:class:`_Dispatched`, as the runtime's selective-checkpoint policy sees them) and how
+many operators it dispatches in all (views included), as a Python dispatch mode sees
+an eager run of it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.utils import flop_counter as _fc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..opstream import COUNTED, OpStream, op_name
+from ..opstream import COUNTED, OpStream, enters_dispatch_mode, op_name
 from .export import _fix_device
 
 aten = torch.ops.aten
@@ -70,15 +72,18 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class _Dispatched(TorchDispatchMode):
     """Records the counted dispatched operators (:mod:`autoplan.opstream`) of what runs
-    under it, as the runtime's selective-checkpoint policy will see them."""
+    under it, as the runtime's selective-checkpoint policy will see them, and in ``total``
+    how many operators reach it (:func:`~autoplan.opstream.enters_dispatch_mode`)."""
 
     def __init__(self, stream: OpStream) -> None:
         super().__init__()
         self.stream = stream
         self.names: list[str] = []
+        self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.total += enters_dispatch_mode(func)
         out = func(*args, **kwargs)
         kind = self.stream.kind(func, args, kwargs)
         self.stream.produced(func, kind, args, out)
@@ -90,7 +95,8 @@ class _Dispatched(TorchDispatchMode):
 class _Measure:
     """Run a captured graph node by node under FakeTensorMode, measuring each node.
 
-    ``dispatched`` gets, per node, the counted operators it dispatched (in order).
+    ``dispatched`` gets, per node, the counted operators it dispatched (in order), and
+    ``dispatch_counts`` how many operators it dispatched in all.
     """
 
     def __init__(self, gm: fx.GraphModule, args: tuple, kwargs: dict, seq_len: int | None,
@@ -104,6 +110,7 @@ class _Measure:
         # grouped-GEMM kernels never materialise them
         self.gathered: set[str] = set()
         self.dispatched: dict[str, tuple[str, ...]] = {}
+        self.dispatch_counts: dict[str, int] = {}
 
     def run(self) -> tuple[dict[str, _Measured], dict[str, Any], dict[str, str]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -205,6 +212,7 @@ class _Measure:
                     out = target(*call_args, **call_kwargs)
                 rec.fwd_flops = int(fwd.get_total_flops())
                 self.dispatched[node.name] = tuple(dispatched.names)
+                self.dispatch_counts[node.name] = dispatched.total
                 outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
                 grad_leaves = [l for l in leaves if l.requires_grad]
                 if outs and grad_leaves:

@@ -275,6 +275,19 @@ def prefetch_exposed(shares: tuple[float, ...], compute_s: float, comm_s: float)
     return sum(max(0.0, comm_s * shares[(i + 1) % k] - compute_s * shares[i]) for i in range(k))
 
 
+def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int) -> float:
+    """Host seconds torch's selective checkpoint adds to one micro-batch of a block: its
+    Python dispatch mode runs for every operator the forward and the recompute dispatch,
+    so ``OpOverhead.selective_dispatch_s`` per operator the block dispatches
+    (``layer.dispatched_ops``).  A profile measured before it states ``selective_s`` per
+    captured operator, and a graph captured before it has no dispatched count: those
+    are priced per captured operator (a block dispatches 1.4-1.8 per captured one, so
+    a new profile on an old graph prices low)."""
+    if overhead.selective_dispatch_s and layer.dispatched_ops:
+        return layer.dispatched_ops * overhead.selective_dispatch_s
+    return captured_ops * (overhead.selective_s or overhead.selective_dispatch_s)
+
+
 class LayerTime(NamedTuple):
     """Compute seconds of one layer and micro-batch on one device, memory-bound
     operators included (:meth:`CostEngine.template_time`)."""
@@ -810,8 +823,8 @@ class CostEngine:
         elif seg.recompute is Recompute.SELECTIVE and layer.is_block and not opts.fused_attention:
             recompute = core
             if device.op_overhead is not None:
-                # torch's selective checkpoint dispatches every operator through Python
-                recompute += s.op_counts[layer.template][0] * device.op_overhead.selective_s
+                recompute += _selective_dispatch_s(device.op_overhead, layer,
+                                                   s.op_counts[layer.template][0])
         # tensor-parallel collectives of one layer
         tp_forward = tp_backward = 0.0
         if t > 1:

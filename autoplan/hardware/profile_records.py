@@ -189,10 +189,16 @@ class OpOverhead(Record):
         ``RowwiseParallel`` module: sharding propagation, wrapping and unwrapping, the
         functional collective's Python side) in the forward and in the backward, beyond
         the collective itself, which the link model prices.
+    selective_dispatch_s : float
+        Extra seconds per dispatched operator of a block under selective recompute
+        (torch's selective checkpoint runs a Python dispatch mode over every operator the
+        forward and its recompute dispatch, :attr:`~autoplan.graph.LayerRecord.dispatched_ops`),
+        forward and backward together.
     selective_s : float
-        Extra seconds per captured operator of a block under selective recompute (torch's
-        selective checkpoint runs a Python dispatch mode over every operator of the
-        forward and of its recompute), forward and backward together.
+        The same per *captured* operator, as profiles measured before
+        ``selective_dispatch_s`` state it (a block dispatches 1.4-1.8 operators per captured
+        one, more where composites such as ``linear`` or ``matmul`` abound); used where a
+        profile has no ``selective_dispatch_s`` or a graph no ``dispatched_ops``.
     optimizer_param_s, optimizer_dtensor_param_s : float
         Seconds per parameter tensor of one optimizer step (torch's ``AdamW``, which runs
         a few operators per tensor on a CPU), for a plain tensor and for a DTensor (the
@@ -210,12 +216,13 @@ class OpOverhead(Record):
     tp_linear_backward_s: float
     source: str
     selective_s: float = 0.0
+    selective_dispatch_s: float = 0.0
     optimizer_param_s: float = 0.0
     optimizer_dtensor_param_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
-                     "selective_s", "optimizer_param_s", "optimizer_dtensor_param_s"):
+                     "selective_s", "selective_dispatch_s", "optimizer_param_s", "optimizer_dtensor_param_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -244,15 +244,15 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                                       "in the forward"),
                                 ("tp_linear_backward", "extra seconds per tensor-parallel linear "
                                                        "in the backward"))}
-    if any(k.startswith("selective_") for k in sec.data):   # profiles before it have none
-        values["selective_s"] = sec.quantity("selective", _LATENCY, "extra seconds per "
-                                             "captured operator under selective recompute",
-                                             _nonnegative, ">= 0")
-    for key, what in (("optimizer_param", "seconds per plain parameter tensor of an "
+    for key, what in (("selective", "extra seconds per captured operator under selective "
+                                    "recompute"),
+                      ("selective_dispatch", "extra seconds per dispatched operator under "
+                                             "selective recompute"),
+                      ("optimizer_param", "seconds per plain parameter tensor of an "
                                            "optimizer step"),
                       ("optimizer_dtensor_param", "seconds per DTensor parameter of an "
                                                    "optimizer step")):
-        if any(k.startswith(key + "_") for k in sec.data):   # profiles before them have none
+        if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
     sec.finish()
@@ -450,6 +450,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  "tp_linear_forward_s": o.tp_linear_forward_s,
                                  "tp_linear_backward_s": o.tp_linear_backward_s,
                                  "selective_s": o.selective_s,
+                                 "selective_dispatch_s": o.selective_dispatch_s,
                                  "optimizer_param_s": o.optimizer_param_s,
                                  "optimizer_dtensor_param_s": o.optimizer_dtensor_param_s,
                                  "source": o.source}
