@@ -222,7 +222,8 @@ class OpOverhead(Record):
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
-                     "selective_s", "selective_dispatch_s", "optimizer_param_s", "optimizer_dtensor_param_s"):
+                     "selective_s", "selective_dispatch_s", "optimizer_param_s",
+                     "optimizer_dtensor_param_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
