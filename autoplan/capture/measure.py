@@ -20,10 +20,9 @@ import torch.fx as fx
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter as _fc
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..opstream import COUNTED, OpStream, enters_dispatch_mode, op_name
+from ..opstream import COUNTED, DispatchCount, OpStream, op_name
 from .export import _fix_device
 
 aten = torch.ops.aten
@@ -70,21 +69,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class _Dispatched(TorchDispatchMode):
+class _Dispatched(DispatchCount):
     """Records the counted dispatched operators (:mod:`autoplan.opstream`) of what runs
     under it, as the runtime's selective-checkpoint policy will see them, and in ``total``
-    how many operators reach it (:func:`~autoplan.opstream.enters_dispatch_mode`)."""
+    how many operators reach it (:class:`~autoplan.opstream.DispatchCount`)."""
 
     def __init__(self, stream: OpStream) -> None:
         super().__init__()
         self.stream = stream
         self.names: list[str] = []
-        self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.total += enters_dispatch_mode(func)
-        out = func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         kind = self.stream.kind(func, args, kwargs)
         self.stream.produced(func, kind, args, out)
         if kind == COUNTED:
