@@ -202,7 +202,7 @@ def test_the_overhead_block_has_the_operators_it_counts():
     assert len(ops) == OVERHEAD_BLOCK_OPS, ops
 
 
-def test_the_selective_figure_is_per_operator_the_block_dispatches(monkeypatch):
+def test_the_selective_figure_is_per_operator_the_block_dispatches():
     """The selective-recompute figure is divided by the operators the block's forward
     dispatches, counted as the capture counts a layer's (``dispatched_ops``), more than it
     captures; the forward and backward figures stay per captured operator."""

@@ -12,10 +12,11 @@ training):
   (gloo on CPU, NCCL on CUDA);
 * on CPU, the host's time per operator: a tiny transformer block (so small its
   arithmetic is negligible) forward and forward + backward, per captured operator,
-  the extra time per operator under selective recompute (torch's selective checkpoint
-  dispatches every operator through Python), the extra time of a tensor-parallel
-  (DTensor) linear over a plain one (on real pairs of ranks where ranks share cores),
-  and an AdamW step's time per parameter tensor, plain and DTensor (added once per step); every repeat is timed on all ranks at once, from the
+  the extra time per dispatched operator under selective recompute (torch's selective
+  checkpoint runs every operator the block dispatches through Python), the extra time
+  of a tensor-parallel (DTensor) linear over a plain one (on real pairs of ranks where
+  ranks share cores), and an AdamW step's time per parameter tensor, plain and DTensor
+  (added once per step); every repeat is timed on all ranks at once, from the
   first rank's start to the last rank's end (ranks that share cores take turns).  The
   cost model adds it per operator and micro-batch (on a GPU the host enqueues work
   ahead of the device and this time is hidden, so it is not measured there).
