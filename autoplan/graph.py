@@ -234,8 +234,12 @@ class LayerRecord(Record):
     captured micro-batch, where a Python dispatch mode sees them (composites such as
     ``linear`` arrive as ``t`` + ``addmm``; views, casts and allocations count, metadata
     queries do not; a reshape that needs a copy only at other sizes adds one there):
-    torch's selective checkpoint runs its mode for each (``OpOverhead.selective_dispatch_s``);
-    0 in graphs captured before it was recorded.
+    torch's selective checkpoint runs its mode for each (``OpOverhead.selective_dispatch_s``),
+    and the host pays its time per operator in the forward (``OpOverhead.forward_dispatch_s``).
+    ``autograd_nodes`` counts the nodes the layer's backward runs (its parameters'
+    ``AccumulateGrad`` included; a view's node counts though it runs no operator), which the
+    autograd engine's host time goes by (``OpOverhead.backward_node_s``).  Both are 0 in
+    graphs captured before they were recorded.
     """
 
     name: str
@@ -261,6 +265,7 @@ class LayerRecord(Record):
     param_tensors: int = 0
     tp_param_tensors: int = 0
     dispatched_ops: int = 0
+    autograd_nodes: int = 0
 
     @property
     def flops(self) -> int:

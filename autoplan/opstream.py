@@ -48,7 +48,7 @@ An :class:`OpStream` sorts each dispatched operator into one of five kinds:
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -120,6 +120,30 @@ class DispatchCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.total += enters_dispatch_mode(func)
         return func(*args, **(kwargs or {}))
+
+
+def autograd_nodes(outputs: list[torch.Tensor], counts_leaf: Callable[[torch.Tensor], bool]) -> int:
+    """How many nodes a backward from ``outputs`` runs: every ``grad_fn`` reachable from
+    theirs, each once, and of the leaves' ``AccumulateGrad`` nodes those whose tensor
+    ``counts_leaf`` (a block's parameters, not the fresh leaves standing in for its
+    inputs).  The autograd engine's host time goes per node, whether the node runs one
+    operator (``AddmmBackward0``) or none (a view's).  What
+    :attr:`~autoplan.graph.LayerRecord.autograd_nodes` counts."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    count = 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is None:
+            count += 1
+            todo.extend(fn for fn, _ in node.next_functions)
+        elif counts_leaf(leaf):
+            count += 1
+    return count
 
 
 def _is_random(func: Any, args: tuple, kwargs: dict) -> bool:

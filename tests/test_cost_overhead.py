@@ -1,9 +1,10 @@
 """The host's time per operator (``DeviceType.op_overhead``), computed by hand.
 
 On a CPU every operator of an eager step pays the dispatcher before its arithmetic; the
-profiler measures that per captured operator (:mod:`autoplan.hardware.profiler`) and the
-cost model adds it per captured operator of each layer and micro-batch, whatever the
-micro-batch's size, plus the DTensor machinery of each tensor-parallel linear when tp > 1,
+profiler measures that per operator a block's forward dispatches and per node its backward
+runs (:mod:`autoplan.hardware.profiler`; profiles before them per captured operator) and the
+cost model adds it per those of each layer and micro-batch, whatever the micro-batch's
+size, plus the DTensor machinery of each tensor-parallel linear when tp > 1,
 and under selective recompute torch's Python dispatch mode per operator a block dispatches;
 and once per step the optimizer's per parameter tensor, plain or DTensor.
 """
@@ -150,6 +151,55 @@ def test_a_block_dispatches_what_the_capture_counts(graph):
     assert graph.micro_batch == 1 and eager == {1: 48, 2: 51}
     blocks = [layer for layer in graph.layers if layer.kind.value == "block"]
     assert all(layer.dispatched_ops == 48 for layer in blocks)
+
+
+def test_a_block_runs_the_autograd_nodes_the_capture_counts(graph):
+    """``autograd_nodes`` is what the block's backward runs: 45 nodes for its operators (a
+    view's node too) and 12 parameters accumulated; the whole model's graph, what the
+    capture's layers add up to (the embedding's index nodes, the head and the loss).  A
+    layer that only builds masks or tables runs none (test_capture's Llama)."""
+    import torch
+
+    from autoplan.opstream import autograd_nodes
+    from autoplan.runtime.loss import token_cross_entropy
+
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    ids = torch.randint(0, CONFIG.vocab_size, (graph.micro_batch, CONFIG.seq_len))
+    x = model.drop(model.tok_emb(ids) + model.pos_emb(torch.arange(CONFIG.seq_len)))
+    block = model.blocks[1](x.detach().requires_grad_(True))
+    is_param = lambda t: isinstance(t, torch.nn.Parameter)   # noqa: E731
+    blocks = [layer for layer in graph.layers if layer.kind.value == "block"]
+    assert autograd_nodes([block], is_param) == 57
+    assert all(layer.autograd_nodes == 57 for layer in blocks)
+    loss = token_cross_entropy(model(ids), ids, shift=True)   # the capture's objective
+    assert sum(l.autograd_nodes for l in graph.layers) == autograd_nodes([loss], is_param)
+
+
+def test_host_time_is_per_dispatched_operator_and_autograd_node(graph):
+    """A profile with the per-dispatch figures prices each layer's forward per operator it
+    dispatches and its backward per autograd node, in every micro-batch; the per-captured
+    figures beside them are then unused.  A graph captured before the counts (every
+    ``autograd_nodes`` 0) is priced per captured operator."""
+    import dataclasses
+
+    from autoplan.graph import ModelGraph
+
+    s = Strategy(dp=2, micro_batch=2, global_batch=8, precision="fp32")
+    micro_batches = 8 // 2 // 2
+    per_dispatch = {**OVERHEAD, "forward_dispatch_s": 3e-6, "backward_node_s": 7e-6}
+    added = (_step(graph, s, per_dispatch).breakdown["compute_s"]
+             - _step(graph, s, None).breakdown["compute_s"])
+    dispatched = sum(l.dispatched_ops for l in graph.layers)
+    nodes = sum(l.autograd_nodes for l in graph.layers)
+    assert added == pytest.approx(micro_batches * (dispatched * 3e-6 + nodes * 7e-6), rel=1e-9)
+    old = ModelGraph.from_json(dataclasses.replace(
+        graph, layers=tuple(dataclasses.replace(l, autograd_nodes=0) for l in graph.layers)
+    ).to_json())
+    added_old = (_step(old, s, per_dispatch).breakdown["compute_s"]
+                 - _step(old, s, None).breakdown["compute_s"])
+    assert added_old == pytest.approx(micro_batches * (5 + 4 * 28 + 8) * (10e-6 + 20e-6),
+                                      rel=1e-9)
 
 
 def test_selective_recompute_pays_the_dispatch_mode_per_operator(graph):

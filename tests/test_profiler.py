@@ -116,10 +116,12 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     profile round-trips through YAML with it."""
     per_rank = [{"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 200e-6,
                  "tp_linear_backward_s": 500e-6, "selective_dispatch_s": 150e-6,
-                 "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 190e-6},
+                 "optimizer_param_s": 40e-6, "optimizer_dtensor_param_s": 190e-6,
+                 "forward_dispatch_s": 5e-6, "backward_node_s": 8e-6},
                 {"forward_s": 12e-6, "backward_s": 25e-6, "tp_linear_forward_s": 150e-6,
                  "tp_linear_backward_s": 600e-6, "selective_dispatch_s": 170e-6,
-                 "optimizer_param_s": 35e-6, "optimizer_dtensor_param_s": 210e-6}]
+                 "optimizer_param_s": 35e-6, "optimizer_dtensor_param_s": 210e-6,
+                 "forward_dispatch_s": 6e-6, "backward_node_s": 7e-6}]
     profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
                                 cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
                                 copy_bytes=2**20)
@@ -127,8 +129,10 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s,
             o.selective_dispatch_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
         (12e-6, 30e-6, 200e-6, 600e-6, 170e-6, 40e-6, 210e-6)
+    assert (o.forward_dispatch_s, o.backward_node_s) == (6e-6, 8e-6)
     assert o.selective_s == 0.0   # the per-captured-operator figure of older profiles
-    assert "28 captured operators" in o.source and "AdamW step over 32" in o.source
+    assert "per autograd node" in o.source and "28 a block" in o.source
+    assert "AdamW step over 32" in o.source
     # tensor-parallel linears: on a one-rank mesh here; on pairs of ranks where they share cores
     assert "on a one-rank mesh, plus the functional" in o.source
     shared, _ = _build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
@@ -141,10 +145,12 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert parse_profile(yaml.safe_load(text)) == profile
     # a profile written before the optimizer's figures were measured loads with 0 for them
     old = yaml.safe_load(text)
-    for key in ("optimizer_param_s", "optimizer_dtensor_param_s"):
+    for key in ("optimizer_param_s", "optimizer_dtensor_param_s", "forward_dispatch_s",
+                "backward_node_s"):
         del old["device"]["op_overhead"][key]
     o_old = parse_profile(old).device.op_overhead
     assert (o_old.optimizer_param_s, o_old.optimizer_dtensor_param_s) == (0.0, 0.0)
+    assert (o_old.forward_dispatch_s, o_old.backward_node_s) == (0.0, 0.0)
     assert o_old.forward_s == o.forward_s
     # one written when selective recompute was measured per captured operator keeps that
     older = yaml.safe_load(text)
@@ -182,60 +188,56 @@ def test_optimizer_overhead_is_per_parameter_tensor():
 
 
 def test_the_overhead_block_has_the_operators_it_counts():
-    """``OVERHEAD_BLOCK_OPS`` is what the capture records for the block: its figure is per
-    captured operator, the unit the cost model multiplies it by."""
+    """``OVERHEAD_BLOCK_OPS`` is what the capture records for one block: the per-captured
+    figures are per that unit, the one older graphs are priced by."""
     import torch
 
     from autoplan.cost.summary import _NOT_OPERATORS
-    from autoplan.hardware.profiler import OVERHEAD_BLOCK_OPS, _overhead_block, _overhead_params
+    from autoplan.hardware.profiler import OVERHEAD_BLOCK_OPS, _overhead_model
 
-    params = _overhead_params(torch, 8)
-
-    class Block(torch.nn.Module):
-        def forward(self, x):
-            return _overhead_block(torch, x, params)
-
-    ep = torch.export.export(Block(), (torch.randn(1, 4, 8),))
+    ep = torch.export.export(_overhead_model(torch, 8, 1), (torch.randn(1, 4, 8),))
     targets = [getattr(n.target, "__name__", str(n.target)) if n.target.__module__ == "_operator"
                else str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     ops = [t for t in targets if not any(t.startswith(p) for p in _NOT_OPERATORS)]
     assert len(ops) == OVERHEAD_BLOCK_OPS, ops
 
 
-def test_the_selective_figure_is_per_operator_the_block_dispatches():
-    """The selective-recompute figure is divided by the operators the block's forward
-    dispatches, counted as the capture counts a layer's (``dispatched_ops``), more than it
-    captures; the forward and backward figures stay per captured operator."""
+def test_the_host_figures_are_per_unit_the_capture_counts():
+    """The forward figure is divided by the operators the blocks' forward dispatches and the
+    backward figure by the autograd nodes their backward runs, each counted as the capture
+    counts a layer's (``dispatched_ops``, ``autograd_nodes``: the capture of the same blocks
+    gives the same totals, less what its objective adds); the selective figure by one
+    block's dispatched operators.  Both counts exceed the captured operators (``linear``
+    dispatches ``t`` + ``addmm``; views have nodes), which the older figures stay per."""
     import torch
 
     from autoplan import trace
     from autoplan.hardware import profiler
-    from autoplan.opstream import DispatchCount
+    from autoplan.opstream import DispatchCount, autograd_nodes
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict(
-                profiler._overhead_params(torch, profiler._OVERHEAD_WIDTH))
-
-        def forward(self, x):
-            return profiler._overhead_block(torch, x, self.p)
-
-    block, x = Block(), torch.randn(1, 4, profiler._OVERHEAD_WIDTH)
+    h, k = profiler._OVERHEAD_WIDTH, profiler._OVERHEAD_BLOCKS
+    stack = profiler._overhead_model(torch, h, k)
+    x = torch.randn(1, 4, h)
     with DispatchCount() as eager:
-        block(x.requires_grad_(True))
-    with DispatchCount() as objective:    # what the capture's objective adds (a sum)
-        block(x).sum()
-    graph = trace(block, example_inputs=x.detach())
-    assert sum(layer.dispatched_ops for layer in graph.layers) == objective.total
-    assert objective.total == eager.total + 1
-    assert eager.total > profiler.OVERHEAD_BLOCK_OPS     # linear: t + addmm, and views
+        y = stack(x.requires_grad_(True))
+    nodes = autograd_nodes([y], lambda t: isinstance(t, torch.nn.Parameter))
+    with DispatchCount() as one:
+        stack[0](x)
+    graph = trace(stack, example_inputs=x.detach())
+    objective = 1     # the capture's objective: a sum (one operator, one node)
+    assert sum(layer.dispatched_ops for layer in graph.layers) == eager.total + objective
+    assert sum(layer.autograd_nodes for layer in graph.layers) == nodes + objective
+    assert eager.total == k * one.total
+    assert one.total > profiler.OVERHEAD_BLOCK_OPS and nodes > k * profiler.OVERHEAD_BLOCK_OPS
 
-    calls = iter([0.28, 0.84, 1.0])     # forward, forward + backward, under selective
-    fwd, bwd, sel = profiler._measure_op_overhead(torch, lambda fn: next(calls))
-    n = profiler.OVERHEAD_BLOCK_OPS
-    assert (fwd, bwd) == (pytest.approx(0.28 / n), pytest.approx(0.56 / n))
-    assert sel == pytest.approx(0.16 / eager.total)
+    calls = iter([0.28, 0.84, 0.5, 0.66])   # forward, forward + backward, one block, selective
+    got = profiler._measure_op_overhead(torch, lambda fn: next(calls))
+    n = profiler.OVERHEAD_BLOCK_OPS * k
+    assert got["forward_s"] == pytest.approx(0.28 / n)
+    assert got["backward_s"] == pytest.approx(0.56 / n)
+    assert got["forward_dispatch_s"] == pytest.approx(0.28 / (eager.total + objective))
+    assert got["backward_node_s"] == pytest.approx(0.56 / (nodes + objective))
+    assert got["selective_dispatch_s"] == pytest.approx(0.16 / one.total)
 
 
 def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
@@ -393,6 +395,7 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert cluster.collective_time("p2p", [0, 1], 1e6) > 0
     o = device.op_overhead     # on CPU the host's time per operator adds to the device's
     assert o is not None and 1e-8 < o.forward_s < 1e-2 and 1e-8 < o.backward_s < 1e-2
+    assert 1e-8 < o.forward_dispatch_s < o.forward_s and 1e-8 < o.backward_node_s < 1e-2
     assert 0 <= o.tp_linear_forward_s < 0.1 and 0 <= o.tp_linear_backward_s < 0.1
     # torch's selective checkpoint: Python per dispatched operator
     assert 1e-8 < o.selective_dispatch_s < 0.1 and o.selective_s == 0.0

@@ -170,6 +170,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
         first = _Measure(gm, args, kwargs, quad_seq, set())
         measured, values, param_of_node = first.run()
         dispatched, dispatch_counts = first.dispatched, first.dispatch_counts
+        autograd_counts = first.autograd_counts
         for node in gm.graph.nodes:
             if node.name in values and node.op != "output":
                 v = values[node.name]
@@ -248,6 +249,7 @@ def trace(model: nn.Module, *, seq_len: int | None = None, example_inputs: Any =
             param_count=pcount, param_bytes=params,
             param_tensors=ptensors, tp_param_tensors=tp_tensors,
             dispatched_ops=sum(dispatch_counts.get(n.name, 0) for n in l.nodes),
+            autograd_nodes=sum(autograd_counts.get(n.name, 0) for n in l.nodes),
             saved_bytes=sum(n.saved_bytes for n in nodes),
             saved_tp_sharded_bytes=sum(n.saved_tp_sharded_bytes for n in nodes),
             saved_quadratic_bytes=sum(n.saved_quadratic_bytes for n in nodes),

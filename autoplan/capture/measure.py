@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter as _fc
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..opstream import COUNTED, DispatchCount, OpStream, op_name
+from ..opstream import COUNTED, DispatchCount, OpStream, autograd_nodes, op_name
 from .export import _fix_device
 
 aten = torch.ops.aten
@@ -92,8 +92,10 @@ class _Dispatched(DispatchCount):
 class _Measure:
     """Run a captured graph node by node under FakeTensorMode, measuring each node.
 
-    ``dispatched`` gets, per node, the counted operators it dispatched (in order), and
-    ``dispatch_counts`` how many operators it dispatched in all.
+    ``dispatched`` gets, per node, the counted operators it dispatched (in order),
+    ``dispatch_counts`` how many operators it dispatched in all, and ``autograd_counts``
+    how many autograd nodes its backward runs (:func:`~autoplan.opstream.autograd_nodes`;
+    its parameters' ``AccumulateGrad`` included, the leaves standing in for its inputs not).
     """
 
     def __init__(self, gm: fx.GraphModule, args: tuple, kwargs: dict, seq_len: int | None,
@@ -108,6 +110,7 @@ class _Measure:
         self.gathered: set[str] = set()
         self.dispatched: dict[str, tuple[str, ...]] = {}
         self.dispatch_counts: dict[str, int] = {}
+        self.autograd_counts: dict[str, int] = {}
 
     def run(self) -> tuple[dict[str, _Measured], dict[str, Any], dict[str, str]]:
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -119,6 +122,7 @@ class _Measure:
         saved_seen: set[StorageWeakRef] = set()
         param_storages: set[StorageWeakRef] = set()
         param_of_node: dict[str, str] = {}
+        param_ids: set[int] = set()     # the parameters' fakes (leaves autograd accumulates into)
         gathered = self.gathered
         stream = OpStream()
         mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -141,6 +145,7 @@ class _Measure:
                         if is_param:
                             fake.requires_grad_(True)
                             param_of_node[node.name] = node.target
+                            param_ids.add(id(fake))
                         param_storages.add(StorageWeakRef(fake.untyped_storage()))
                         values[node.name] = fake
                         requires[node.name] = is_param
@@ -211,6 +216,8 @@ class _Measure:
                 self.dispatched[node.name] = tuple(dispatched.names)
                 self.dispatch_counts[node.name] = dispatched.total
                 outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+                self.autograd_counts[node.name] = autograd_nodes(
+                    outs, lambda t: id(t) in param_ids)
                 grad_leaves = [l for l in leaves if l.requires_grad]
                 if outs and grad_leaves:
                     with _fc.FlopCounterMode(display=False) as bwd:

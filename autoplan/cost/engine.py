@@ -275,6 +275,20 @@ def prefetch_exposed(shares: tuple[float, ...], compute_s: float, comm_s: float)
     return sum(max(0.0, comm_s * shares[(i + 1) % k] - compute_s * shares[i]) for i in range(k))
 
 
+def _host_s(overhead, layer: LayerCost, captured_ops: int, counted: bool) -> tuple[float, float]:
+    """Host seconds of one micro-batch of ``layer`` in the forward and in the backward (a
+    CPU device, where the host is the device): ``OpOverhead.forward_dispatch_s`` per
+    operator its forward dispatches (``layer.dispatched_ops``) and
+    ``OpOverhead.backward_node_s`` per node its backward runs (``layer.autograd_nodes``).
+    ``counted``: the graph records both counts (a layer that builds a mask without
+    gradient runs no autograd node).  A profile or a graph from before them prices per
+    captured operator (``forward_s``, ``backward_s``)."""
+    if overhead.forward_dispatch_s and counted:
+        return (layer.dispatched_ops * overhead.forward_dispatch_s,
+                layer.autograd_nodes * overhead.backward_node_s)
+    return captured_ops * overhead.forward_s, captured_ops * overhead.backward_s
+
+
 def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int) -> float:
     """Host seconds torch's selective checkpoint adds to one micro-batch of a block: its
     Python dispatch mode runs for every operator the forward and the recompute dispatch,
@@ -424,6 +438,8 @@ class CostEngine:
         self._templates: dict[str, LayerCost] = {}
         for l in self.summary.layers:
             self._templates.setdefault(l.template, l)
+        # graphs captured before the host-time counts have no autograd nodes anywhere
+        self._host_counted = any(l.autograd_nodes for l in self._templates.values())
         self._device_cache: dict[tuple[int, ...], object] = {}
         #: Whether the cluster has one device type (then every replica costs the same).
         self.homogeneous = len(self.cluster.device_types) == 1
@@ -622,8 +638,10 @@ class CostEngine:
         if overhead is not None:
             # the host's dispatch per operator, whatever the micro-batch (CPU devices)
             ops, tp_linears = self.summary.op_counts[template]
-            fwd += ops * overhead.forward_s
-            bwd += ops * overhead.backward_s
+            host_fwd, host_bwd = _host_s(overhead, self._templates[template], ops,
+                                         self._host_counted)
+            fwd += host_fwd
+            bwd += host_bwd
             if tp > 1:
                 fwd += tp_linears * overhead.tp_linear_forward_s
                 bwd += tp_linears * overhead.tp_linear_backward_s

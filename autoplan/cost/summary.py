@@ -111,7 +111,8 @@ class LayerCost:
     features of one dispatched token (the expert bank's input width).
     ``param_tensors`` and ``tp_param_tensors``: the layer's parameter tensors and those
     of them tensor parallelism shards, ``dispatched_ops`` the operators one eager forward
-    dispatches (:class:`~autoplan.graph.LayerRecord`).
+    dispatches and ``autograd_nodes`` the nodes its backward runs
+    (:class:`~autoplan.graph.LayerRecord`).
     ``sp_params``: the elements of each parameter tensor whose gradient sequence
     parallelism leaves partial over the tp group (the norms',
     :attr:`~autoplan.graph.TPStructure.sp_replicated_params`).
@@ -149,6 +150,7 @@ class LayerCost:
     tp_param_tensors: int = 0
     sp_params: tuple[int, ...] = ()
     dispatched_ops: int = 0
+    autograd_nodes: int = 0
 
     @property
     def is_block(self) -> bool:
@@ -359,7 +361,7 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
         param_tensors=rec.param_tensors, tp_param_tensors=rec.tp_param_tensors,
-        dispatched_ops=rec.dispatched_ops,
+        dispatched_ops=rec.dispatched_ops, autograd_nodes=rec.autograd_nodes,
         sp_params=rec.tp.sp_replicated_params,
         **_experts(rec, matmuls),
         **_largest_module(rec),

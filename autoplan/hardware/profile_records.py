@@ -178,12 +178,22 @@ class OpOverhead(Record):
 
     Parameters
     ----------
-    forward_s : float
-        Seconds per captured forward operator (one node of the captured graph:
-        ``aten.linear``, ``aten.layer_norm``, ``aten.softmax``, a view...), in the forward.
-    backward_s : float
-        Seconds per captured forward operator, spent in the backward (autograd nodes,
-        their kernels' dispatch, gradient accumulation).
+    forward_dispatch_s : float
+        Seconds per operator a layer's forward dispatches
+        (:attr:`~autoplan.graph.LayerRecord.dispatched_ops`: ``linear`` arrives as ``t`` +
+        ``addmm``; views and allocations count), the module calls and Python between them
+        included.
+    backward_node_s : float
+        Seconds per node the layer's backward runs
+        (:attr:`~autoplan.graph.LayerRecord.autograd_nodes`: the autograd engine, the node's
+        kernels' dispatch, gradient accumulation).  Both 0 in profiles measured before them.
+    forward_s, backward_s : float
+        The same per *captured* forward operator (one node of the captured graph:
+        ``aten.linear``, ``aten.layer_norm``, a view...), in the forward and in the backward;
+        used where a profile has no ``forward_dispatch_s`` or a graph no counts.  A captured
+        operator is a coarser unit: a layer of composites (``linear``, ``matmul``) dispatches
+        more per captured operator, and one that builds masks or rotary tables without
+        gradient has no backward for them.
     tp_linear_forward_s, tp_linear_backward_s : float
         Extra seconds per tensor-parallel linear (a DTensor ``ColwiseParallel`` /
         ``RowwiseParallel`` module: sharding propagation, wrapping and unwrapping, the
@@ -219,11 +229,13 @@ class OpOverhead(Record):
     selective_dispatch_s: float = 0.0
     optimizer_param_s: float = 0.0
     optimizer_dtensor_param_s: float = 0.0
+    forward_dispatch_s: float = 0.0
+    backward_node_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "selective_s", "selective_dispatch_s", "optimizer_param_s",
-                     "optimizer_dtensor_param_s"):
+                     "optimizer_dtensor_param_s", "forward_dispatch_s", "backward_node_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -251,7 +251,9 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("optimizer_param", "seconds per plain parameter tensor of an "
                                            "optimizer step"),
                       ("optimizer_dtensor_param", "seconds per DTensor parameter of an "
-                                                   "optimizer step")):
+                                                   "optimizer step"),
+                      ("forward_dispatch", "seconds per dispatched operator in the forward"),
+                      ("backward_node", "seconds per autograd node in the backward")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -453,6 +455,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  "selective_dispatch_s": o.selective_dispatch_s,
                                  "optimizer_param_s": o.optimizer_param_s,
                                  "optimizer_dtensor_param_s": o.optimizer_dtensor_param_s,
+                                 "forward_dispatch_s": o.forward_dispatch_s,
+                                 "backward_node_s": o.backward_node_s,
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

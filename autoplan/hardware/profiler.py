@@ -10,9 +10,10 @@ training):
 * all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and
   point-to-point (ping-pong) time over message sizes, with torch.distributed
   (gloo on CPU, NCCL on CUDA);
-* on CPU, the host's time per operator: a tiny transformer block (so small its
-  arithmetic is negligible) forward and forward + backward, per captured operator,
-  the extra time per dispatched operator under selective recompute (torch's selective
+* on CPU, the host's time per operator: tiny transformer blocks (so small their
+  arithmetic is negligible), the forward per operator they dispatch and the backward per
+  autograd node they run (and both per captured operator, for older graphs), the extra
+  time per dispatched operator under selective recompute (torch's selective
   checkpoint runs every operator the block dispatches through Python), the extra time
   of a tensor-parallel (DTensor) linear over a plain one (on real pairs of ranks where
   ranks share cores), and an AdamW step's time per parameter tensor, plain and DTensor
@@ -217,40 +218,62 @@ def _monotone(sizes: list[float], times: list[float]) -> tuple[list[float], list
 _OVERHEAD_WIDTH = 8
 
 
-def _overhead_params(torch, h: int) -> dict[str, Any]:
-    """Parameters of the tiny block of :func:`_overhead_block` (requiring gradients)."""
-    g = torch.Generator().manual_seed(0)
-    shapes = {"ln1_w": (h,), "ln1_b": (h,), "qkv_w": (3 * h, h), "qkv_b": (3 * h,),
-              "proj_w": (h, h), "proj_b": (h,), "ln2_w": (h,), "ln2_b": (h,),
-              "fc1_w": (4 * h, h), "fc1_b": (4 * h,), "fc2_w": (h, 4 * h), "fc2_b": (h,)}
-    return {k: torch.randn(*v, generator=g).requires_grad_(True) for k, v in shapes.items()}
+def _overhead_model(torch, h: int, blocks: int):
+    """``blocks`` tiny pre-norm transformer blocks of width ``h`` in an ``nn.Sequential``,
+    written with modules as models are (a block's host time includes its module calls):
+    two layer norms, four linears, a causal softmax attention with dropout, a GELU MLP and
+    two residual adds, :data:`OVERHEAD_BLOCK_OPS` captured operators each (not counting
+    ``getitem``).  Seeded, without touching the caller's random state."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.attn_dropout, self.resid_dropout = nn.Dropout(0.0), nn.Dropout(0.0)
+
+        def forward(self, x):
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, 2, h // 2).unbind(2)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(h // 2))
+            mask = torch.ones(s, s, dtype=torch.bool).tril().bitwise_not()
+            att = self.attn_dropout(att.masked_fill(mask, float("-inf")).softmax(-1))
+            out = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
+            return self.resid_dropout(self.proj(out))
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.act, self.proj = nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)
+            self.dropout = nn.Dropout(0.0)
+
+        def forward(self, x):
+            return self.dropout(self.proj(self.act(self.fc(x))))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.attn = nn.LayerNorm(h), Attention()
+            self.ln_2, self.mlp = nn.LayerNorm(h), MLP()
+
+        def forward(self, x):
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(*(Block() for _ in range(blocks)))
 
 
-def _overhead_block(torch, x, p):
-    """A pre-norm transformer block written as the operators ``torch.export`` captures
-    (:data:`OVERHEAD_BLOCK_OPS` of them, not counting ``getitem``): two layer norms, four
-    linears, a causal softmax attention with dropout, a GELU MLP and two residual adds."""
-    F = torch.nn.functional
-    b, s, h = x.shape
-    y = F.layer_norm(x, (h,), p["ln1_w"], p["ln1_b"])
-    qkv = F.linear(y, p["qkv_w"], p["qkv_b"]).view(b, s, 3, 2, h // 2)
-    q, k, v = qkv.unbind(2)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(h // 2))
-    mask = torch.ones(s, s, dtype=torch.bool).tril().bitwise_not()
-    att = F.dropout(att.masked_fill(mask, float("-inf")).softmax(-1), 0.0, True)
-    out = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
-    x = x + F.dropout(F.linear(out, p["proj_w"], p["proj_b"]), 0.0, True)
-    y = F.layer_norm(x, (h,), p["ln2_w"], p["ln2_b"])
-    y = F.linear(F.gelu(F.linear(y, p["fc1_w"], p["fc1_b"])), p["fc2_w"], p["fc2_b"])
-    return x + F.dropout(y, 0.0, True)
-
-
-#: Captured operators in :func:`_overhead_block` (what the capture records for it, less
-#: ``getitem``): layer_norm, linear, view, unbind, 3 transpose, transpose, matmul, mul,
-#: ones, tril, bitwise_not, masked_fill, softmax, dropout, matmul, transpose, reshape,
-#: linear, dropout, add, layer_norm, linear, gelu, linear, dropout, add.
+#: Captured operators in one block of :func:`_overhead_model` (what the capture records
+#: for it, less ``getitem``): layer_norm, linear, view, unbind, 3 transpose, transpose,
+#: matmul, mul, ones, tril, bitwise_not, masked_fill, softmax, dropout, matmul, transpose,
+#: reshape, linear, dropout, add, layer_norm, linear, gelu, linear, dropout, add.
 OVERHEAD_BLOCK_OPS = 28
+#: Blocks the forward and backward host time is measured over: the autograd engine's
+#: start and the loss spread over several layers, as in a model.
+_OVERHEAD_BLOCKS = 4
 
 
 def _p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
@@ -261,39 +284,46 @@ def _p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
     return partner if partner is not None and partner < world else None
 
 
-def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]
-                         ) -> tuple[float, float, float]:
-    """A tiny transformer block's host time: ``(forward, backward, selective)``, seconds
-    per captured operator in the forward (with autograd recording) and in the backward
-    (forward + backward less the forward), and per *dispatched* operator the extra of
-    forward + backward with the block wrapped as :func:`autoplan.parallelize` wraps a
-    block under selective recompute (its softmax as the attention core): torch's
-    selective checkpoint pays its Python mode per operator that reaches it, and a
-    block dispatches more operators than the capture records (``linear`` arrives as
-    ``t`` + ``addmm``), the more so where composites abound; ``timed(fn)`` is seconds
-    per call."""
+def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Host time of tiny transformer blocks (:func:`_overhead_model`, arithmetic
+    negligible), as :class:`~autoplan.hardware.OpOverhead` fields (``timed(fn)`` is
+    seconds per call):
+
+    * over :data:`_OVERHEAD_BLOCKS` blocks, the forward (with autograd recording) per
+      operator it dispatches (``forward_dispatch_s``) and the backward (forward + backward
+      less the forward) per autograd node it runs (``backward_node_s``), counted as the
+      capture counts a layer's (:func:`~autoplan.opstream.autograd_nodes`); the same per
+      captured operator (``forward_s``, ``backward_s``) for graphs without the counts;
+    * over one block, the extra of forward + backward with the block wrapped as
+      :func:`autoplan.parallelize` wraps a block under selective recompute (its softmax as
+      the attention core), per operator its forward dispatches (``selective_dispatch_s``):
+      torch's selective checkpoint pays its Python mode per operator that reaches it."""
     from ..graph import AttentionCore, CoreOp
-    from ..opstream import DispatchCount
+    from ..opstream import DispatchCount, autograd_nodes
     from ..runtime.ac import apply_ac
     from ..strategy import Recompute
 
     h = _OVERHEAD_WIDTH
-    params = _overhead_params(torch, h)
+    stack = _overhead_model(torch, h, _OVERHEAD_BLOCKS)
     x = torch.randn(1, 4, h).requires_grad_(True)
+    with DispatchCount() as dispatched:
+        loss = stack(x).sum()
+    nodes = autograd_nodes([loss], lambda t: isinstance(t, torch.nn.Parameter))
+    fwd = timed(lambda: stack(x).sum())
+    both = timed(lambda: stack(x).sum().backward())
+    bwd = max(0.0, both - fwd)
+    captured = OVERHEAD_BLOCK_OPS * _OVERHEAD_BLOCKS
 
-    class Block(torch.nn.Module):
-        def forward(self, t):
-            return _overhead_block(torch, t, params)
-
+    block = _overhead_model(torch, h, 1)[0]
     core = AttentionCore(nodes=("softmax",), ops=(CoreOp("_softmax", 0),), calls={"_softmax": 1})
-    selective = apply_ac(Block(), Recompute.SELECTIVE, core=core)
-    fwd = timed(lambda: _overhead_block(torch, x, params))
-    both = timed(lambda: _overhead_block(torch, x, params).sum().backward())
+    selective = apply_ac(_overhead_model(torch, h, 1)[0], Recompute.SELECTIVE, core=core)
+    plain = timed(lambda: block(x).sum().backward())
     sac = timed(lambda: selective(x).sum().backward())
-    with DispatchCount() as count:
-        _overhead_block(torch, x, params)
-    n = OVERHEAD_BLOCK_OPS
-    return fwd / n, max(0.0, both - fwd) / n, max(0.0, sac - both) / count.total
+    with DispatchCount() as one:
+        block(x)
+    return {"forward_s": fwd / captured, "backward_s": bwd / captured,
+            "forward_dispatch_s": fwd / dispatched.total, "backward_node_s": bwd / nodes,
+            "selective_dispatch_s": max(0.0, sac - plain) / one.total}
 
 
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any,
@@ -620,12 +650,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     overhead = None
     if not cuda:
         dist.barrier()
-        op_fwd, op_bwd, op_sel = _measure_op_overhead(
-            torch, lambda fn: timed(fn, plan.overhead_target_s))
-        overhead = {"forward_s": op_fwd, "backward_s": op_bwd, "selective_dispatch_s": op_sel}
-        say(f"operator overhead: {op_fwd * 1e6:.1f} us forward, {op_bwd * 1e6:.1f} us backward "
-            f"per captured operator, {op_sel * 1e6:.1f} us more per dispatched operator under "
-            "selective recompute")
+        overhead = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s))
+        say(f"operator overhead: {overhead['forward_dispatch_s'] * 1e6:.1f} us per dispatched "
+            f"operator forward, {overhead['backward_node_s'] * 1e6:.1f} us per autograd node "
+            f"backward, {overhead['selective_dispatch_s'] * 1e6:.1f} us more per dispatched "
+            "operator under selective recompute")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -858,10 +887,12 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
         op_overhead = OpOverhead(
             **worst,
-            source=(f"{how}: a tiny transformer block's {OVERHEAD_BLOCK_OPS} captured operators "
-                    f"(width {_OVERHEAD_WIDTH}, arithmetic negligible), forward and forward + "
-                    "backward, per operator, and the extra of forward + backward under torch's "
-                    "selective checkpoint, per operator its forward dispatches; "
+            source=(f"{how}: {_OVERHEAD_BLOCKS} tiny transformer blocks (modules, width "
+                    f"{_OVERHEAD_WIDTH}, arithmetic negligible), the forward per operator it "
+                    "dispatches and forward + backward less the forward per autograd node "
+                    f"(and both per captured operator, {OVERHEAD_BLOCK_OPS} a block); one "
+                    "block's extra of forward + backward under torch's selective checkpoint, "
+                    "per operator its forward dispatches; "
                     "tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
                     + ("on two-rank groups, every pair at once (ranks share cores), less "
@@ -938,8 +969,9 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         *(["  latency per step: " + ", ".join(
             f"{op} {n.collective_latency.of(op) * 1e6:.0f} us" for op in COLLECTIVE_OPS)]
           if n.collective_latency is not None else []),
-        *([f"  overhead {d.op_overhead.forward_s * 1e6:.1f} + {d.op_overhead.backward_s * 1e6:.1f} us "
-           f"per captured operator (forward + backward); tensor-parallel linear "
+        *([f"  overhead {d.op_overhead.forward_dispatch_s * 1e6:.1f} us per dispatched operator "
+           f"forward, {d.op_overhead.backward_node_s * 1e6:.1f} us per autograd node backward; "
+           f"tensor-parallel linear "
            f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
            f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
