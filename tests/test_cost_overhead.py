@@ -155,9 +155,8 @@ def test_a_block_dispatches_what_the_capture_counts(graph):
 
 def test_a_block_runs_the_autograd_nodes_the_capture_counts(graph):
     """``autograd_nodes`` is what the block's backward runs: 45 nodes for its operators (a
-    view's node too) and 12 parameters accumulated; the whole model's graph, what the
-    capture's layers add up to (the embedding's index nodes, the head and the loss).  A
-    layer that only builds masks or tables runs none (test_capture's Llama)."""
+    view's node too) and 12 parameters accumulated; the whole model's backward from the
+    capture's objective, what the capture's layers add up to."""
     import torch
 
     from autoplan.opstream import autograd_nodes
