@@ -56,8 +56,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpStream", "StorageSet", "DispatchCount", "enters_dispatch_mode", "op_name",
-           "plain_tensors", "FREE", "ALLOC", "RANDOM", "FOLLOW", "COUNTED"]
+__all__ = ["OpStream", "StorageSet", "DispatchCount", "autograd_nodes", "enters_dispatch_mode",
+           "op_name", "plain_tensors", "FREE", "ALLOC", "RANDOM", "FOLLOW", "COUNTED"]
 
 FREE, ALLOC, RANDOM, FOLLOW, COUNTED = "free", "alloc", "random", "follow", "counted"
 

@@ -18,8 +18,8 @@ The CPU profile has no fitted calibration (``calibration=None``): the
 prediction uses only what the profiler measured on this machine, with no
 communication overlapped (gloo on CPU runs collectives on the computing cores):
 matmul and copy rates, the collectives, the host's time per dispatched operator, per
-autograd node and per tensor-parallel (DTensor) linear (``op_overhead``: on a CPU it adds to every
-operator of a micro-batch), and, with more ranks than cores, that the ranks share
+autograd node and per tensor-parallel (DTensor) linear (``op_overhead``: on a CPU it
+adds to every operator of a micro-batch), and, with more ranks than cores, that the ranks share
 them (``shared_cores``: a pipeline rank waiting in its bubble lends its core).
 
 Memory (``--memory``): predicted vs measured peak memory per rank for DP, ZeRO-1/2/3,

@@ -5,9 +5,10 @@ nothing.  :class:`_Measure` records per node (:class:`_Measured`) the forward an
 backward FLOPs (``FlopCounterMode``), the bytes autograd saves for backward
 (saved-tensor hooks; the share inside a tensor-parallel region and the share quadratic
 in the sequence, :func:`_quadratic_shape`, apart), the counted dispatched operators
-(:class:`_Dispatched`, as the runtime's selective-checkpoint policy sees them) and how
-many operators it dispatches in all (views included), as a Python dispatch mode sees
-an eager run of it.
+(:class:`_Dispatched`, as the runtime's selective-checkpoint policy sees them), how
+many operators it dispatches in all (views included, as a Python dispatch mode sees
+an eager run of it) and how many autograd nodes its backward runs
+(:func:`~autoplan.opstream.autograd_nodes`).
 """
 
 from __future__ import annotations

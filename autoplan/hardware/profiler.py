@@ -224,7 +224,7 @@ def _overhead_model(torch, h: int, blocks: int):
     two layer norms, four linears, a causal softmax attention with dropout, a GELU MLP and
     two residual adds, :data:`OVERHEAD_BLOCK_OPS` captured operators each (not counting
     ``getitem``).  Seeded, without touching the caller's random state."""
-    nn, F = torch.nn, torch.nn.functional
+    nn = torch.nn
 
     class Attention(nn.Module):
         def __init__(self) -> None:
@@ -314,7 +314,7 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> 
     bwd = max(0.0, both - fwd)
     captured = OVERHEAD_BLOCK_OPS * _OVERHEAD_BLOCKS
 
-    block = _overhead_model(torch, h, 1)[0]
+    block = stack[0]
     core = AttentionCore(nodes=("softmax",), ops=(CoreOp("_softmax", 0),), calls={"_softmax": 1})
     selective = apply_ac(_overhead_model(torch, h, 1)[0], Recompute.SELECTIVE, core=core)
     plain = timed(lambda: block(x).sum().backward())
@@ -888,8 +888,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         op_overhead = OpOverhead(
             **worst,
             source=(f"{how}: {_OVERHEAD_BLOCKS} tiny transformer blocks (modules, width "
-                    f"{_OVERHEAD_WIDTH}, arithmetic negligible), the forward per operator it "
-                    "dispatches and forward + backward less the forward per autograd node "
+                    f"{_OVERHEAD_WIDTH}, arithmetic negligible), the forward per operator they "
+                    "dispatch and forward + backward less the forward per autograd node "
                     f"(and both per captured operator, {OVERHEAD_BLOCK_OPS} a block); one "
                     "block's extra of forward + backward under torch's selective checkpoint, "
                     "per operator its forward dispatches; "
