@@ -266,3 +266,28 @@ def test_sequence_parallel_norm_gradients_are_reduced_once_per_step():
     wrapped = Strategy(dp=2, tp=2, zero=1, sequence_parallel=True, global_batch=4)
     assert tp_comm(wrapped) == pytest.approx(4 * ring(1000 * grad), rel=1e-12)
     assert tp_comm(wrapped, "megatron-core") == pytest.approx(ring(4 * 1000 * grad), rel=1e-12)
+
+
+def test_zero1_step_collectives_one_per_wrapped_layer():
+    """ZeRO-1's once-per-step reduce-scatter and all-gather: FSDP2 (the ``autoplan`` stack)
+    issues one of each per wrapped block, each paying the collective's latency; a bucketing
+    stack (``zero_step_per_layer=False``, Megatron's distributed optimizer) one over all the
+    blocks.  The bytes are the same; the difference is the latency of the extra calls."""
+    layers, params, latency = 3, 10**6, 1e-3
+    g = toy_graph(layers=layers, fwd_flops=10**9, params=params)
+    c = toy_cluster(devices_per_node=4, latency_s=latency)
+    s = Strategy(dp=4, zero=1, global_batch=4)
+    base = dict(overlap_grad_reduce=False, overlap_param_gather=False, zero_buffer_copies=False)
+    per_layer = _est(g, c, s, CostOptions(zero_step_per_layer=True, **base))
+    bucketed = _est(g, c, s, CostOptions(zero_step_per_layer=False, **base))
+    ring_steps = 4 - 1
+    extra = (layers - 1) * 2 * ring_steps * latency      # reduce-scatter + all-gather per block
+    assert per_layer.breakdown["dp_comm_s"] - bucketed.breakdown["dp_comm_s"] == \
+        pytest.approx(extra, rel=1e-9)
+    # the bucketed figure by hand: one reduce-scatter of the bf16 gradients and one
+    # all-gather of the parameters, 3/4 of the bytes each over the link, 3 latencies each
+    nbytes = layers * params * 2
+    by_hand = 2 * (ring_steps * latency + 3 / 4 * nbytes / 1e11)
+    assert bucketed.breakdown["dp_comm_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert CostOptions().zero_step_per_layer
+    assert not CostOptions(stack="megatron-core").zero_step_per_layer

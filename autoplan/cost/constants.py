@@ -232,6 +232,16 @@ class CostOptions(Record):
         its own all-reduce (torch 2.13; :func:`autoplan.parallelize`, torchtitan).
         ``False``, or without FSDP2: all of them in one all-reduce (Megatron-LM's
         ``_allreduce_layernorm_grads``; :func:`autoplan.parallelize` without FSDP2).
+    zero_step_per_layer : bool
+        The once-per-step data-parallel collectives of ZeRO-1 (the gradient
+        reduce-scatter) and ZeRO-1/2 (the parameter all-gather) run one per wrapped unit:
+        each block is its own unit and the rest of a rank's layers (embedding, final norm,
+        head) one more (FSDP2's ``fully_shard`` per block and on the root, what
+        :func:`autoplan.parallelize` runs; FSDP1 wraps alike).  Every call pays the
+        collective's latency, which is large where collectives are slow to start (gloo on
+        CPU: a millisecond per ring step).  ``False``: one collective over all of them
+        (Megatron's distributed optimizer and DeepSpeed bucket tens of millions of
+        parameters per call).
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -262,6 +272,7 @@ class CostOptions(Record):
     zero_buffer_copies: bool | None = None
     moe_dispatcher: str | None = None
     sp_grads_per_tensor_under_fsdp2: bool | None = None
+    zero_step_per_layer: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -329,7 +340,8 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
-                          "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2")
+                          "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
+                          "zero_step_per_layer")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -346,7 +358,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
            attention_kernel: str = "flash-attention-2",
            zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
-           sp_grads_per_tensor_under_fsdp2: bool = False) -> Stack:
+           sp_grads_per_tensor_under_fsdp2: bool = False,
+           zero_step_per_layer: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -357,7 +370,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
         zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
-        sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2))
+        sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2,
+        zero_step_per_layer=zero_step_per_layer))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -368,7 +382,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce, "
            "copying the gradients into its buckets and back) or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
-           "backward, both through flat buffers it copies into and out of); tensor-parallel "
+           "backward, both through flat buffers it copies into and out of, one collective "
+           "per block and one for the rest of a rank's layers); tensor-parallel "
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
            "overlapped, whole on every tp rank, its receive buffers kept for every "
            "micro-batch of a step; the model's own attention as captured; MoE: the family's "
@@ -377,7 +392,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "all-reduce each under FSDP2, all in one without it",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
-           zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True),
+           zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
+           zero_step_per_layer=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "
@@ -407,9 +423,10 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "prefetched, reduce-scatters under the backward, one gather per layer for recompute "
            "and backward, gathered in place into flat parameters (FSDP1; FSDP2 copies through "
            "its buffers: zero_buffer_copies=True); no tensor- or pipeline-parallel overlap "
-           "(e.g. MosaicML LLM Foundry, torchtitan without async TP)",
+           "(e.g. MosaicML LLM Foundry, torchtitan without async TP); one collective per "
+           "wrapped layer",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False),
+           tp_comm_overlap=False, pp_comm_overlap=False, zero_step_per_layer=True),
 )}
 
 

@@ -76,7 +76,9 @@ The ranks combine through the schedule (:mod:`autoplan.cost.schedules`).  After
 the last backward, each rank reduces its gradients over its data-parallel (x
 context-parallel) group: an all-reduce (ZeRO-0) or reduce-scatter plus
 parameter all-gather (ZeRO-1, Megatron's distributed optimizer; ZeRO-2's
-all-gather).  Under ``zero_buffer_copies`` (torch's wrappers, what
+all-gather), one of each per wrapped block and one for the rest of the rank's
+layers under ``zero_step_per_layer`` (FSDP), one over all of them otherwise.
+Under ``zero_buffer_copies`` (torch's wrappers, what
 :func:`autoplan.parallelize` runs) these step-level collectives also copy through
 flat buffers at the memory bandwidth: the gradients into the reduction's input
 and, for an all-reduce, its result back out (DDP's buckets, FSDP2's
@@ -1157,6 +1159,11 @@ class CostEngine:
         p2p_fwd = p2p_bwd = 0.0                 # pipeline sends of one micro-batch
         shared = 0.0                            # inputs every layer shares (held once)
         tied_extra = 0.0
+        # ZeRO-1/2 layers by wrapped unit (CostOptions.zero_step_per_layer): a block's
+        # (zero, parameters, expert parameters) -> how many; the rest in one root unit
+        step_units: dict[tuple[int, float, float], int] = {}
+        root_unit = [0.0, 0.0, 0.0, 0.0]        # parameters of ZeRO-1 and ZeRO-2 layers;
+        # their expert parameters
         tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
         sp_grads: dict[tuple, list[float]] = {}  # tp group -> [tensors, elements] (sequence
         # parallelism's partial gradients)
@@ -1214,6 +1221,13 @@ class CostEngine:
                     backward += count * backward_s
                     params_by_zero[seg.zero] += count * local_params
                     experts_by_zero[seg.zero] += count * local_expert_params
+                    if seg.zero in (1, 2) and (local_params or local_expert_params):
+                        if l.is_block:
+                            unit = (seg.zero, local_params, local_expert_params)
+                            step_units[unit] = step_units.get(unit, 0) + count
+                        else:
+                            root_unit[seg.zero - 1] += count * local_params
+                            root_unit[seg.zero + 1] += count * local_expert_params
                     tensors += count * l.param_tensors
                     if t > 1:
                         tp_tensors += count * l.tp_param_tensors
@@ -1263,21 +1277,44 @@ class CostEngine:
         param_bytes, grad_bytes = recipe.param_bytes, recipe.grad_bytes   # per parameter
         reduced0 = params_by_zero[0] + tied_extra
         reduced1 = params_by_zero[1]
-        t_reduce = \
-            self.collective_time("all_reduce", dp_group, reduced0 * grad_bytes, dp_concurrency, dp_key) + \
-            self.collective_time("reduce_scatter", dp_group, reduced1 * grad_bytes, dp_concurrency, dp_key)
         gathered = reduced1 + params_by_zero[2]
-        t_gather = self.collective_time("all_gather", dp_group, gathered * param_bytes, dp_concurrency,
-                                        dp_key)
         x0, x1, x2, x3 = experts_by_zero     # expert banks: over the edp group
-        if x0 or x1 or x2:
-            edp_group = groups.edp
-            edp_key = (edp_group[0], len(edp_group), ep_key[2])   # ep_key[2]: hash(edp_group)
-            t_reduce += \
-                self.collective_time("all_reduce", edp_group, x0 * grad_bytes, dp_concurrency, edp_key) + \
-                self.collective_time("reduce_scatter", edp_group, x1 * grad_bytes, dp_concurrency, edp_key)
-            t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * param_bytes,
+        edp_group = groups.edp
+        edp_key = ((edp_group[0], len(edp_group), ep_key[2])   # ep_key[2]: hash(edp_group)
+                   if edp_group else None)
+        t_reduce = self.collective_time("all_reduce", dp_group, reduced0 * grad_bytes,
+                                        dp_concurrency, dp_key)
+        if x0:
+            t_reduce += self.collective_time("all_reduce", edp_group, x0 * grad_bytes,
                                              dp_concurrency, edp_key)
+        if opts.zero_step_per_layer and zero_degree > 1:
+            # one reduce-scatter (ZeRO-1) and one all-gather (ZeRO-1/2) per wrapped unit
+            t_gather = 0.0
+            units = [(z, n, x, count) for (z, n, x), count in step_units.items()]
+            units += [(z, root_unit[z - 1], root_unit[z + 1], 1) for z in (1, 2)
+                      if root_unit[z - 1] or root_unit[z + 1]]
+            for z, n, x, count in units:
+                if z == 1:
+                    t_reduce += count * (
+                        self.collective_time("reduce_scatter", dp_group, n * grad_bytes,
+                                             dp_concurrency, dp_key)
+                        + self.collective_time("reduce_scatter", edp_group, x * grad_bytes,
+                                               dp_concurrency, edp_key))
+                t_gather += count * (
+                    self.collective_time("all_gather", dp_group, n * param_bytes,
+                                         dp_concurrency, dp_key)
+                    + self.collective_time("all_gather", edp_group, x * param_bytes,
+                                           dp_concurrency, edp_key))
+        else:
+            t_reduce += self.collective_time("reduce_scatter", dp_group, reduced1 * grad_bytes,
+                                             dp_concurrency, dp_key)
+            t_gather = self.collective_time("all_gather", dp_group, gathered * param_bytes,
+                                            dp_concurrency, dp_key)
+            if x1 or x2:
+                t_reduce += self.collective_time("reduce_scatter", edp_group, x1 * grad_bytes,
+                                                 dp_concurrency, edp_key)
+                t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * param_bytes,
+                                                 dp_concurrency, edp_key)
         if opts.zero_buffer_copies and zero_degree > 1:
             # once per step, memory-bound (read + write) on the device: DDP's buckets and
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
