@@ -1162,8 +1162,8 @@ class CostEngine:
         # ZeRO-1/2 layers by wrapped unit (CostOptions.zero_step_per_layer): a block's
         # (zero, parameters, expert parameters) -> how many; the rest in one root unit
         step_units: dict[tuple[int, float, float], int] = {}
-        root_unit = [0.0, 0.0, 0.0, 0.0]        # parameters of ZeRO-1 and ZeRO-2 layers;
-        # their expert parameters
+        # the other layers' parameters under ZeRO-1 and ZeRO-2, then their expert parameters
+        root_unit = [0.0, 0.0, 0.0, 0.0]
         tensors = tp_tensors = 0                # parameter tensors (optimizer host time)
         sp_grads: dict[tuple, list[float]] = {}  # tp group -> [tensors, elements] (sequence
         # parallelism's partial gradients)
