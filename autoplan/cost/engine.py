@@ -1287,34 +1287,32 @@ class CostEngine:
         if x0:
             t_reduce += self.collective_time("all_reduce", edp_group, x0 * grad_bytes,
                                              dp_concurrency, edp_key)
-        if opts.zero_step_per_layer and zero_degree > 1:
-            # one reduce-scatter (ZeRO-1) and one all-gather (ZeRO-1/2) per wrapped unit
-            t_gather = 0.0
-            units = [(z, n, x, count) for (z, n, x), count in step_units.items()]
-            units += [(z, root_unit[z - 1], root_unit[z + 1], 1) for z in (1, 2)
-                      if root_unit[z - 1] or root_unit[z + 1]]
-            for z, n, x, count in units:
-                if z == 1:
-                    t_reduce += count * (
-                        self.collective_time("reduce_scatter", dp_group, n * grad_bytes,
-                                             dp_concurrency, dp_key)
-                        + self.collective_time("reduce_scatter", edp_group, x * grad_bytes,
-                                               dp_concurrency, edp_key))
-                t_gather += count * (
-                    self.collective_time("all_gather", dp_group, n * param_bytes,
-                                         dp_concurrency, dp_key)
-                    + self.collective_time("all_gather", edp_group, x * param_bytes,
-                                           dp_concurrency, edp_key))
-        else:
-            t_reduce += self.collective_time("reduce_scatter", dp_group, reduced1 * grad_bytes,
-                                             dp_concurrency, dp_key)
-            t_gather = self.collective_time("all_gather", dp_group, gathered * param_bytes,
-                                            dp_concurrency, dp_key)
-            if x1 or x2:
-                t_reduce += self.collective_time("reduce_scatter", edp_group, x1 * grad_bytes,
-                                                 dp_concurrency, edp_key)
-                t_gather += self.collective_time("all_gather", edp_group, (x1 + x2) * param_bytes,
-                                                 dp_concurrency, edp_key)
+        # ZeRO-1's reduce-scatters and ZeRO-1/2's all-gathers: (parameters, expert
+        # parameters, calls) each
+        if opts.zero_step_per_layer:        # one of each per wrapped unit
+            scatters = [(n, x, count) for (z, n, x), count in step_units.items() if z == 1]
+            gathers = [(n, x, count) for (z, n, x), count in step_units.items()]
+            for z in (1, 2):
+                root = (root_unit[z - 1], root_unit[z + 1], 1)
+                if root[0] or root[1]:
+                    gathers.append(root)
+                    if z == 1:
+                        scatters.append(root)
+        else:                               # one of each over all of them
+            scatters, gathers = [(reduced1, x1, 1)], [(gathered, x1 + x2, 1)]
+        t_gather = 0.0
+        for n, x, count in scatters:
+            t_reduce += count * (
+                self.collective_time("reduce_scatter", dp_group, n * grad_bytes,
+                                     dp_concurrency, dp_key)
+                + self.collective_time("reduce_scatter", edp_group, x * grad_bytes,
+                                       dp_concurrency, edp_key))
+        for n, x, count in gathers:
+            t_gather += count * (
+                self.collective_time("all_gather", dp_group, n * param_bytes,
+                                     dp_concurrency, dp_key)
+                + self.collective_time("all_gather", edp_group, x * param_bytes,
+                                       dp_concurrency, edp_key))
         if opts.zero_buffer_copies and zero_degree > 1:
             # once per step, memory-bound (read + write) on the device: DDP's buckets and
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
