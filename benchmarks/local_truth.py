@@ -936,9 +936,14 @@ PLAIN_BATCHES = (2, 4)
 PLAIN_WARMUP, PLAIN_TIMED = 3, 10
 
 
+#: The phases of the single-process step ``--plain`` times, in order.
+PLAIN_PHASES = ("forward", "backward", "optimizer")
+
+
 def _plain_worker(model_name: str, batch: int, queue) -> None:
     """One process training the confirm model alone (no torch.distributed): the median
-    of :data:`PLAIN_TIMED` steps (forward, backward, AdamW) after the warm-up."""
+    of :data:`PLAIN_TIMED` steps after the warm-up, whole and per phase (the forward with
+    the loss, the backward, the AdamW step with ``zero_grad``), as a dict."""
     import torch
 
     from autoplan.runtime.adapters import is_hf, model_output
@@ -953,26 +958,31 @@ def _plain_worker(model_name: str, batch: int, queue) -> None:
         ids = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len))
         hf = is_hf(model)
 
-        def step() -> None:   # the model called as autoplan.parallelize calls it
+        def step() -> tuple[float, ...]:   # the model called as autoplan.parallelize calls it
+            t0 = time.perf_counter()
             out = model(input_ids=ids, use_cache=False) if hf else model(ids)
-            token_cross_entropy(model_output(out), ids, shift=True).backward()
+            loss = token_cross_entropy(model_output(out), ids, shift=True)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
             opt.step()
             opt.zero_grad()
+            t3 = time.perf_counter()
+            return t3 - t0, t1 - t0, t2 - t1, t3 - t2
 
-        times = []
-        for k in range(PLAIN_WARMUP + PLAIN_TIMED):
-            t0 = time.perf_counter()
-            step()
-            if k >= PLAIN_WARMUP:
-                times.append(time.perf_counter() - t0)
-        queue.put(statistics.median(times))
+        times = [step() for _ in range(PLAIN_WARMUP + PLAIN_TIMED)][PLAIN_WARMUP:]
+        queue.put({key: statistics.median(t[i] for t in times)
+                   for i, key in enumerate(("step",) + PLAIN_PHASES)})
     except BaseException as exc:   # report it to the parent instead of hanging it
         queue.put(f"{type(exc).__name__}: {exc}")
 
 
-def measure_plain(model_name: str, batch: int, procs: int, timeout_s: float = 600.0) -> list[float]:
-    """Median step seconds of ``procs`` processes each training ``model_name`` alone at
-    micro-batch ``batch``, all at once (the condition a shared-core profile is measured in)."""
+def measure_plain(model_name: str, batch: int, procs: int,
+                  timeout_s: float = 600.0) -> list[dict[str, float]]:
+    """Per process, the median seconds of the step and of each of :data:`PLAIN_PHASES`
+    (keys ``step``, ``forward``, ...) of ``procs`` processes each training ``model_name``
+    alone at micro-batch ``batch``, all at once (the condition a shared-core profile is
+    measured in)."""
     import multiprocessing as mp
     import queue as queues
 
@@ -997,6 +1007,22 @@ def measure_plain(model_name: str, batch: int, procs: int, timeout_s: float = 60
     return got
 
 
+def plain_phases(graph, cluster, batch: int, optimizer_s: float) -> dict[str, float]:
+    """The single-process step's predicted seconds per phase (:data:`PLAIN_PHASES`): the
+    forward and the backward summed over the layers (``CostEngine.template_time``: the
+    estimate's compute, one device, one micro-batch of ``batch``) and ``optimizer_s``."""
+    from autoplan.cost.engine import CostEngine
+
+    engine = CostEngine(graph, cluster, options=GLOO_ON_CPU, calibration=None)
+    device = engine.device_of((0,))
+    fwd = bwd = 0.0
+    for template, count in engine.layer_counts(0, len(engine.summary.layers)):
+        t = engine.template_time(template, batch, 1, 1, device, "fp32")
+        fwd += count * t.forward_s
+        bwd += count * t.backward_s
+    return {"forward": fwd, "backward": bwd, "optimizer": optimizer_s}
+
+
 def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
     """The compute alone, without parallelism: the confirm models' single-process training
     step on each of ``CONFIRM_WORLD`` processes at once against the estimate on one device
@@ -1011,20 +1037,26 @@ def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
         cluster = load_cluster(str(path), devices_per_node=1)
     print(f"\nthe single-process step, {CONFIRM_WORLD} processes at once, fp32, seq "
           f"{CONFIG.seq_len}; predicted on one device of the {CONFIRM_WORLD}-process profile")
-    print(f"{'model':<8} {'micro-batch':>11} {'predicted s':>12} {'measured s':>11} {'error':>8}")
+    print(f"{'model':<8} {'micro-batch':>11} {'predicted s':>12} {'measured s':>11} {'error':>8}"
+          + "".join(f"  {p + ' pred/meas s, error':>30}" for p in PLAIN_PHASES))
     errors = []
     for name in models:
         graph = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
         for b in PLAIN_BATCHES:
             strategy = Strategy(micro_batch=b, global_batch=b, precision="fp32")
-            pred = estimate(graph, cluster, strategy, calibration=None,
-                            options=GLOO_ON_CPU).step_time_s
+            est = estimate(graph, cluster, strategy, calibration=None, options=GLOO_ON_CPU)
+            pred = est.step_time_s
+            phases = plain_phases(graph, cluster, b, est.breakdown["optimizer_s"])
             if not run:
-                print(f"{name:<8} {b:>11} {pred:12.4f} {'-':>11} {'-':>8}")
+                print(f"{name:<8} {b:>11} {pred:12.4f} {'-':>11} {'-':>8}"
+                      + "".join(f"  {phases[p]:>12.4f} {'-':>8} {'-':>8}" for p in PLAIN_PHASES))
                 continue
-            meas = statistics.median(measure_plain(name, b, CONFIRM_WORLD))
-            errors.append((pred - meas) / meas)
-            print(f"{name:<8} {b:>11} {pred:12.4f} {meas:11.4f} {errors[-1]:+8.1%}")
+            got = measure_plain(name, b, CONFIRM_WORLD)
+            meas = {k: statistics.median(g[k] for g in got) for k in got[0]}
+            errors.append((pred - meas["step"]) / meas["step"])
+            print(f"{name:<8} {b:>11} {pred:12.4f} {meas['step']:11.4f} {errors[-1]:+8.1%}"
+                  + "".join(f"  {phases[p]:>12.4f} {meas[p]:8.4f} "
+                            f"{(phases[p] - meas[p]) / meas[p]:+8.1%}" for p in PLAIN_PHASES))
     if errors:
         print(f"mean |error| {statistics.mean(abs(e) for e in errors):.1%} (median over the "
               f"processes of each one's median of {PLAIN_TIMED} steps)")

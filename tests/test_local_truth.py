@@ -124,11 +124,20 @@ def test_plain_no_run_prices_the_single_process_step(profile4: Path, capsys):
     assert [int(l[1]) for l in lines] == list(lt.PLAIN_BATCHES)
     two, four = (float(l[2]) for l in lines)
     assert two < four < 2 * two     # twice the tokens, the per-operator overhead once
+    for l in lines:                 # forward, backward and optimizer add up to the step
+        phases = [float(l[5 + 3 * i]) for i in range(len(lt.PLAIN_PHASES))]
+        assert all(p > 0 for p in phases)
+        assert sum(phases) == pytest.approx(float(l[2]), rel=1e-3)
 
 
 def test_plain_measures_every_process_and_reports_a_failing_one():
     times = lt.measure_plain("gpt", 1, 2)
-    assert len(times) == 2 and all(0 < t < 60 for t in times)
+    assert len(times) == 2
+    for t in times:
+        assert set(t) == {"step", *lt.PLAIN_PHASES} and 0 < t["step"] < 60
+        assert all(t[p] > 0 for p in lt.PLAIN_PHASES)
+        # the medians of the phases add up to about the median step
+        assert sum(t[p] for p in lt.PLAIN_PHASES) == pytest.approx(t["step"], rel=0.25)
     with pytest.raises(SystemExit, match="failed: ValueError: unknown model"):
         lt.measure_plain("nope", 1, 1)
 
