@@ -127,7 +127,7 @@ def test_plain_no_run_prices_the_single_process_step(profile4: Path, capsys):
     for l in lines:                 # forward, backward and optimizer add up to the step
         phases = [float(l[5 + 3 * i]) for i in range(len(lt.PLAIN_PHASES))]
         assert all(p > 0 for p in phases)
-        assert sum(phases) == pytest.approx(float(l[2]), rel=1e-3)
+        assert sum(phases) == pytest.approx(float(l[2]), rel=5e-3)   # each printed to 0.1 ms
 
 
 def test_plain_measures_every_process_and_reports_a_failing_one():
