@@ -1300,19 +1300,17 @@ class CostEngine:
                         scatters.append(root)
         else:                               # one of each over all of them
             scatters, gathers = [(reduced1, x1, 1)], [(gathered, x1 + x2, 1)]
-        t_gather = 0.0
-        for n, x, count in scatters:
-            t_reduce += count * (
-                self.collective_time("reduce_scatter", dp_group, n * grad_bytes,
-                                     dp_concurrency, dp_key)
-                + self.collective_time("reduce_scatter", edp_group, x * grad_bytes,
-                                       dp_concurrency, edp_key))
-        for n, x, count in gathers:
-            t_gather += count * (
-                self.collective_time("all_gather", dp_group, n * param_bytes,
-                                     dp_concurrency, dp_key)
-                + self.collective_time("all_gather", edp_group, x * param_bytes,
-                                       dp_concurrency, edp_key))
+
+        def calls(op: str, units, nbytes: float) -> float:
+            """``op`` over each unit's parameters (dp group) and expert parameters (edp
+            group), ``count`` times a unit."""
+            return sum(count * (
+                self.collective_time(op, dp_group, n * nbytes, dp_concurrency, dp_key)
+                + self.collective_time(op, edp_group, x * nbytes, dp_concurrency, edp_key))
+                for n, x, count in units)
+
+        t_reduce += calls("reduce_scatter", scatters, grad_bytes)
+        t_gather = calls("all_gather", gathers, param_bytes)
         if opts.zero_buffer_copies and zero_degree > 1:
             # once per step, memory-bound (read + write) on the device: DDP's buckets and
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
