@@ -949,12 +949,13 @@ def _plain_worker(model_name: str, batch: int, queue) -> None:
     from autoplan.runtime.adapters import is_hf, model_output
     from autoplan.runtime.cpu_heap import keep_cpu_heap
     from autoplan.runtime.loss import token_cross_entropy
+    from autoplan.runtime.optim import default_optimizer
     torch.set_num_threads(1)
     keep_cpu_heap()   # as autoplan.parallelize keeps it on its CPU ranks
     try:
         torch.manual_seed(0)
         model = _confirm_model(model_name)
-        opt = torch.optim.AdamW(model.parameters())
+        opt = default_optimizer(model.parameters())   # parallelize's default
         ids = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len))
         hf = is_hf(model)
 

@@ -102,6 +102,38 @@ def test_optimizer_pays_the_host_per_parameter_tensor(graph, layout, plain, dten
     assert added == pytest.approx(plain * 40e-6 + dtensors * 200e-6, rel=1e-9)
 
 
+@pytest.mark.parametrize("layout,updated", [
+    (dict(dp=2), 1.0),            # every parameter on each rank
+    (dict(dp=2, zero=1), 0.5),    # its shard of them
+    (dict(tp=2), None),           # the sharded linears halved, the rest whole
+])
+def test_optimizer_bytes_priced_per_measured_element(graph, layout, updated):
+    """With ``optimizer_element_s`` (the fused step measured per fp32 element) the step's
+    traffic is that figure per parameter the rank updates, not bytes over the copy
+    bandwidth; a bf16 recipe's (30 bytes a parameter against fp32's 28) scales it."""
+    world = layout.get("dp", 1) * layout.get("tp", 1)
+    per_element = 3e-9
+    off = {**OVERHEAD, "optimizer_param_s": 0.0, "optimizer_dtensor_param_s": 0.0}
+    on = {**off, "optimizer_element_s": per_element}
+    opt = {}
+    for precision in ("fp32", "bf16"):
+        s = Strategy(**layout, micro_batch=2, global_batch=8, precision=precision)
+        for name, o in (("off", off), ("on", on)):
+            e = estimate(graph, cpu_cluster(world, overhead=o), s, calibration=None,
+                         options=NO_OVERLAP)
+            opt[precision, name] = e.breakdown["optimizer_s"]
+    params = graph.num_params
+    bandwidth_priced = opt["fp32", "off"]
+    elements = opt["fp32", "on"] / per_element           # the parameters this rank updates
+    assert elements == pytest.approx(bandwidth_priced * cpu_cluster(world).profile_of(0)
+                                     .device.memory_bw_bytes_per_s / 28, rel=1e-9)
+    if updated is not None:
+        assert elements == pytest.approx(updated * params, rel=1e-9)
+    else:
+        assert 0.5 * params < elements < params
+    assert opt["bf16", "on"] == pytest.approx(opt["fp32", "on"] * 30 / 28, rel=1e-9)
+
+
 def test_pipeline_stages_pay_for_their_own_tensors(graph):
     """Each stage's optimizer steps its own layers' tensors: pre + two blocks (26) and two
     blocks + post (27); under a pipeline with data parallelism FSDP2's replicate makes

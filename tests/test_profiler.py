@@ -132,7 +132,7 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert (o.forward_dispatch_s, o.backward_node_s) == (6e-6, 8e-6)
     assert o.selective_s == 0.0   # the per-captured-operator figure of older profiles
     assert "per autograd node" in o.source and "28 a block" in o.source
-    assert "AdamW step over 32" in o.source
+    assert "fused AdamW step autoplan.parallelize builds, over 32" in o.source
     # tensor-parallel linears: on a one-rank mesh here; on pairs of ranks where they share cores
     assert "on a one-rank mesh, plus the functional" in o.source
     shared, _ = _build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
@@ -164,27 +164,32 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert plain.device.op_overhead is None
 
 
-def test_optimizer_overhead_is_per_parameter_tensor():
-    """The optimizer's figure is one AdamW step's time over its tensors, per tensor (the
-    DTensor figure needs a process group: 0 without one)."""
+def test_optimizer_overhead_is_per_parameter_tensor_and_element():
+    """The optimizer's figures are one step of the optimizer autoplan.parallelize builds
+    (a fused AdamW): over tiny tensors, per tensor (the DTensor figure needs a process
+    group: 0 without one); over large ones, less that, per element."""
     import torch
 
-    from autoplan.hardware.profiler import _OPTIMIZER_TENSORS, _measure_optimizer_overhead
+    from autoplan.hardware.profiler import (_OPTIMIZER_LARGE, _OPTIMIZER_TENSORS,
+                                            _measure_optimizer_overhead)
 
     steps = []
 
     def timed(fn):
         fn()
         steps.append(fn)
-        return 0.0032
+        return 0.0032 if len(steps) == 1 else 0.0121
 
-    plain, dtensor = _measure_optimizer_overhead(torch, timed)
+    plain, dtensor, element = _measure_optimizer_overhead(torch, timed)
+    count, size = _OPTIMIZER_LARGE
     assert (plain, dtensor) == (pytest.approx(0.0032 / _OPTIMIZER_TENSORS), 0.0)
-    opt = steps[0].__self__
-    assert isinstance(opt, torch.optim.AdamW)
-    params = opt.param_groups[0]["params"]
-    assert len(params) == _OPTIMIZER_TENSORS and all(p.numel() == 8 for p in params)
-    assert int(opt.state[params[0]]["step"]) == 1     # it stepped
+    assert element == pytest.approx((0.0121 / count - 0.0032 / _OPTIMIZER_TENSORS) / size)
+    for fn, n, numel in ((steps[0], _OPTIMIZER_TENSORS, 8), (steps[1], count, size)):
+        opt = fn.__self__
+        assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"]
+        params = opt.param_groups[0]["params"]
+        assert len(params) == n and all(p.numel() == numel for p in params)
+        assert int(opt.state[params[0]]["step"]) == 1     # it stepped
 
 
 def test_the_overhead_block_has_the_operators_it_counts():
@@ -401,6 +406,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e-8 < o.selective_dispatch_s < 0.1 and o.selective_s == 0.0
     # AdamW per parameter tensor: a DTensor's operators go through sharding propagation
     assert 1e-8 < o.optimizer_param_s < o.optimizer_dtensor_param_s < 0.1
+    # ... and per parameter element (28 bytes moved: well under a microsecond)
+    assert 1e-12 < o.optimizer_element_s < 1e-6
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

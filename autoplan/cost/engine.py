@@ -1353,8 +1353,16 @@ class CostEngine:
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp
-        ev.optimizer = local_opt * recipe.optimizer_bytes_accessed / device.memory_bw_bytes_per_s
         overhead = device.op_overhead
+        if overhead is not None and overhead.optimizer_element_s > 0:
+            # measured per fp32 element of the fused step (CPU profiles), the recipe's
+            # bytes against fp32's
+            fp32_accessed = self.constants.optimizer.fp32_bytes_accessed_per_param
+            ev.optimizer = (local_opt * overhead.optimizer_element_s
+                            * recipe.optimizer_bytes_accessed / fp32_accessed)
+        else:
+            ev.optimizer = (local_opt * recipe.optimizer_bytes_accessed
+                            / device.memory_bw_bytes_per_s)
         if overhead is not None and tensors:
             # the host's time per parameter tensor (CPU devices): DTensors where FSDP2
             # wraps the rank; without it only the linears tensor parallelism shards

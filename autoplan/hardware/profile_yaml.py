@@ -253,7 +253,9 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("optimizer_dtensor_param", "seconds per DTensor parameter of an "
                                                    "optimizer step"),
                       ("forward_dispatch", "seconds per dispatched operator in the forward"),
-                      ("backward_node", "seconds per autograd node in the backward")):
+                      ("backward_node", "seconds per autograd node in the backward"),
+                      ("optimizer_element", "seconds per parameter element of an optimizer "
+                                            "step")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -457,6 +459,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  "optimizer_dtensor_param_s": o.optimizer_dtensor_param_s,
                                  "forward_dispatch_s": o.forward_dispatch_s,
                                  "backward_node_s": o.backward_node_s,
+                                 "optimizer_element_s": o.optimizer_element_s,
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

@@ -401,32 +401,43 @@ _TP_PAIR_ROUNDS = 5
 
 #: Parameter tensors the optimizer-step overhead is measured over (width ``_OVERHEAD_WIDTH``)
 _OPTIMIZER_TENSORS = 32
+#: ... and the per-element figure: tensors of this many fp32 elements (1 MiB, as the linears
+#: of a small model), 64 MiB of parameters, gradients and moments in all: beyond the caches
+_OPTIMIZER_LARGE = (16, 2**18)
 
 
 def _measure_optimizer_overhead(torch, timed: Callable[[Callable[[], Any]], float],
-                                group: Any = None) -> tuple[float, float]:
-    """Seconds per parameter tensor of one ``torch.optim.AdamW`` step (the optimizer
-    :func:`autoplan.parallelize` builds by default), ``(plain, DTensor)``: over
+                                group: Any = None) -> tuple[float, float, float]:
+    """Seconds per parameter tensor of one ``torch.optim.AdamW`` step as
+    :func:`autoplan.parallelize` builds it by default
+    (:func:`~autoplan.runtime.optim.default_optimizer`: fused), ``(plain, DTensor)``: over
     :data:`_OPTIMIZER_TENSORS` tiny tensors (the bytes negligible, so the time is the
     operators' dispatch), plain and as DTensors sharded on the one-rank mesh of ``group``
     (as FSDP2 and tensor parallelism leave the parameters); without ``group`` the DTensor
-    figure is 0 (one rank runs no DTensor parameters)."""
+    figure is 0 (one rank runs no DTensor parameters).  Third, seconds per parameter
+    element: a step over :data:`_OPTIMIZER_LARGE` tensors less their per-tensor part,
+    over their elements (``OpOverhead.optimizer_element_s``)."""
+    from ..runtime.optim import default_optimizer
+
     def per_tensor(params: list) -> float:
         for p in params:
             p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW(params)
+        opt = default_optimizer(params)
         return timed(opt.step) / len(params)
 
     h, n = _OVERHEAD_WIDTH, _OPTIMIZER_TENSORS
     plain = per_tensor([torch.nn.Parameter(torch.randn(h)) for _ in range(n)])
+    count, size = _OPTIMIZER_LARGE
+    large = per_tensor([torch.nn.Parameter(torch.randn(size)) for _ in range(count)])
+    element = max(0.0, large - plain) / size
     if group is None:
-        return plain, 0.0
+        return plain, 0.0, element
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
     mesh = DeviceMesh.from_group(group, "cpu")
     sharded = per_tensor([torch.nn.Parameter(distribute_tensor(torch.randn(h), mesh, [Shard(0)]))
                           for _ in range(n)])
-    return plain, sharded
+    return plain, sharded, element
 
 
 # --------------------------------------------------------------------------- workers
@@ -722,11 +733,13 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     if overhead is not None:
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
-        opt_plain, opt_dtensor = _measure_optimizer_overhead(
+        opt_plain, opt_dtensor, opt_element = _measure_optimizer_overhead(
             torch, lambda fn: timed(fn, plan.overhead_target_s), own)
-        overhead.update(optimizer_param_s=opt_plain, optimizer_dtensor_param_s=opt_dtensor)
+        overhead.update(optimizer_param_s=opt_plain, optimizer_dtensor_param_s=opt_dtensor,
+                        optimizer_element_s=opt_element)
         say(f"optimizer step overhead: {opt_plain * 1e6:.1f} us per parameter tensor, "
-            f"{opt_dtensor * 1e6:.1f} us per DTensor parameter")
+            f"{opt_dtensor * 1e6:.1f} us per DTensor parameter, "
+            f"{opt_element * 1e9:.2f} ns per parameter element")
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
             # where ranks share cores, measured on pairs of ranks (new_subgroups is
@@ -901,8 +914,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "on a one-rank mesh, plus the functional all-reduce's own time once "
                        "each way")
                     + ("" if nproc > 1 else " (one rank: not measured, 0)")
-                    + f"; optimizer: an AdamW step over {_OPTIMIZER_TENSORS} tiny parameters, "
-                    "plain and as DTensors on a one-rank mesh, per tensor"
+                    + f"; optimizer: the fused AdamW step autoplan.parallelize builds, over "
+                    f"{_OPTIMIZER_TENSORS} tiny parameters, plain and as DTensors on a one-rank "
+                    f"mesh, per tensor; over {_OPTIMIZER_LARGE[0]} of {_OPTIMIZER_LARGE[1]} fp32 "
+                    "elements less that, per element"
                     + ("" if nproc > 1 else " (DTensor on one rank: not measured, 0)")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
@@ -975,7 +990,8 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
            f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
-           f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor"]
+           f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor, "
+           f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element"]
           if d.op_overhead else []),
     ])
 

@@ -47,6 +47,7 @@ from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
+from .optim import default_optimizer
 from .pipeline import TiedGrads, build_schedule, build_stage_module, cross_stage_ties, make_stage
 from .tp import apply_tp, reduce_partial_grads
 
@@ -423,7 +424,8 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         next-token cross-entropy (as Hugging Face computes with ``labels=input_ids``).
     optimizer : callable, optional
         ``optimizer(params) -> torch.optim.Optimizer``, called once per local
-        stage; default ``torch.optim.AdamW``.
+        stage; default :func:`~autoplan.runtime.optim.default_optimizer`
+        (``torch.optim.AdamW(fused=True)``, the optimizer the cost model prices).
     graph : ModelGraph, optional
         ``autoplan.trace(model, seq_len=...)``, when the caller has it (the
         planner does); otherwise every rank traces the model (~1-3 s).
@@ -467,7 +469,7 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     token_model = _is_token_model(model, graph) and example_inputs is None
     banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn)
     loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
-    optimizer = optimizer or (lambda params: torch.optim.AdamW(params))
+    optimizer = optimizer or default_optimizer
     # ---- no collective before this point (but for a Cluster's plan broadcast)
     device = next(model.parameters()).device
     if device.type == "cpu":
