@@ -283,7 +283,8 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     vocab_size : int, optional
         For the default data (default ``model.config.vocab_size``).
     optimizer : callable, optional
-        Passed to :func:`autoplan.parallelize` (default AdamW).
+        Passed to :func:`autoplan.parallelize` (default
+        :func:`~autoplan.runtime.optim.default_optimizer`, a fused AdamW).
     graph : ModelGraph, optional
         ``autoplan.trace`` of the model (e.g. built on the meta device); then the
         model is built only after a plan fits this world.  Default: every rank

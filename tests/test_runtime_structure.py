@@ -164,6 +164,17 @@ def _inspect(plan: Plan, graph, rank: int) -> None:
                 if isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()):
                     assert tuple(sorted(p.device_mesh["tp"].mesh.flatten().tolist())) == tp_peers
         assert pm.replica_weight == (plan.dp * plan.replica_batch[c["dp"]] / plan.global_batch)
+        # the default optimizer (rc.make_optimizer is it with eps=1e-5): fused, over every
+        # parameter of the rank's stages once, each group one kind of tensor (DTensor's
+        # fused kernel refuses a list mixing plain tensors and DTensors, or meshes)
+        assert len(pm.optimizers) == len(pm.parts)
+        for opt, wrapped in zip(pm.optimizers, pm.parts):
+            assert opt.defaults["fused"]
+            grouped = [p for g in opt.param_groups for p in g["params"]]
+            assert sorted(map(id, grouped)) == sorted(id(p) for p in wrapped.parameters())
+            for g in opt.param_groups:
+                kinds = {(type(p), getattr(p, "device_mesh", None)) for p in g["params"]}
+                assert len(kinds) == 1, kinds
     finally:
         dist.destroy_process_group()
 
