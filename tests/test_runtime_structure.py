@@ -236,3 +236,30 @@ def test_the_searchs_winners_compile_back_to_the_layouts_it_ranked(gpt_graph, mo
         assert _per_layer(summary, layout_from_plan(summary, plan)) == _per_layer(summary, lay)
         assert layout_from_plan(summary, plan).replica_micro_batches == lay.replica_micro_batches
         assert layout_from_plan(summary, plan).padded == lay.padded
+
+
+def test_default_optimizer_is_torchs_adamw_fused():
+    """``default_optimizer``: ``torch.optim.AdamW`` with ``fused=True`` and the caller's
+    hyper-parameters; ``fused=False`` is honoured; no parameters is torch's own error.
+    (Groups by tensor kind: the structure test above, over every plan's stages.)"""
+    import torch
+
+    from autoplan.runtime.optim import default_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = default_optimizer(params, lr=3e-4, eps=1e-5)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"]
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == params
+    assert (opt.defaults["lr"], opt.defaults["eps"]) == (3e-4, 1e-5)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    reference = [p.detach().clone() for p in params]
+    plain = torch.optim.AdamW(reference, lr=3e-4, eps=1e-5)
+    for r in reference:
+        r.grad = torch.ones_like(r)
+    opt.step()
+    plain.step()
+    torch.testing.assert_close(params, reference, rtol=1e-6, atol=1e-7)  # the same update
+    assert not default_optimizer(params, fused=False).defaults["fused"]
+    with pytest.raises(ValueError, match="empty parameter list"):
+        default_optimizer([])

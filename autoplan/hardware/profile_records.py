@@ -210,8 +210,8 @@ class OpOverhead(Record):
         one, more where composites such as ``linear`` or ``matmul`` abound); used where a
         profile has no ``selective_dispatch_s`` or a graph no ``dispatched_ops``.
     optimizer_param_s, optimizer_dtensor_param_s : float
-        Seconds per parameter tensor of one optimizer step (torch's ``AdamW``, which runs
-        a few operators per tensor on a CPU), for a plain tensor and for a DTensor (the
+        Seconds per parameter tensor of one optimizer step (the fused ``AdamW``
+        :func:`autoplan.parallelize` builds by default), for a plain tensor and for a DTensor (the
         parameters FSDP2's ``fully_shard``/``replicate`` and tensor parallelism leave:
         every operator goes through DTensor's sharding propagation).  The bytes the step
         moves are priced apart.  0 in profiles measured before they were.

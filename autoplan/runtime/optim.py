@@ -40,8 +40,9 @@ def param_kinds(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
 def default_optimizer(params: Iterable[nn.Parameter], **hyper) -> torch.optim.Optimizer:
     """``torch.optim.AdamW(**hyper)`` (torch's defaults where ``hyper`` is silent) with
     ``fused=True``, one parameter group per kind of tensor (:func:`param_kinds`);
-    without ``fused`` where torch has no fused kernel for the parameters' device.
-    Other hyper-parameters: ``functools.partial(default_optimizer, lr=3e-4)``."""
+    without ``fused`` where torch has no fused kernel for the parameters' device, or
+    where ``hyper`` says ``fused=False``.  Other hyper-parameters:
+    ``functools.partial(default_optimizer, lr=3e-4)``."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     params = [p for p in params]
@@ -49,6 +50,7 @@ def default_optimizer(params: Iterable[nn.Parameter], **hyper) -> torch.optim.Op
     if not groups:
         # no parameters (a stage with none): let torch say so as it always has
         return torch.optim.AdamW(params, **hyper)
-    fused = all(p.device.type in _get_fused_kernels_supported_devices()
-                and p.is_floating_point() for p in params)
+    fused = hyper.pop("fused", None) is not False and all(
+        p.device.type in _get_fused_kernels_supported_devices() and p.is_floating_point()
+        for p in params)
     return torch.optim.AdamW(groups, fused=fused or None, **hyper)
