@@ -62,11 +62,15 @@ def _loss(logits, ids):
 
 # ---------------------------------------------------------------------- hand-written programs
 class _HandStep:
-    """One hand-written training program: ``step(ids)`` on the global batch."""
+    """One hand-written training program: ``step(ids)`` on the global batch, stepping
+    ``module``'s parameters with the optimizer ``parallelize`` builds by default."""
 
-    def __init__(self, module, forward, optimizer, dp_rank: int, dp: int, schedule=None,
+    def __init__(self, module, forward, dp_rank: int, dp: int, schedule=None,
                  first: bool = True, last: bool = True):
-        self.module, self.forward, self.opt = module, forward, optimizer
+        from autoplan.runtime.optim import default_optimizer
+
+        self.module, self.forward = module, forward
+        self.opt = default_optimizer(module.parameters())
         self.dp_rank, self.dp, self.schedule = dp_rank, dp, schedule
         self.first, self.last = first, last
 
@@ -84,17 +88,13 @@ class _HandStep:
 
 
 def _hand_ddp(rank, world):
-    from autoplan.runtime.optim import default_optimizer
-    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     model = DistributedDataParallel(_gpt())
-    return _HandStep(model, lambda m, x: m(x), default_optimizer(model.parameters()), rank, world)
+    return _HandStep(model, lambda m, x: m(x), rank, world)
 
 
 def _hand_fsdp(rank, world):
-    from autoplan.runtime.optim import default_optimizer
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -103,12 +103,10 @@ def _hand_fsdp(rank, world):
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
-    return _HandStep(model, lambda m, x: m(x), default_optimizer(model.parameters()), rank, world)
+    return _HandStep(model, lambda m, x: m(x), rank, world)
 
 
 def _hand_tp(rank, world):
-    from autoplan.runtime.optim import default_optimizer
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -125,11 +123,10 @@ def _hand_tp(rank, world):
                      p + "mlp.down_proj": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
     fwd = lambda m, x: m(input_ids=x, use_cache=False).logits  # noqa: E731
-    return _HandStep(model, fwd, default_optimizer(model.parameters()), 0, 1)
+    return _HandStep(model, fwd, 0, 1)
 
 
 def _hand_pp(rank, world):
-    from autoplan.runtime.optim import default_optimizer
     import torch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -157,8 +154,7 @@ def _hand_pp(rank, world):
     stage_mod = Stage()
     stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
     sched = Schedule1F1B(stage, GLOBAL_BATCH // 2, loss_fn=_loss)
-    return _HandStep(stage_mod, None, default_optimizer(stage_mod.parameters()), 0, 1,
-                     schedule=sched, first=first, last=last)
+    return _HandStep(stage_mod, None, 0, 1, schedule=sched, first=first, last=last)
 
 
 LAYOUTS = {

@@ -45,7 +45,7 @@ def default_optimizer(params: Iterable[nn.Parameter], **hyper) -> torch.optim.Op
     ``functools.partial(default_optimizer, lr=3e-4)``."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    params = [p for p in params]
+    params = list(params)
     groups = [{"params": kind} for kind in param_kinds(params)]
     if not groups:
         # no parameters (a stage with none): let torch say so as it always has
