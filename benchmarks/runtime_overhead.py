@@ -201,7 +201,7 @@ def _worker(rank: int, world: int, names: list[str], steps: int, warmup: int) ->
         out[name] = {"autoplan_s": med["autoplan"], "hand_s": med["hand"],
                      "ratio": statistics.median(pairs),
                      "ratio_of_medians": med["autoplan"] / med["hand"],
-                     "layout": ours.layout.describe()}
+                     "layout": ours.plan.describe()}
         del ours, hand, model
     return out
 
