@@ -342,11 +342,19 @@ def _tp_overhead_both_ways(rank: int, world: int) -> dict:
         fn()
         return next(script)
 
+    returned: list[str] = []
+
+    def recording(fn) -> float:   # what each timed call returns, in order
+        returned.append(type(fn()).__name__)
+        return 0.0
+
     own = dist.new_subgroups(group_size=1)[0]
     pair = dist.new_subgroups(group_size=2)[0]
+    _measure_tp_overhead(torch, dist, recording, own, pair)
     return {"one": _measure_tp_overhead(torch, dist, timed, own),
             "pair": _measure_tp_overhead(torch, dist, timed, own, pair, rounds=2),
-            "median": _measure_tp_overhead(torch, dist, scripted, own, pair, rounds=3)}
+            "median": _measure_tp_overhead(torch, dist, scripted, own, pair, rounds=3),
+            "returned": returned}
 
 
 @pytest.mark.distributed
@@ -362,6 +370,9 @@ def test_tp_overhead_on_one_rank_and_on_a_pair():
             assert 0 <= fwd < 0.1 and 0 <= bwd < 0.1 and math.isfinite(fwd + bwd), (way, got)
         assert sum(got["one"]) > 0 and sum(got["pair"]) > 0, got   # DTensor is never free
         assert got["median"] == (1.0, 1.5), got   # each direction's median of the rounds
+        # the sharded forward is timed to its all-reduce's end: a plain tensor, not one
+        # still in flight (timings: plain fwd, plain fwd+bwd, sharded fwd, ..., bare)
+        assert got["returned"][2] == "Tensor", got["returned"]
 
 
 @pytest.mark.slow

@@ -370,10 +370,19 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     x = torch.randn(1, 4, h).requires_grad_(True)
     flat = torch.randn(4 * h)    # the bytes of the MLP's output and of its input gradient
 
+    def sharded_forward():
+        # the row linear's all-reduce is a functional collective: its output comes back
+        # in flight (an AsyncCollectiveTensor) and is waited for at its first use, so a
+        # forward timed without that use ends before its collective does (4 CPU ranks
+        # sharing 2 cores: 0.6-1.0 ms a call against 1.5-2.5 ms waited, 2026-11-25), and
+        # the wait landed in the backward figure, the forward reading 0 in every profile
+        out = sharded(x)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
     def once() -> tuple[float, float]:
         plain_fwd = timed(lambda: plain(x))
         plain_both = timed(lambda: plain(x).sum().backward())
-        tp_fwd = timed(lambda: sharded(x))
+        tp_fwd = timed(sharded_forward)
         tp_both = timed(lambda: sharded(x).sum().backward())
         bare = timed(lambda: dist.all_reduce(flat, group=group))
         if pair is not None:
