@@ -297,6 +297,33 @@ def test_ranks_that_share_cores_are_timed_by_the_mean_of_long_batches(monkeypatc
     assert profiler._calls_per_batch(0.06, 3, 10.0, shares_cores=False) == 1
 
 
+def test_a_ranks_own_work_where_ranks_share_cores_is_one_free_running_window(monkeypatch):
+    """Where ranks share cores, a rank's own work (no collective inside) is timed in one
+    window of its own wall time after a common start, at least _MIN_FREE_WINDOW_S long
+    whatever the point's target, and the figure is the mean over the ranks: the skew with
+    which ranks leave a barrier is paid once, not once per short batch."""
+    import types
+
+    from autoplan.hardware import profiler
+    clock, step = [96.0], 2.0**-6   # exact in binary: 16 calls make 0.25 s
+    calls, events = [], []
+
+    def fn():   # ~16 ms a call on this rank's clock
+        clock[0] += step
+        calls.append(clock[0])
+
+    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    got = profiler._free_running(fn, lambda: None, 0.06,
+                                 agreed_mean=lambda v: events.append(("mean", v)) or v * 3,
+                                 barrier=lambda: events.append(("barrier", len(calls))))
+    warm = profiler._WARMUP_CALLS
+    assert events[0] == ("barrier", warm)                 # warm-up before the common start
+    timed_calls = len(calls) - warm
+    assert timed_calls == math.ceil(profiler._MIN_FREE_WINDOW_S / step)   # not 60 ms
+    assert events[1] == ("mean", step)                    # this rank's seconds per call
+    assert got == 3 * step                                # what the ranks agreed on
+
+
 def test_usage_errors_return_2(capsys):
     assert main(["--nproc", "1", "--device", "cpu"]) == 2
     assert "--nproc must be at least 2" in capsys.readouterr().err

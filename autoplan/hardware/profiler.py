@@ -106,6 +106,10 @@ _CALIBRATION_CALLS = 3  # calls timed to choose the iteration count of the timed
 #: larger matmuls, and priced the confirm models' step ~5% slower than with 8-call ones)
 _MIN_SHARED_CALLS = 8
 _OVERRUN = 2.0  # stop repeating once a point has taken this many times its target
+#: where ranks share cores, a rank's own work is timed in one window of at least this many
+#: seconds (:func:`_free_running`): its start and end skew, up to a scheduler slice each,
+#: then moves a figure by ~2%
+_MIN_FREE_WINDOW_S = 0.25
 #: CPU collectives are timed after a matmul of this shape (m, k, n): 134 MFLOP, about a
 #: millisecond on one core, like the compute between a step's collectives
 _WORK_SHAPE = (256, 256, 1024)
@@ -550,6 +554,36 @@ def _shares_cores(cuda: bool, world: int, threads: int) -> bool:
     return not cuda and world * threads > _usable_cores()
 
 
+def _free_running(fn: Callable[[], Any], sync: Callable[[], None], target_s: float,
+                  agreed_mean: Callable[[float], float], barrier: Callable[[], None]) -> float:
+    """Seconds per call of a rank's own work (no collective inside ``fn``) where ranks
+    share cores: after a common start, each rank calls ``fn`` for ``target_s`` of its own
+    wall time, every rank busy as in a training step; the mean over the ranks.
+
+    Batches timed from the first rank's start to the last rank's end (the collectives'
+    way) add to every batch the skew with which ranks that take turns on the cores leave
+    the barrier, up to a scheduler slice each (a few ms): on 4 ranks of 2 cores the quick
+    profile's 20 ms batches read 256^3 fp32 matmuls at 31-36 GFLOP/s where every rank,
+    free-running for a second, made 39-44, and the confirm models' steps ran their
+    matmuls at 40-45 (benchmarks/local_truth.py --plain priced the step 8-22% slow).
+    One window per rank, of :data:`_MIN_FREE_WINDOW_S` at least, pays that skew once at
+    each end: ``slice / window``."""
+    target_s = max(target_s, _MIN_FREE_WINDOW_S)
+    for _ in range(_WARMUP_CALLS):
+        fn()
+    sync()
+    barrier()
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        sync()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= target_s:
+            break
+    return agreed_mean(elapsed / calls)
+
+
 def _calls_per_batch(target_s: float, repeats: int, first_s: float, shares_cores: bool) -> int:
     """Calls per timed batch: ``repeats`` batches fill ``target_s`` at ``first_s`` a call."""
     calls = min(10_000, int(target_s / repeats / max(first_s, 1e-9)))
@@ -595,6 +629,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def agreed_mean(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return float(t.item()) / world
+
     def agreed_span(start: float, end: float) -> float:
         t = torch.tensor([-start, end], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -603,10 +642,14 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     shares_cores = _shares_cores(cuda, world, threads)
 
     def timed(fn: Callable[[], Any], target_s: float = plan.comm_target_s,
-              mean: bool = False) -> float:
+              mean: bool = False, local: bool = False) -> float:
         # the best batch for compute on a device of its own (other work only ever adds
         # time); the mean of every call for a collective (``mean``): its waits are part of
-        # what a step pays; and the mean of everything where ranks share cores
+        # what a step pays; and the mean of everything where ranks share cores -- there
+        # a rank's own work (``local``: no collective inside ``fn``) in one free-running
+        # window per rank (:func:`_free_running`)
+        if local and shares_cores:
+            return _free_running(fn, sync, target_s, agreed_mean, dist.barrier)
         mean = mean or shares_cores
         for _ in range(_WARMUP_CALLS):
             fn()
@@ -650,7 +693,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             call = _cold_matmul(torch, n, dtypes[name], device, cold_bytes)
             dist.barrier()
             sec = (_time_local(call, sync, plan.matmul_target_s, plan.repeats) if cuda
-                   else timed(call, plan.matmul_target_s))
+                   else timed(call, plan.matmul_target_s, local=True))
             del call
             matmul[name].append((n, sec))
             say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
@@ -662,7 +705,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     dst = torch.empty_like(src)
     dist.barrier()
     copy_s = (_time_local(lambda: dst.copy_(src), sync, plan.copy_target_s, plan.repeats) if cuda
-              else timed(lambda: dst.copy_(src), plan.copy_target_s))
+              else timed(lambda: dst.copy_(src), plan.copy_target_s, local=True))
     say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
     del src, dst
 
@@ -670,7 +713,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     overhead = None
     if not cuda:
         dist.barrier()
-        overhead = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s))
+        overhead = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s,
+                                                                local=True))
         say(f"operator overhead: {overhead['forward_dispatch_s'] * 1e6:.1f} us per dispatched "
             f"operator forward, {overhead['backward_node_s'] * 1e6:.1f} us per autograd node "
             f"backward, {overhead['selective_dispatch_s'] * 1e6:.1f} us more per dispatched "
@@ -743,7 +787,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
         opt_plain, opt_dtensor, opt_element = _measure_optimizer_overhead(
-            torch, lambda fn: timed(fn, plan.overhead_target_s), own)
+            torch, lambda fn: timed(fn, plan.overhead_target_s, local=True), own)
         overhead.update(optimizer_param_s=opt_plain, optimizer_dtensor_param_s=opt_dtensor,
                         optimizer_element_s=opt_element)
         say(f"optimizer step overhead: {opt_plain * 1e6:.1f} us per parameter tensor, "
