@@ -29,7 +29,9 @@ from autoplan.strategy import Recompute, Schedule, Strategy
 
 FWD_S = 1e9 / (1e12 * 0.5)     # one block's forward
 BWD_S = 2 * FWD_S
-NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False)
+#: every term priced alone: nothing overlapped, and no closing loss all-reduce (its own test)
+NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
+                         step_loss_all_reduce=False)
 
 
 def _est(graph, cluster, strategy, options=NO_OVERLAP) -> Estimate:
@@ -57,14 +59,14 @@ def test_ring_all_reduce_of_the_gradients():
     # test_cost_memory_buffers.test_fsdp2_copies_through_its_flat_buffers)
     e = _est(g, c, Strategy(dp=2, global_batch=2),
              CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
-                         zero_buffer_copies=False))
+                         zero_buffer_copies=False, step_loss_all_reduce=False))
     grad_bytes = 2 * params * 2                          # two layers, 2-byte gradients
     ring = 2 * (2 - 1) / 2 * grad_bytes / 1e11           # Thakur et al. 2005, n = 2
     assert e.breakdown["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
     assert e.comm_total["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
     # overlapped with the last backward (8 ms >> 40 us): nothing exposed
     hidden = estimate(g, c, Strategy(dp=2, global_batch=2), calibration=None,
-                      options=CostOptions(zero_buffer_copies=False))
+                      options=CostOptions(zero_buffer_copies=False, step_loss_all_reduce=False))
     assert hidden.breakdown["dp_comm_s"] == 0.0
     assert hidden.comm_total["dp_comm_s"] == pytest.approx(ring, rel=1e-12)
 
@@ -277,7 +279,8 @@ def test_zero1_step_collectives_one_per_wrapped_layer():
     g = toy_graph(layers=layers, fwd_flops=10**9, params=params)
     c = toy_cluster(devices_per_node=4, latency_s=latency)
     s = Strategy(dp=4, zero=1, global_batch=4)
-    base = dict(overlap_grad_reduce=False, overlap_param_gather=False, zero_buffer_copies=False)
+    base = dict(overlap_grad_reduce=False, overlap_param_gather=False, zero_buffer_copies=False,
+                step_loss_all_reduce=False)
     per_layer = _est(g, c, s, CostOptions(zero_step_per_layer=True, **base))
     bucketed = _est(g, c, s, CostOptions(zero_step_per_layer=False, **base))
     ring_steps = 4 - 1
@@ -291,3 +294,25 @@ def test_zero1_step_collectives_one_per_wrapped_layer():
     assert bucketed.breakdown["dp_comm_s"] == pytest.approx(by_hand, rel=1e-9)
     assert CostOptions().zero_step_per_layer
     assert not CostOptions(stack="megatron-core").zero_step_per_layer
+
+
+def test_the_steps_loss_all_reduce_is_one_small_all_reduce_over_every_rank():
+    """The ``autoplan`` stack ends every step with the mean loss all-reduced over all the
+    ranks of the job (``ParallelModel.step``): one 16-byte all-reduce over the whole world,
+    whatever the layout, in the data-parallel communication; other stacks leave it out."""
+    latency = 1e-3
+    g = toy_graph(layers=8, fwd_flops=10**9, params=10**6)
+    c = toy_cluster(devices_per_node=8, latency_s=latency)
+    for s in (Strategy(dp=8, global_batch=8), Strategy(dp=2, tp=2, pp=2, global_batch=8),
+              Strategy(pp=8, global_batch=8, micro_batch=1)):
+        on = _est(g, c, s, CostOptions(step_loss_all_reduce=True, overlap_grad_reduce=False))
+        off = _est(g, c, s, CostOptions(step_loss_all_reduce=False, overlap_grad_reduce=False))
+        # a ring over 8 ranks: 2 x 7 steps of latency and 2 x 7/8 of the 16 bytes each way
+        by_hand = 2 * 7 * latency + 2 * 7 / 8 * 16 / 1e11
+        assert on.step_time_s - off.step_time_s == pytest.approx(by_hand, rel=1e-9), s
+        assert on.breakdown["dp_comm_s"] - off.breakdown["dp_comm_s"] == \
+            pytest.approx(by_hand, rel=1e-9)
+        assert sum(on.breakdown.values()) == pytest.approx(on.step_time_s, rel=1e-12)
+    assert CostOptions().step_loss_all_reduce
+    assert not any(CostOptions(stack=name).step_loss_all_reduce
+                   for name in ("megatron-2021", "megatron-core", "deepspeed-zero3", "fsdp"))

@@ -242,6 +242,12 @@ class CostOptions(Record):
         CPU: a millisecond per ring step).  ``False``: one collective over all of them
         (Megatron's distributed optimizer and DeepSpeed bucket tens of millions of
         parameters per call).
+    step_loss_all_reduce : bool
+        Every step ends with one small all-reduce over every rank of the job: the step's
+        mean loss over the global batch, which :meth:`autoplan.runtime.ParallelModel.step`
+        returns on every rank (two float64 numbers).  Its latency is all it costs: tens of
+        microseconds over NCCL, several milliseconds over gloo on CPU ranks that share
+        cores.  ``False`` where a stack reduces the loss for its logs only every few steps.
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -273,6 +279,7 @@ class CostOptions(Record):
     moe_dispatcher: str | None = None
     sp_grads_per_tensor_under_fsdp2: bool | None = None
     zero_step_per_layer: bool | None = None
+    step_loss_all_reduce: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -341,7 +348,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
-                          "zero_step_per_layer")
+                          "zero_step_per_layer", "step_loss_all_reduce")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -359,7 +366,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            attention_kernel: str = "flash-attention-2",
            zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
            sp_grads_per_tensor_under_fsdp2: bool = False,
-           zero_step_per_layer: bool = False) -> Stack:
+           zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -371,7 +378,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
         zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
         sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2,
-        zero_step_per_layer=zero_step_per_layer))
+        zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -389,11 +396,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "micro-batch of a step; the model's own attention as captured; MoE: the family's "
            "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
-           "all-reduce each under FSDP2, all in one without it",
+           "all-reduce each under FSDP2, all in one without it; the step's mean loss "
+           "all-reduced over every rank at its end",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
-           zero_step_per_layer=True),
+           zero_step_per_layer=True, step_loss_all_reduce=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

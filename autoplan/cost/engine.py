@@ -131,6 +131,9 @@ __all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL
 #: gradient and what it saved and writes the input gradient (about twice the forward's
 #: one read and one write; Korthikanti et al. 2022 count the same saved tensors).
 ELEMENTWISE_BACKWARD_FACTOR = 2.0
+#: Bytes of the step's closing loss all-reduce (:attr:`CostOptions.step_loss_all_reduce`):
+#: the loss sum and the sequence count, float64 (``ParallelModel.step``).
+LOSS_REDUCE_BYTES = 16
 
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
@@ -660,6 +663,14 @@ class CostEngine:
                                 fused_attention=self.options.fused_attention)
 
     # ------------------------------------------------------------------ helpers
+    def _loss_reduce_s(self, lay: Layout) -> float:
+        """Seconds of the step's closing all-reduce of its mean loss over every rank of
+        the layout (:attr:`CostOptions.step_loss_all_reduce`): two float64 numbers."""
+        devices = tuple(sorted({i for devs in lay.rank_devices for i in devs}))
+        return self.collective_time("all_reduce", devices, LOSS_REDUCE_BYTES,
+                                    group_key=("world", devices[0], len(devices),
+                                               hash(devices)))
+
     def _shared_cores(self, lay: Layout) -> tuple[int, int] | None:
         """``(ranks, cores)`` when the layout's ranks outnumber the cores they share: a
         one-node cluster whose node has ``shared_cores`` (CPU ranks measured all busy at
@@ -741,6 +752,8 @@ class CostEngine:
                 best = (step, m, ranks, crit, t_pipe, tail_rank, slack)
         assert best is not None
         step, m, ranks, crit, t_pipe, tail_rank, _ = best
+        loss_reduce = self._loss_reduce_s(lay) if opts.step_loss_all_reduce else 0.0
+        step += loss_reduce
 
         # memory of every rank of every replica signature: the fullest decides
         peak = 0.0
@@ -774,7 +787,7 @@ class CostEngine:
             "tp_comm_s": m * c.tp_exposed + tp_step_exp,
             "cp_comm_s": m * c.cp_exposed,
             "ep_comm_s": m * c.ep_exposed,
-            "dp_comm_s": m * c.zero_exposed + dp_step_exp,
+            "dp_comm_s": m * c.zero_exposed + dp_step_exp + loss_reduce,
             "pp_comm_s": m * c.p2p,
             "bubble_s": t_pipe - m * c.per_micro_batch,
             "optimizer_s": tr.optimizer,
@@ -783,7 +796,8 @@ class CostEngine:
         comm_total = {
             "tp_comm_s": m * c.tp_total + tr.tp_step, "cp_comm_s": m * c.cp_total,
             "ep_comm_s": m * c.ep_total,
-            "dp_comm_s": m * c.zero_total + tr.dp_step_total - tr.tp_step, "pp_comm_s": m * c.p2p,
+            "dp_comm_s": m * c.zero_total + tr.dp_step_total - tr.tp_step + loss_reduce,
+            "pp_comm_s": m * c.p2p,
         }
         seq = s.seq_len or 1
         tokens = lay.global_batch * seq
