@@ -550,8 +550,9 @@ def _shares_cores(cuda: bool, world: int, threads: int) -> bool:
     cores, and a training step pays the usual share, not the luckiest: a collective's
     figure is then the mean over the timed batches (with :data:`_MIN_SHARED_CALLS` calls
     or more each), not the best batch, and a rank's own work is timed in free-running
-    windows with every rank busy (:func:`_free_running`).  Checked by ``benchmarks/local_truth.py
-    --plain`` (the confirm models' single-process step on 4 processes of 2 cores at once).
+    windows with every rank busy (:func:`_free_running`).  Checked by
+    ``benchmarks/local_truth.py --plain`` (the confirm models' single-process step on 4
+    processes of 2 cores at once).
     """
     return not cuda and world * threads > _usable_cores()
 
@@ -944,7 +945,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
             source=(f"{how}: square matmuls timed cold (each call's operands from a rotation "
                     f"of sets spanning {_fmt_bytes(ranks[0].get('cold_bytes', _COLD_BYTES))}), "
                     f"throughput over the best measured ({dtype})"
-                    + ("; the ranks share cores: the mean of the timed batches"
+                    + ("; the ranks share cores: each rank free-running, every rank busy, "
+                       "the fastest of a few windows of the ranks' mean"
                        if raw.get("shares_cores") else "")))
     copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
     memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
@@ -982,7 +984,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     f"{_OPTIMIZER_TENSORS} tiny parameters, plain and as DTensors on a one-rank "
                     f"mesh, per tensor; over {_OPTIMIZER_LARGE[0]} of {_OPTIMIZER_LARGE[1]} fp32 "
                     "elements less that, per element"
-                    + ("" if nproc > 1 else " (DTensor on one rank: not measured, 0)")))
+                    + ("" if nproc > 1 else " (DTensor on one rank: not measured, 0)")
+                    + ("; the ranks share cores: all but the tensor-parallel figures timed "
+                       "each rank free-running, every rank busy, the fastest of a few windows "
+                       "of the ranks' mean" if raw.get("shares_cores") else "")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
