@@ -307,11 +307,12 @@ def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windo
     import types
 
     from autoplan.hardware import profiler
+    warm = profiler._WARMUP_CALLS
     clock = [96.0]
-    steps = iter([2.0**-6] * 2 + [2.0**-6] * 10 + [2.0**-7] * 20 + [2.0**-6] * 10)
+    steps = iter([2.0**-6] * warm + [2.0**-6] * 10 + [2.0**-7] * 20 + [2.0**-6] * 10)
     calls, events = [], []
 
-    def fn():   # warm-up 2 calls, then windows of 10, 20 and 10 calls (exact in binary)
+    def fn():   # the warm-up, then windows of 10, 20 and 10 calls (exact in binary)
         clock[0] += next(steps)
         calls.append(clock[0])
 
@@ -320,7 +321,6 @@ def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windo
                                  agreed_mean=lambda v: events.append(("mean", v)) or v * 3,
                                  barrier=lambda: events.append(("barrier", len(calls))),
                                  windows=3)
-    warm = profiler._WARMUP_CALLS
     assert profiler._MIN_FREE_WINDOW_S == 0.15   # the call counts below assume it
     # a barrier before each window, after the warm-up; each window >= 0.15 s, not 20 ms
     assert [e for e in events if e[0] == "barrier"] == [("barrier", warm),
