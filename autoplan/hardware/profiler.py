@@ -576,12 +576,13 @@ def _free_running(fn: Callable[[], Any], sync: Callable[[], None], target_s: flo
     cores as a step does; the fastest is kept because what else runs on the machine (other
     tenants of a VM's host) only ever adds time, as the measured steps it is compared
     with are their fastest."""
-    window = max(target_s / max(1, windows), _MIN_FREE_WINDOW_S)
+    windows = max(1, windows)
+    window = max(target_s / windows, _MIN_FREE_WINDOW_S)
     for _ in range(_WARMUP_CALLS):
         fn()
     sync()
     best = math.inf
-    for _ in range(max(1, windows)):
+    for _ in range(windows):
         barrier()
         calls, t0 = 0, time.perf_counter()
         while True:
@@ -635,15 +636,16 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # leave the barrier apart, and a rank that starts only once another has finished its
     # batch would time itself at a whole core's speed.  The ranks agree on iteration counts
     # through a max-reduction.
-    def agreed_max(value: float) -> float:
+    def agreed(value: float, op=dist.ReduceOp.MAX) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
         return float(t.item())
 
+    def agreed_max(value: float) -> float:
+        return agreed(value)
+
     def agreed_mean(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return float(t.item()) / world
+        return agreed(value, dist.ReduceOp.SUM) / world
 
     def agreed_span(start: float, end: float) -> float:
         t = torch.tensor([-start, end], dtype=torch.float64, device=device)
