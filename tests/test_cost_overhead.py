@@ -305,3 +305,66 @@ def test_shared_cores_round_trips_and_is_checked():
     import dataclasses
     with pytest.raises(ProfileError, match="shared_cores"):
         dataclasses.replace(p.node, shared_cores=4)      # as many cores as ranks: not shared
+
+
+def _arriving(arrival_s: float, cores: int | None = 2, world: int = 4):
+    """``_shared(cores, world)`` whose collectives cost ``arrival_s`` more per call after
+    compute (``NodeSpec.arrival_s``)."""
+    import dataclasses
+
+    from autoplan.hardware import NodeGroup, compose_cluster
+    p = next(iter(_shared(cores, world).profiles.values()))
+    p = dataclasses.replace(p, node=dataclasses.replace(
+        p.node, arrival_s=arrival_s, arrival_source="a test's figure" if arrival_s else None))
+    return compose_cluster([NodeGroup(p, 1)], name=f"arrival-{arrival_s}")
+
+
+def test_a_collective_after_compute_costs_the_arrival_once_per_call():
+    """Every collective call but p2p inside the node pays ``arrival_s`` once on top of its
+    ring-model time, whatever its bytes and group; a group of one pays nothing."""
+    base, late = _shared(2), _arriving(1.5e-3)
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        for group, nbytes in (((0, 1), 16), ((0, 1, 2, 3), 4e6)):
+            assert late.collective_time(op, group, nbytes) - base.collective_time(op, group, nbytes) \
+                == pytest.approx(1.5e-3, rel=1e-9)
+            assert late.collective_params(op, group).latency_s \
+                == pytest.approx(base.collective_params(op, group).latency_s + 1.5e-3, rel=1e-9)
+    assert late.collective_time("p2p", (0, 1), 4e6) == base.collective_time("p2p", (0, 1), 4e6)
+    assert late.collective_time("all_reduce", (0,), 4e6) == 0.0
+
+
+def test_the_arrival_cost_adds_to_every_collective_a_step_calls(graph):
+    """The step's data-parallel collectives: DDP's gradient all-reduce (one call per
+    bucket; the toy model's gradients fit one) and the loss all-reduce, each one arrival
+    more, where nothing overlaps."""
+    import dataclasses
+
+    s = Strategy(dp=4, micro_batch=1, global_batch=8, precision="fp32")
+    opts = dataclasses.replace(NO_OVERLAP, step_loss_all_reduce=True)
+    base = estimate(graph, _arriving(0.0), s, calibration=None, options=opts)
+    late = estimate(graph, _arriving(2e-3), s, calibration=None, options=opts)
+    assert late.breakdown["dp_comm_s"] - base.breakdown["dp_comm_s"] \
+        == pytest.approx(2 * 2e-3, rel=1e-6)
+    assert late.step_time_s - base.step_time_s == pytest.approx(2 * 2e-3, rel=1e-6)
+
+
+def test_the_arrival_cost_round_trips_and_is_checked():
+    import dataclasses
+
+    import yaml
+
+    from autoplan.errors import ProfileError
+    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+    p = next(iter(_arriving(1.5e-3).profiles.values()))
+    text = profile_to_yaml(p)
+    back = parse_profile(yaml.safe_load(text)).node
+    assert (back.arrival_s, back.arrival_source) == (1.5e-3, "a test's figure")
+    assert "arrival" not in profile_to_yaml(next(iter(_shared(2).profiles.values())))
+    with pytest.raises(ProfileError, match="arrival_source"):
+        dataclasses.replace(p.node, arrival_source=None)   # a figure needs its source
+    with pytest.raises(ProfileError, match="arrival_s"):
+        dataclasses.replace(p.node, arrival_s=-1e-3)
+    data = yaml.safe_load(text)
+    del data["node"]["arrival_source"]
+    with pytest.raises(ProfileError, match="arrival_source"):
+        parse_profile(data)

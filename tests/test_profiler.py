@@ -461,3 +461,39 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert "local-test" in available_profiles()
     profile = load_profile("local-test")
     assert profile.to_dict() == report["profile"]
+
+
+def test_the_arrival_cost_is_the_median_extra_of_a_collective_after_compute(monkeypatch):
+    """Per round and group: compute then collective, less the compute alone, less the
+    collective back to back, each the ranks' mean per call of one loop timed on each
+    rank's own clock after a barrier; the mean over rounds and groups, never below 0."""
+    import types
+
+    from autoplan.hardware import profiler
+    clock = [0.0]
+    state = {"last": None, "extra": 0.0}
+    barriers = []
+
+    def work():
+        clock[0] += 8e-3
+        state["last"] = "work"
+
+    def collective():   # 2 ms back to back, more right after compute
+        clock[0] += 2e-3 + (state["extra"] if state["last"] == "work" else 0.0)
+        state["last"] = "collective"
+
+    def barrier():      # three loops per group and round: alone, back to back, after compute
+        barriers.append(clock[0])
+        state["last"] = None
+        if len(barriers) % 3 == 0:
+            state["extra"] = next(extras)
+
+    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    extras = iter([1e-3, 3e-3, 2e-3, 5e-3, -4e-3, 2.5e-3])
+    got = profiler._measure_arrival(work, [collective, collective], barrier,
+                                    agreed_mean=lambda v: v, rounds=3, loop=4)
+    assert len(barriers) == 3 * 2 * 3
+    assert got == pytest.approx(9.5e-3 / 6, abs=1e-12)        # the mean of the six
+    extras = iter([-1e-3] * 3)
+    assert profiler._measure_arrival(work, [collective], barrier, agreed_mean=lambda v: v,
+                                     rounds=3, loop=4) == 0.0   # clamped

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Any, Iterable, Sequence
 
@@ -53,6 +53,7 @@ import networkx as nx
 from ..errors import ConfigError, ProfileError
 from ..records import Record
 from .collectives import (
+    CollectiveOp,
     CollectiveParams,
     GroupShape,
     NodePart,
@@ -445,8 +446,21 @@ class Cluster(Record):
         cached = self._collective_cache.get(key)
         if cached is None:
             cached = collective_candidates(op_, self._shape(signature, concurrent_groups))
+            arrival = self._arrival_s(op_, signature)
+            if arrival:
+                cached = tuple(replace(c, latency_s=c.latency_s + arrival) for c in cached)
             self._collective_cache[key] = cached
         return cached
+
+    def _arrival_s(self, op: CollectiveOp, signature: tuple[Any, ...]) -> float:
+        """What a call of ``op`` costs more after compute than back to back
+        (``NodeSpec.arrival_s``: ranks that share a node's cores), for a group inside one
+        node; 0 for p2p (its profile figure is timed after compute already) and for groups
+        across nodes."""
+        if op is CollectiveOp.P2P or len(signature) != 1 or len(signature[0][1]) != 1:
+            return 0.0
+        profile_name, members, _ = signature[0][1][0]
+        return self.profiles[profile_name].node.arrival_s if members >= 2 else 0.0
 
     def collective_params(self, op: str, group: Sequence[int], *, nbytes: float | None = None,
                           concurrent_groups: int | None = None) -> CollectiveParams:

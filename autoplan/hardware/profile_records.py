@@ -460,6 +460,14 @@ class NodeSpec(Record):
     collective_latency : CollectiveLatency or None
         Each operation's own per-step latency (measured profiles); ``None``: every
         operation steps at ``latency_s``.
+    arrival_s : float
+        Seconds every collective call but p2p costs more after compute than back to
+        back, on top of its ring-model time: ranks that share cores (``shared_cores``)
+        reach a collective a scheduler slice apart and wait for the last one to get a
+        core.  Measured by ``autoplan profile`` where ranks share cores (their
+        collectives are timed back to back there); 0 elsewhere.
+    arrival_source : str or None
+        Where ``arrival_s`` comes from (required when it is not 0).
     """
 
     devices_per_node: int
@@ -472,8 +480,14 @@ class NodeSpec(Record):
     links: tuple[MeshLink, ...] = ()
     shared_cores: int | None = None
     collective_latency: CollectiveLatency | None = None
+    arrival_s: float = 0.0
+    arrival_source: str | None = None
 
     def __post_init__(self) -> None:
+        _require(_finite_nonnegative(self.arrival_s), "arrival_s",
+                 f"expected seconds >= 0, got {self.arrival_s!r}")
+        _require(self.arrival_s == 0 or _text(self.arrival_source), "arrival_source",
+                 "expected where arrival_s comes from (a non-empty source)")
         _require(isinstance(self.devices_per_node, int) and self.devices_per_node >= 1,
                  "devices_per_node", f"expected an integer >= 1, got {self.devices_per_node!r}")
         _require(self.shared_cores is None or (

@@ -323,11 +323,19 @@ def _parse_node(sec: _Section) -> NodeSpec:
     lat_sec = sec.mapping("collective_latency", "the per-step latency of each collective",
                           required=False)
     op_latency = _parse_collective_latency(lat_sec) if lat_sec is not None else None
+    arrival, arrival_source = 0.0, None
+    if any(f"arrival_{unit}" in sec.data for unit in _LATENCY):
+        arrival = sec.quantity("arrival", _LATENCY, "what a collective call costs more after "
+                               "compute (ranks that share cores)", _nonnegative, ">= 0")
+        arrival_source = sec.text("arrival_source", "where the arrival cost comes from")
+    sec.allowed.extend(f"arrival_{unit}" for unit in _LATENCY)
+    sec.allowed.append("arrival_source")
     sec.finish()
     return _build(NodeSpec, sec, devices_per_node=devices, topology=topology,
                   bw_unidir_bytes_per_s=bw, latency_s=latency, collective_efficiency=efficiency,
                   source=source, latency_source=latency_source, links=tuple(links),
-                  shared_cores=shared_cores, collective_latency=op_latency)
+                  shared_cores=shared_cores, collective_latency=op_latency,
+                  arrival_s=arrival, arrival_source=arrival_source)
 
 
 def _parse_network(sec: _Section) -> NetworkSpec:
@@ -476,6 +484,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
         lat = n.collective_latency
         node["collective_latency"] = {**{f"{op}_s": getattr(lat, op) for op in COLLECTIVE_OPS},
                                       "source": lat.source}
+    if n.arrival_s:
+        node["arrival_s"] = n.arrival_s
+        node["arrival_source"] = n.arrival_source
     data = {"kind": "node", "name": profile.name, "description": profile.description,
             "device": device, "node": node}
     if w is not None:

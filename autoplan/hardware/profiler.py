@@ -77,7 +77,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
@@ -333,7 +333,8 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> 
 
 
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any,
-                         pair: Any = None, rounds: int = 1) -> tuple[float, float]:
+                         pair: Any = None, rounds: int = 1,
+                         arrival_s: float = 0.0) -> tuple[float, float]:
     """Extra seconds per tensor-parallel linear, ``(forward, backward)``, beyond its
     arithmetic and its collective, which the link model prices (``timed(fn)`` is seconds
     per call): a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel`` (what
@@ -359,6 +360,10 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       figure, came within 5% of them.  On
       ranks with cores of their own the pair overstated the 2-rank step (+15%, where the
       one-rank figure reads within 5%), so there the one-rank figure is kept.
+      Part of that wait is what any collective after compute costs there (``arrival_s``,
+      :func:`_measure_arrival`), which the link model now adds to every collective call:
+      it is taken off each direction's all-reduce here, so the figure is what a
+      tensor-parallel linear costs beyond a collective after compute.
 
     Measured ``rounds`` times; the median of each direction is returned."""
     import torch.distributed._functional_collectives as funcol
@@ -392,8 +397,9 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
         tp_both = timed(lambda: sharded(x).sum().backward())
         bare = timed(lambda: dist.all_reduce(flat, group=group))
         if pair is not None:
-            forward = max(0.0, tp_fwd - plain_fwd - bare) / 2
-            backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - bare) / 2
+            after = bare + arrival_s   # the all-reduce as the link model prices it
+            forward = max(0.0, tp_fwd - plain_fwd - after) / 2
+            backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - after) / 2
             return forward, backward
         wrapped = timed(lambda: funcol.all_reduce(flat, "sum", group).wait())
         wrapper = max(0.0, wrapped - bare)
@@ -594,6 +600,50 @@ def _free_running(fn: Callable[[], Any], sync: Callable[[], None], target_s: flo
                 break
         best = min(best, agreed_mean(elapsed / calls))   # the same on every rank
     return best
+
+
+#: The arrival cost (:func:`_measure_arrival`): calls of the ``_WORK_SHAPE`` matmul between
+#: two collectives (about 10 ms on a CPU rank that shares its core, a transformer layer's
+#: compute in the confirm models), calls per timed loop, and rounds of the three loops per
+#: group.  One round's extra reads 0-3.6 ms on 4 ranks of 2 cores; the mean of 24 (12
+#: rounds, world and pairs) read 0.97-1.42 ms in four launches, their median 0.70-1.37
+#: (2026-11-26): the mean is kept, over 10 rounds (~10 s)
+_ARRIVAL_WORK_CALLS = 3
+_ARRIVAL_LOOP = 12
+_ARRIVAL_ROUNDS = 10
+
+
+def _measure_arrival(work: Callable[[], Any], collectives: Sequence[Callable[[], Any]],
+                     barrier: Callable[[], None], agreed_mean: Callable[[float], float],
+                     rounds: int = _ARRIVAL_ROUNDS, loop: int = _ARRIVAL_LOOP) -> float:
+    """Seconds a small collective costs more after compute than back to back where ranks
+    share cores: the mean over ``rounds`` rounds and each group's ``collectives`` (a tiny
+    all-reduce over a group, every rank in one) of ``compute then collective`` less the
+    compute alone less the collective back to back, each the ranks' mean of ``loop`` calls
+    timed on each rank's own clock (the compute free-running, as a rank's own work is).
+
+    Where ranks share cores they reach a collective a scheduler slice apart: the last one
+    waits for a core while the first ones wait in the collective, and the call costs more
+    than back to back (where the ranks are all in the collective's loop).  On 4 ranks of 2
+    cores, a 16 B all-reduce after ~10 ms of matmuls cost 0.2-2.8 ms more per call than
+    back to back (world and pairs alike; 2026-11-26), where the profile's collectives,
+    timed back to back there, had not priced it.  The mean, not the median: a step pays
+    every call's wait, the rare long ones included.  Clamped at 0."""
+    for fn in (work, *collectives):
+        fn()
+    extras = []
+    for _ in range(max(1, rounds)):
+        for collective in collectives:
+            times = []
+            for fn in (work, collective, lambda: (work(), collective())):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(loop):
+                    fn()
+                times.append(agreed_mean((time.perf_counter() - t0) / loop))
+            alone, back_to_back, after = times
+            extras.append(after - alone - back_to_back)
+    return max(0.0, statistics.fmean(extras))
 
 
 def _calls_per_batch(target_s: float, repeats: int, first_s: float, shares_cores: bool) -> int:
@@ -797,6 +847,21 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
+    arrival = 0.0
+    if shares_cores and world > 1:
+        # a tiny all-reduce after compute, over every rank and over pairs of ranks (the
+        # groups of a 4-rank layout's parallelism); the collectives above ran back to back
+        tiny = torch.ones(4, device=device)
+        groups: list[Any] = [None]
+        if world > 2 and world % 2 == 0:
+            groups.append(dist.new_subgroups(group_size=2)[0])   # collective: every rank
+        dist.barrier()
+        arrival = _measure_arrival(
+            lambda: [work() for _ in range(_ARRIVAL_WORK_CALLS)],
+            [lambda g=g: dist.all_reduce(tiny, group=g) for g in groups],
+            dist.barrier, agreed_mean)
+        say(f"a collective after compute: {arrival * 1e6:.0f} us more per call than back to back")
+
     if overhead is not None:
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
@@ -815,7 +880,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             pair = dist.new_subgroups(group_size=2)[0] if in_pairs else None
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
                                                   lambda fn: timed(fn, plan.overhead_target_s),
-                                                  own, pair, _TP_PAIR_ROUNDS if in_pairs else 1)
+                                                  own, pair, _TP_PAIR_ROUNDS if in_pairs else 1,
+                                                  arrival if in_pairs else 0.0)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
@@ -832,7 +898,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     dist.all_gather_object(gathered, mine)
     if rank == 0:
         payload = {"ranks": gathered, "comm": comm, "world": world, "shares_cores": shares_cores,
-                   "comm_after_compute": after_compute}
+                   "comm_after_compute": after_compute, "arrival_s": arrival}
         atomic_write_text(Path(result_dir, "result.json"), json.dumps(payload))
     dist.barrier()
     dist.destroy_process_group()
@@ -977,7 +1043,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
                     + ("on two-rank groups, every pair at once (ranks share cores), less "
-                       "one all-reduce of the same bytes each way, the median of "
+                       "one all-reduce of the same bytes each way (back to back, plus the "
+                       "node's arrival_s: as the link model prices it), the median of "
                        f"{_TP_PAIR_ROUNDS} rounds" if tp_in_pairs else
                        "on a one-rank mesh, plus the functional all-reduce's own time once "
                        "each way")
@@ -1026,11 +1093,19 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
     shared = cores if not cuda and cores is not None and cores < devices_per_node else None
+    arrival = float(raw.get("arrival_s", 0.0)) if shared is not None else 0.0
     node = NodeSpec(
         devices_per_node=devices_per_node, shared_cores=shared,
         topology=IntraNodeTopology.UNIFORM if cuda else IntraNodeTopology.SHARED_MEMORY,
         bw_unidir_bytes_per_s=bus, latency_s=latency, collective_efficiency=efficiency,
         collective_latency=op_latency,
+        arrival_s=arrival,
+        arrival_source=(f"{how}: a 16-byte all-reduce after {_ARRIVAL_WORK_CALLS} "
+                        f"{_WORK_FLOPS / 1e6:.0f}-MFLOP matmuls, over every rank and over "
+                        "pairs of ranks, less the matmuls alone (free-running) less the "
+                        f"all-reduce back to back, each the ranks' mean of {_ARRIVAL_LOOP} "
+                        f"calls; the mean of {_ARRIVAL_ROUNDS} rounds")
+                       if arrival else None,
         source=f"{how}: the best {backend} bus bandwidth of any collective (ring model fit)",
         latency_source=f"{how}: median over the collectives of the fitted per-step latency")
     profile = Profile(name=name,
@@ -1055,6 +1130,8 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         *(["  latency per step: " + ", ".join(
             f"{op} {n.collective_latency.of(op) * 1e6:.0f} us" for op in COLLECTIVE_OPS)]
           if n.collective_latency is not None else []),
+        *([f"  after compute: +{n.arrival_s * 1e6:.0f} us per collective call (ranks share "
+           f"{n.shared_cores} cores)"] if n.arrival_s else []),
         *([f"  overhead {d.op_overhead.forward_dispatch_s * 1e6:.1f} us per dispatched operator "
            f"forward, {d.op_overhead.backward_node_s * 1e6:.1f} us per autograd node backward; "
            f"tensor-parallel linear "
