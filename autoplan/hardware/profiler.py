@@ -361,9 +361,9 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       one-rank figure reads within 5%), so there the one-rank figure is kept.
       The link model also adds ``arrival_s`` (:func:`_measure_arrival`) to every
       collective call there; taking it off this figure as well (as if the pair's wait
-      were the same cost) priced the tensor-parallel layouts 7-11 points faster than
-      keeping it, in two confirm passes that measured them 6-18% faster than priced
-      with it kept (2026-11-26): the figure is kept whole.
+      were the same cost) priced the tensor-parallel layouts 7-13 points faster than
+      keeping it, in three confirm passes that measured them 5-18% faster than priced
+      with it kept (median per model and pass, 2026-11-26): the figure is kept whole.
 
     Measured ``rounds`` times; the median of each direction is returned."""
     import torch.distributed._functional_collectives as funcol
