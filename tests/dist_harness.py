@@ -113,12 +113,23 @@ def _context():
 
 
 def _tail(path: str, n: int = 3000) -> str:
+    """The last ``n`` characters of a rank's output; after a native crash, faulthandler's
+    report instead (the signal and every thread's stack, from its start), less the list of
+    loaded extension modules it ends with: that list alone (~3 KB with torch, pandas and
+    scipy loaded) filled the whole tail of an 8-rank run whose rank died of SIGABRT."""
     try:
         with open(path, errors="replace") as f:
             text = f.read()
-        return text[-n:]
     except OSError:
         return ""
+    fatal = text.rfind("Fatal Python error")
+    if fatal < 0:
+        return text[-n:]
+    report = text[fatal:]
+    modules = report.find("\nExtension modules:")
+    if modules >= 0:
+        report = report[:modules] + "\n(faulthandler's list of extension modules left out)"
+    return report[:n]
 
 
 @dataclass

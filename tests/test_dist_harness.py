@@ -1,0 +1,38 @@
+"""The multi-process test harness itself: what it reports when a rank crashes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from dist_harness import DistributedFailure, _tail, run
+
+
+def test_the_tail_of_a_crashed_ranks_output_is_faulthandlers_report(tmp_path):
+    """After a native crash the report (signal, stacks) is kept from its start and the
+    list of extension modules it ends with is left out; otherwise the output's tail."""
+    log = tmp_path / "rank0.log"
+    stacks = ("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+              '  File "x.py", line 3 in step\n')
+    log.write_text("x" * 5000 + "\n" + stacks + "\nExtension modules: " + "m, " * 2000 + "\n")
+    got = _tail(str(log))
+    assert got.startswith("Fatal Python error: Aborted") and 'line 3 in step' in got
+    assert "Extension modules" not in got and got.endswith("left out)")
+    log.write_text("a" * 5000 + "the end")
+    assert _tail(str(log), 100) == ("a" * 5000 + "the end")[-100:]
+    assert _tail(str(tmp_path / "missing.log")) == ""
+
+
+def _abort_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        os.abort()      # a native crash: SIGABRT, no Python traceback
+    return rank
+
+
+def test_a_rank_that_aborts_is_reported_with_its_stack():
+    with pytest.raises(DistributedFailure) as failure:
+        run(_abort_on_rank_1, 2, timeout=120, pg_timeout=30)
+    text = str(failure.value)
+    assert "rank 1: died of SIGABRT" in text
+    assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text
