@@ -846,14 +846,18 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
+    # where ranks share cores and pair up, this rank's pair (every pair at once), for the
+    # arrival cost and the tensor-parallel figure (new_subgroups is collective: every rank)
+    pair = (dist.new_subgroups(group_size=2)[0]
+            if world > 1 and _tp_in_pairs(shares_cores, world) else None)
     arrival = 0.0
     if shares_cores and world > 1:
         # a tiny all-reduce after compute, over every rank and over pairs of ranks (the
         # groups of a 4-rank layout's parallelism); the collectives above ran back to back
         tiny = torch.ones(4, device=device)
         groups: list[Any] = [None]
-        if world > 2 and world % 2 == 0:
-            groups.append(dist.new_subgroups(group_size=2)[0])   # collective: every rank
+        if pair is not None and world > 2:
+            groups.append(pair)
         dist.barrier()
         arrival = _measure_arrival(
             lambda: [work() for _ in range(_ARRIVAL_WORK_CALLS)],
@@ -873,13 +877,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             f"{opt_element * 1e9:.2f} ns per parameter element")
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
-            # where ranks share cores, measured on pairs of ranks (new_subgroups is
-            # collective: every rank takes part)
-            in_pairs = _tp_in_pairs(shares_cores, world)
-            pair = dist.new_subgroups(group_size=2)[0] if in_pairs else None
+            # where ranks share cores, measured on pairs of ranks
             tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
                                                   lambda fn: timed(fn, plan.overhead_target_s),
-                                                  own, pair, _TP_PAIR_ROUNDS if in_pairs else 1)
+                                                  own, pair,
+                                                  _TP_PAIR_ROUNDS if pair is not None else 1)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
