@@ -144,10 +144,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _in_worker(rank: int, world: int, port: int, outdir: str, strategy, work) -> None:
-    """One rank of a measurement: a gloo group, the small GPT laid out by ``strategy``, its
-    fixed batch, then ``work(pm, ids)``; an error is written to ``error<rank>.txt``, and the
-    process ends with os._exit after tearing the group down (gloo can abort at exit)."""
+def _in_worker(rank: int, world: int, port: int, outdir: str, strategy, work, *,
+               model=None, global_batch: int | None = None) -> None:
+    """One rank of a measurement: a gloo group, the small GPT (or ``model()``, built after
+    seeding) laid out by ``strategy``, its fixed batch of ``global_batch`` (default
+    ``GLOBAL_BATCH``) sequences, then ``work(pm, ids)``; an error is written to
+    ``error<rank>.txt``, and the process ends with os._exit after tearing the group down
+    (gloo can abort at exit)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     import torch
@@ -158,10 +161,12 @@ def _in_worker(rank: int, world: int, port: int, outdir: str, strategy, work) ->
     try:
         from autoplan.models import GPT
         from autoplan.runtime import parallelize
+        batch = global_batch or GLOBAL_BATCH
         torch.manual_seed(0)
-        pm = parallelize(GPT(CONFIG), strategy, global_batch=GLOBAL_BATCH, seq_len=CONFIG.seq_len)
+        pm = parallelize(model() if model else GPT(CONFIG), strategy, global_batch=batch,
+                         seq_len=CONFIG.seq_len)
         gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, CONFIG.seq_len), generator=gen)
+        ids = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len), generator=gen)
         work(pm, ids)
     except BaseException as exc:  # report, then still tear down cleanly
         Path(outdir, f"error{rank}.txt").write_text(repr(exc))

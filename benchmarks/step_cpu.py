@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # spawn + join by a deadline + error reports, and the confirm pass's models and batch
 from local_truth import (CONFIG, CONFIRM_BATCH, CONFIRM_MODELS, CONFIRM_WORLD,  # noqa: E402
-                         GLOO_ON_CPU, _confirm_model, _run_ranks)
+                         GLOO_ON_CPU, _confirm_model, _in_worker, _run_ranks)
 
 DEFAULT_LAYOUTS = ("dp=2,pp=2,micro_batch=1,schedule=gpipe",
                    "dp=2,pp=2,micro_batch=2,schedule=gpipe",
@@ -108,69 +108,54 @@ def _threads_cpu() -> dict[str, float]:
     return out
 
 
-def _worker(rank: int, world: int, port: int, label: str, outdir: str, *, model: str,
-            kw: dict, steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+def _measure(pm, ids, *, rank: int, outdir: str, steps: int) -> None:
+    """``WARMUP`` steps, then ``steps`` steps whose CPU figures rank ``rank`` writes."""
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    status = 0
-    try:
-        from autoplan.runtime import parallelize
-        pm = parallelize(_confirm_model(model), strategy_of(kw), global_batch=CONFIRM_BATCH,
-                         seq_len=CONFIG.seq_len)
-        ids = torch.randint(0, CONFIG.vocab_size, (CONFIRM_BATCH, CONFIG.seq_len),
-                            generator=torch.Generator().manual_seed(1))
-        spent = {"stage": 0.0, "optimizer": 0.0}
+    spent = {"stage": 0.0, "optimizer": 0.0}
 
-        def timed(obj, attr: str, key: str) -> None:
-            inner = getattr(obj, attr)
+    def timed(obj, attr: str, key: str) -> None:
+        inner = getattr(obj, attr)
 
-            def call(*args, **kwargs):
-                c0 = time.thread_time()
-                try:
-                    return inner(*args, **kwargs)
-                finally:
-                    spent[key] += time.thread_time() - c0
-            setattr(obj, attr, call)
+        def call(*args, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[key] += time.thread_time() - c0
+        setattr(obj, attr, call)
 
-        for stage in pm.stages:
-            for attr in STAGE_CALLS:
-                if hasattr(stage, attr):
-                    timed(stage, attr, "stage")
-        if not pm.stages:   # pp 1: the model's forward and the loss's backward
-            for part in pm.parts:
-                timed(part, "forward", "stage")
-            timed(torch.Tensor, "backward", "stage")
-        for opt in pm.optimizers:
-            timed(opt, "step", "optimizer")
-        rows = []
-        for i in range(WARMUP + steps):
-            spent.update(stage=0.0, optimizer=0.0)
-            dist.barrier()
-            threads0, main0 = _threads_cpu(), time.thread_time()
-            t0 = time.perf_counter()
-            pm.step(ids)
-            t1 = time.perf_counter()
-            main, threads1 = time.thread_time() - main0, _threads_cpu()
-            dist.barrier()
-            process = sum(v - threads0.get(t, 0.0) for t, v in threads1.items())
-            if i >= WARMUP:
-                rows.append({"start": t0, "end": t1, "process": process, "main": main, **spent})
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(rows))
-    except BaseException as exc:  # report, then still tear down cleanly
-        Path(outdir, f"error{rank}.txt").write_text(f"rank {rank}: {type(exc).__name__}: {exc}")
-        status = 1
-    finally:
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+    for stage in pm.stages:
+        for attr in STAGE_CALLS:
+            if hasattr(stage, attr):
+                timed(stage, attr, "stage")
+    if not pm.stages:   # pp 1: the model's forward and the loss's backward
+        for part in pm.parts:
+            timed(part, "forward", "stage")
+        timed(torch.Tensor, "backward", "stage")
+    for opt in pm.optimizers:
+        timed(opt, "step", "optimizer")
+    rows = []
+    for i in range(WARMUP + steps):
+        spent.update(stage=0.0, optimizer=0.0)
+        dist.barrier()
+        threads0, main0 = _threads_cpu(), time.thread_time()
+        t0 = time.perf_counter()
+        pm.step(ids)
+        t1 = time.perf_counter()
+        main, threads1 = time.thread_time() - main0, _threads_cpu()
+        dist.barrier()
+        process = sum(v - threads0.get(t, 0.0) for t, v in threads1.items())
+        if i >= WARMUP:
+            rows.append({"start": t0, "end": t1, "process": process, "main": main, **spent})
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+def _worker(rank: int, world: int, port: int, label: str, outdir: str, *, model: str,
+            kw: dict, steps: int) -> None:
+    _in_worker(rank, world, port, outdir, strategy_of(kw),
+               partial(_measure, rank=rank, outdir=outdir, steps=steps),
+               model=partial(_confirm_model, model), global_batch=CONFIRM_BATCH)
 
 
 def account(ranks: list[list[dict]], cores: int) -> dict[str, float]:
