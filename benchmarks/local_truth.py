@@ -56,7 +56,9 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    runs (``CONFIRM_LAYOUTS_PER_LAUNCH``; ``CONFIRM_WARMUP`` warm-up then ``CONFIRM_TIMED``
    timed steps each), over ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's
    measured step is its fastest; a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
-   is reported;
+   is reported.  Each launch first times the profile's 256^3 fp32 matmul on every rank at
+   once (``PROBE_N``): a layout's ``machine_speed`` says how fast the machine ran, against
+   the profile, at the launch of its fastest step;
 4. the layouts that measured faster than the pick (``CONFIRM_CONTENDERS`` at most) run
    again, each side by side with the pick (adjacent launches, alternating which goes
    first) over ``CONFIRM_PAIRED_ROUNDS`` rounds: the fastest layouts lie within a few
@@ -64,8 +66,9 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    machine, and a pair measured side by side shares its state;
 5. per model: predicted and measured step and rank of each layout, the picked layout's
    step over the fastest one's (the median side-by-side ratio against each faster layout,
-   1.000 where none measured faster; target <= 1.05), and Spearman's rank correlation of
-   predicted vs measured.
+   1.000 where none measured faster; target <= 1.05), Spearman's rank correlation of
+   predicted vs measured, and the machine's speed at the launches with its rank
+   correlation to the layouts' error.
 
     python benchmarks/local_truth.py --confirm --csv rows.csv    # (~8-12 min on 2 cores)
     python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
@@ -469,6 +472,8 @@ CONFIRM_WORLD = 4
 CONFIRM_BATCH = 8
 #: The picked plan should measure within this factor of the fastest measured layout.
 CONFIRM_TARGET = 1.05
+#: The issue's target for predicted vs measured step time per layout.
+TIME_TARGET = 0.15
 #: Layouts run besides the picked one's neighbourhood and each degree combination's best:
 #: a uniform sample (fixed seed) of the rest of the search's ranked list, so that what is
 #: run is not only what the cost model favours.  ``--all`` runs every layout instead.
@@ -482,6 +487,13 @@ CONFIRM_WARMUP, CONFIRM_TIMED, CONFIRM_ROUNDS = 2, 3, 2
 #: step moves 5-8% between passes of the machine; a pair measured side by side shares the
 #: machine's state.
 CONFIRM_CONTENDERS, CONFIRM_PAIRED_ROUNDS = 4, 4
+#: The machine's speed at each launch: before its layouts, every rank times the quick
+#: profile's cold ``PROBE_N``^3 fp32 matmul as the profile times it where ranks share cores
+#: (each free-running, the fastest of ``PROBE_WINDOWS`` windows of the ranks' mean); the
+#: row's ``machine_speed`` is the profile's time for that matmul over the probe's (1: as
+#: fast as when profiled).  The same work reads up to 20% apart minutes apart on this
+#: machine (``benchmarks/step_cpu.py``), more than most layouts' error.
+PROBE_N, PROBE_WINDOWS = 256, 2
 #: A layout whose rank 0 reports nothing for this long (model build, warm-up and timed
 #: steps; the first layout of a launch also spawns the ranks and traces) is killed.
 CONFIRM_LAYOUT_TIMEOUT_S = 120.0
@@ -624,6 +636,25 @@ def check_runnable(model, graph, rows: list[dict]) -> None:
             r["status"], r["reason"] = "not runnable", f"{type(exc).__name__}: {exc}"
 
 
+def _speed_probe(torch, dist) -> float:
+    """Seconds per call of the quick profile's cold ``PROBE_N``^3 fp32 matmul on this
+    rank, timed as ``autoplan profile`` times it where ranks share cores (every rank at
+    once, free-running; the fastest of ``PROBE_WINDOWS`` windows of the ranks' mean)."""
+    from autoplan.hardware.profiler import (_COLD_BYTES, _MIN_FREE_WINDOW_S, _cold_matmul,
+                                            _free_running)
+
+    def agreed_mean(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t[0]) / dist.get_world_size()
+    call = _cold_matmul(torch, PROBE_N, torch.float32, torch.device("cpu"), _COLD_BYTES)
+    try:
+        return _free_running(call, lambda: None, PROBE_WINDOWS * _MIN_FREE_WINDOW_S,
+                             agreed_mean, dist.barrier, windows=PROBE_WINDOWS)
+    finally:
+        del call
+
+
 def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
                     jobs: list[tuple[int, str]], outdir: str) -> None:
     """One rank of a launch: each job (index, plan JSON) in turn: lay the model out, warm-up
@@ -646,6 +677,9 @@ def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
     from autoplan.runtime import parallelize
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, CONFIG.vocab_size, (CONFIRM_BATCH, CONFIG.seq_len), generator=gen)
+    probe = _speed_probe(torch, dist)
+    if rank == 0:
+        Path(outdir, "probe.json").write_text(json.dumps(probe))
     for i, text in jobs:
         try:
             pm = parallelize(_confirm_model(model_name), Plan.from_json(text),
@@ -698,11 +732,13 @@ def _launcher():
 CONFIRM_LAYOUTS_PER_LAUNCH = 1
 
 
-def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[int, list[float] | str]:
+def measure_many(model_name: str, graph, jobs: list[tuple[int, str]],
+                 probes: dict[int, float] | None = None) -> dict[int, list[float] | str]:
     """Step times of each job (index, plan JSON) on ``CONFIRM_WORLD`` processes, launched
     ``CONFIRM_LAYOUTS_PER_LAUNCH`` at a time; a job that fails or passes
     ``CONFIRM_LAYOUT_TIMEOUT_S`` gets its reason (a string) and the rest continue in a
-    fresh launch."""
+    fresh launch.  ``probes``, when given, gets each measured job's launch's
+    :func:`_speed_probe` (seconds per call)."""
     from dataclasses import replace
     ctx = _launcher()
     graph = replace(graph, fx_graph=None)   # what parallelize keeps of a capture
@@ -736,6 +772,9 @@ def measure_many(model_name: str, graph, jobs: list[tuple[int, str]]) -> dict[in
                 done, skip = Path(outdir, f"done{i}.json"), Path(outdir, f"skip{i}.txt")
                 if done.exists():
                     out[i] = json.loads(done.read_text())
+                    probe = Path(outdir, "probe.json")
+                    if probes is not None and probe.exists():
+                        probes[i] = json.loads(probe.read_text())
                 elif skip.exists():
                     out[i] = "not runnable: " + skip.read_text()
                 elif not blamed:   # the first job without a result is the one that failed
@@ -817,7 +856,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 CSV_FIELDS = ("model", "label", "source", "search_rank", "predicted_s", "predicted_rank",
-              "measured_s", "measured_rank", "error", "paired_ratio", "status", "reason")
+              "measured_s", "measured_rank", "error", "paired_ratio", "machine_speed", "status",
+              "reason")
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
@@ -856,17 +896,24 @@ def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all:
         print(f"{len(rows)} layouts, {len(runnable)} runnable")
         if run and runnable:
             steps: dict[int, list[float]] = {i: [] for i in runnable}
+            speed = {}   # the machine's speed at the launch of each layout's fastest step
+            reference = cluster.profile_of(0).device.matmul_time_s(2 * PROBE_N**3, "fp32")
             for k in range(CONFIRM_ROUNDS):   # alternate the order: drift hits all alike
                 order = runnable if k % 2 == 0 else runnable[::-1]
-                got = measure_many(name, graph, [(i, rows[i]["plan"].to_json()) for i in order])
+                probes: dict[int, float] = {}
+                got = measure_many(name, graph, [(i, rows[i]["plan"].to_json()) for i in order],
+                                   probes)
                 for i, v in got.items():
                     if isinstance(v, str):
                         rows[i]["status"], rows[i]["reason"] = v.split(":", 1)[0], v
                     else:
+                        if v and (not steps[i] or min(v) < min(steps[i])) and i in probes:
+                            speed[i] = reference / probes[i]
                         steps[i] += v
             for i in runnable:
                 if not rows[i]["status"] and steps[i]:
                     rows[i]["measured_s"] = min(steps[i])
+                    rows[i]["machine_speed"] = speed.get(i)
             measured = [i for i in runnable if rows[i].get("measured_s")]
             for rank, i in enumerate(sorted(measured, key=lambda i: rows[i]["measured_s"])):
                 rows[i]["measured_rank"] = rank + 1
@@ -894,13 +941,14 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
         return f"{'-':>{spec[:-1].lstrip('+').split('.')[0]}}" if v is None else format(v, spec)
 
     print(f"\n{'layout':<44} {'source':<7} {'pred s':>7} {'p.rank':>6} {'meas s':>7} "
-          f"{'m.rank':>6} {'error':>7}  status")
+          f"{'m.rank':>6} {'error':>7} {'speed':>5}  status")
     shown = sorted(rows, key=lambda r: (r.get("measured_rank") or 10**6,
                                         r.get("predicted_rank") or 10**6))
     for r in shown:
         print(f"{r['label']:<44} {r['source']:<7} {fmt(r.get('predicted_s'), '7.3f')} "
               f"{fmt(r.get('predicted_rank'), '6d')} {fmt(r.get('measured_s'), '7.3f')} "
-              f"{fmt(r.get('measured_rank'), '6d')} {fmt(r.get('error'), '+7.1%')}  "
+              f"{fmt(r.get('measured_rank'), '6d')} {fmt(r.get('error'), '+7.1%')} "
+              f"{fmt(r.get('machine_speed'), '5.2f')}  "
               f"{r['reason'][:110] if r.get('reason') else ''}")
     picked = rows[_pick(rows)]
     measured = [r for r in rows if r.get("measured_s")]
@@ -930,8 +978,36 @@ def _print_confirm(rows: list[dict], run: bool) -> None:
     rho = spearman([r["predicted_s"] for r in measured], [r["measured_s"] for r in measured])
     mape = statistics.mean(abs(r["error"]) for r in measured)
     not_run = sum(1 for r in rows if r.get("status"))
+    within = sum(abs(r["error"]) <= TIME_TARGET for r in measured)
     print(f"Spearman rank correlation, predicted vs measured, over {len(measured)} measured "
-          f"layouts: {rho:+.2f}; mean |error| {mape:.1%}; {not_run} not runnable or failed")
+          f"layouts: {rho:+.2f}; mean |error| {mape:.1%}, median "
+          f"{statistics.median(r['error'] for r in measured):+.1%}; {within} of {len(measured)} "
+          f"within {TIME_TARGET:.0%} (target: every one); {not_run} not runnable or failed")
+    line = speed_summary(measured)
+    if line:
+        print(line)
+
+
+def speed_summary(measured: list[dict]) -> str | None:
+    """One line on the machine's speed at the measured layouts' launches
+    (``machine_speed``, :data:`PROBE_N`): its median and range, and its rank correlation
+    with the layouts' error (positive: layouts measured while the machine ran slow read
+    as priced fast).  ``None`` without probes."""
+    pairs = [(r["machine_speed"], r["error"]) for r in measured
+             if r.get("machine_speed") is not None and r.get("error") is not None]
+    if not pairs:
+        return None
+    speeds = [p[0] for p in pairs]
+    rho = spearman(speeds, [p[1] for p in pairs]) if len(pairs) > 2 else float("nan")
+    # the measured step as if the machine had run at the profile's speed (every part of a
+    # CPU step is the cores' work, the collectives' included): a diagnostic, not the verdict
+    scaled = [(1 + e) / v - 1 for v, e in pairs]
+    return (f"machine speed at the launches ({PROBE_N}^3 fp32 matmuls, every rank at once, "
+            f"over the profile's; 1 = as profiled), {len(pairs)} layouts: median "
+            f"{statistics.median(speeds):.2f}, {min(speeds):.2f}-{max(speeds):.2f}; "
+            f"Spearman with the error {rho:+.2f}; each step scaled by it to the profile's "
+            f"speed: {sum(abs(e) <= TIME_TARGET for e in scaled)} of {len(scaled)} within "
+            f"{TIME_TARGET:.0%}, median error {statistics.median(scaled):+.1%}")
 
 
 # ----------------------------------------------------------------------------- plain

@@ -178,3 +178,54 @@ def test_the_verdict_uses_the_side_by_side_ratio(capsys):
     del rows[1]["paired_ratio"]
     lt._print_confirm(rows, True)
     assert "ratio 1.060 (target <= 1.05): missed" in capsys.readouterr().out
+
+
+def test_the_machine_speed_line(capsys):
+    """The probe's speeds: their median and range and their rank correlation with the
+    error, in the verdict; no line without probes."""
+    rows = [{"source": "search", "search_rank": 1, "label": f"l{i}", "predicted_s": 1.0,
+             "measured_s": 1.0 / (1 + e), "error": e, "machine_speed": s}
+            for i, (e, s) in enumerate([(-0.2, 0.8), (-0.1, 0.9), (0.0, 1.0), (0.05, 1.1)])]
+    line = lt.speed_summary(rows)
+    assert "4 layouts: median 0.95, 0.80-1.10; Spearman with the error +1.00" in line
+    # scaled: (1 + e) / speed - 1 = 0, 0, 0, -0.045
+    assert "to the profile's speed: 4 of 4 within 15%, median error +0.0%" in line
+    lt._print_confirm(rows, True)
+    out = capsys.readouterr().out
+    assert line in out
+    assert "median -5.0%; 3 of 4 within 15% (target: every one)" in out
+    assert lt.speed_summary([dict(r, machine_speed=None) for r in rows]) is None
+
+
+def test_the_speed_probe_is_the_profiles_matmul_timing(monkeypatch):
+    """The probe times the profile's cold fp32 matmul of PROBE_N through the profiler's own
+    free-running timer (PROBE_WINDOWS windows), the ranks' figure agreed by an all-reduce."""
+    import torch
+
+    from autoplan.hardware import profiler
+    seen = {}
+
+    def free_running(fn, sync, target_s, agreed_mean, barrier, windows=1):
+        fn()
+        seen.update(target_s=target_s, windows=windows, mean=agreed_mean(0.5),
+                    shape=tuple(fn.sets[0][0].shape), dtype=fn.sets[0][0].dtype)
+        return 0.25
+
+    class FakeDist:
+        @staticmethod
+        def all_reduce(t):
+            t *= 4          # four ranks with the same figure
+
+        @staticmethod
+        def get_world_size():
+            return 4
+
+        @staticmethod
+        def barrier():
+            pass
+
+    monkeypatch.setattr(profiler, "_free_running", free_running)
+    assert lt._speed_probe(torch, FakeDist) == 0.25
+    assert seen == {"target_s": lt.PROBE_WINDOWS * profiler._MIN_FREE_WINDOW_S,
+                    "windows": lt.PROBE_WINDOWS, "mean": 0.5,
+                    "shape": (lt.PROBE_N, lt.PROBE_N), "dtype": torch.float32}
