@@ -999,8 +999,9 @@ def speed_summary(measured: list[dict]) -> str | None:
         return None
     speeds = [p[0] for p in pairs]
     rho = spearman(speeds, [p[1] for p in pairs]) if len(pairs) > 2 else float("nan")
-    # the measured step as if the machine had run at the profile's speed (every part of a
-    # CPU step is the cores' work, the collectives' included): a diagnostic, not the verdict
+    # the measured step as if the machine had run at the profile's speed, assuming the whole
+    # step slows with the matmul probe (on CPU ranks the collectives are the cores' work
+    # too): a diagnostic, not the verdict
     scaled = [(1 + e) / v - 1 for v, e in pairs]
     return (f"machine speed at the launches ({PROBE_N}^3 fp32 matmuls, every rank at once, "
             f"over the profile's; 1 = as profiled), {len(pairs)} layouts: median "

@@ -112,11 +112,18 @@ def _context():
     return ctx
 
 
+#: Lines of a crashed rank's output kept before faulthandler's report: what the native
+#: code printed as it died (a C++ ``terminate called after throwing ...`` and its
+#: ``what()``, gloo's reason).
+_BEFORE_CRASH_LINES = 6
+
+
 def _tail(path: str, n: int = 3000) -> str:
     """The last ``n`` characters of a rank's output; after a native crash, faulthandler's
-    report instead (the signal and every thread's stack, from its start), less the list of
-    loaded extension modules it ends with: that list alone (~3 KB with torch, pandas and
-    scipy loaded) filled the whole tail of an 8-rank run whose rank died of SIGABRT."""
+    report instead (the signal and every thread's stack, from its start), after the
+    :data:`_BEFORE_CRASH_LINES` lines printed before it and less the list of loaded
+    extension modules it ends with: that list alone (~3 KB with torch, pandas and scipy
+    loaded) filled the whole tail of an 8-rank run whose rank died of SIGABRT."""
     try:
         with open(path, errors="replace") as f:
             text = f.read()
@@ -129,7 +136,9 @@ def _tail(path: str, n: int = 3000) -> str:
     modules = report.find("\nExtension modules:")
     if modules >= 0:
         report = report[:modules] + "\n(faulthandler's list of extension modules left out)"
-    return report[:n]
+    before = "\n".join(text[:fatal].rstrip("\n").splitlines()[-_BEFORE_CRASH_LINES:])
+    before = before[-(n // 4):]   # a long line printed last cannot crowd out the stacks
+    return ((before + "\n") if before else "") + report[:n - len(before) - 1]
 
 
 @dataclass

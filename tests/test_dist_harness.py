@@ -15,10 +15,18 @@ def test_the_tail_of_a_crashed_ranks_output_is_faulthandlers_report(tmp_path):
     log = tmp_path / "rank0.log"
     stacks = ("Fatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
               '  File "x.py", line 3 in step\n')
-    log.write_text("x" * 5000 + "\n" + stacks + "\nExtension modules: " + "m, " * 2000 + "\n")
+    died = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+            "  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes\n")
+    log.write_text("x" * 5000 + "\n" + died + stacks + "\nExtension modules: " + "m, " * 2000
+                   + "\n")
     got = _tail(str(log))
-    assert got.startswith("Fatal Python error: Aborted") and 'line 3 in step' in got
+    # the lines before it, their last 750 characters (a quarter of the tail) at most
+    assert got.startswith("x") and (died + "Fatal Python error: Aborted") in got
+    assert got.index(died) == 750 - len(died.rstrip("\n")) and len(got) <= 3000
+    assert "Fatal Python error: Aborted" in got and 'line 3 in step' in got
     assert "Extension modules" not in got and got.endswith("left out)")
+    log.write_text(stacks)          # nothing printed before the report
+    assert _tail(str(log)).startswith("Fatal Python error: Aborted")
     log.write_text("a" * 5000 + "the end")
     assert _tail(str(log), 100) == ("a" * 5000 + "the end")[-100:]
     assert _tail(str(tmp_path / "missing.log")) == ""
