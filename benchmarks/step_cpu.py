@@ -23,20 +23,19 @@ included, at every-rank-busy speed) in core-ms (times the cores over the ranks).
     python benchmarks/step_cpu.py --model llama --layout dp=2,pp=2,micro_batch=1,zero=1
 
 What it found (2026-11-26, 2 cores, dp 2 pp 2 GPipe, priced with one quick profile; two
-runs of GPT, one of Llama).  GPT, 4 micro-batches of 1 sequence: 267-277 ms a step against
-208 priced; of its 534-554 core-ms the stage calls took 418-422 (the engine charges 345 as
-stage work), the main threads 31-33 more, the other threads (gloo's transport) 43-47, and
-the cores idled 39-51.  2 of 2: 223-225 ms against 195; stage 344-352 (319 charged).  1 of 4:
-202 and 244 ms against 186; stage 312 and 373 (303 charged): the same work read 20% apart
-in two runs minutes apart, the noise a single layout's step carries on this machine.
-Llama, 1/2/4 sequences a micro-batch: 263/212/213 ms against 226/208/198; stage 417/338/311
-(384/348/327 charged), main threads 31/23/35, transport 39/13/18, idle 36/43/36.  At one
-sequence a micro-batch the stage work reads 9-22% above what is charged (one process at
-micro-batch 1 reads 1-8% slower than priced, ``local_truth.py --plain``); the transport
-threads, the main thread's other work and the idle cores are not priced as core time: at 4
-sequences the engine's pipeline bound (the busiest rank at every-rank-busy speed) is
-pessimistic enough to cover them, at 1 it is not.  There is no target: it says what the
-model does not yet price.
+runs of GPT, one of Llama).  GPT, 4 micro-batches of 1 sequence: 243-248 ms a step against
+208 priced; of its 487-496 core-ms the stage calls took 373-388 (the engine charges 345 as
+stage work), the main threads 25-26 more, the other threads (gloo's transport) 44-51, and
+the cores idled 22-28.  2 of 2: 215-221 ms against 195; stage 331-340 (319 charged).  1 of
+4: 194-201 ms against 186; stage 304-305 (303 charged), transport 28-42.  Llama, 1/2/4
+sequences a micro-batch: 265/213/196 ms against 226/208/198; stage 400/328/296 (384/348/327
+charged), main threads 31/23/22, transport 49/45/35, idle 35/20/21.  The stage work is
+charged within 12% either way (at one sequence a micro-batch 4-12% low); the transport and
+the main thread's other work, ~15% of the node's core time, are not priced as core time:
+at 4 sequences the engine's pipeline bound (the busiest rank at every-rank-busy speed) is
+pessimistic enough to cover them, at 1 it is not.  Earlier runs of this script read the
+same GPT 1x4 layout's stage work at 312 and 373 core-ms minutes apart: the machine's speed
+moves that much.  There is no target: it says what the model does not yet price.
 """
 
 from __future__ import annotations
@@ -82,7 +81,10 @@ def parse_layout(text: str) -> dict:
         elif key in TEXT_FIELDS:
             kw[key] = value
         elif key == "sequence_parallel":
-            kw[key] = value.lower() in ("1", "true", "yes")
+            flag = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+            if value.lower() not in flag:
+                raise ValueError(f"sequence_parallel must be true or false, got {value!r}")
+            kw[key] = flag[value.lower()]
         else:
             raise ValueError(f"unknown key {key!r}; use {', '.join(INT_FIELDS + TEXT_FIELDS)}"
                              ", sequence_parallel")
@@ -95,10 +97,18 @@ def strategy_of(kw: dict):
 
 
 def _threads_cpu() -> dict[str, float]:
-    """CPU seconds of each of this process's threads (Linux ``/proc``), by thread id."""
+    """CPU seconds of each of this process's threads (Linux ``/proc``), by thread id: the
+    scheduler's nanosecond run time (``schedstat``), else user + system clock ticks
+    (``stat``, 10 ms steps)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0]) / 1e9
+            continue
+        except (OSError, ValueError, IndexError):
+            pass
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -166,7 +176,8 @@ def account(ranks: list[list[dict]], cores: int) -> dict[str, float]:
         stage = sum(r["stage"] for r in rows)
         optimizer = sum(r["optimizer"] for r in rows)
         main = sum(r["main"] for r in rows)
-        # /proc's ticks are coarser than thread_time: other threads never read below 0
+        # /proc's clock ticks (without schedstat) are coarser than thread_time: other
+        # threads never read below 0
         others = max(0.0, sum(r["process"] for r in rows) - main)
         per_step.append({"step": step, "cores": cores * step, "stage": stage,
                          "optimizer": optimizer, "main_other": main - stage - optimizer,

@@ -24,9 +24,17 @@ def test_parse_layout():
     assert step_cpu.parse_layout("tp=2,sequence_parallel=true") == {
         "tp": 2, "sequence_parallel": True}
     for bad, says in [("dp", "key=value"), ("dp=", "key=value"), ("dp=two", "integer"),
-                      ("precision=bf16", "unknown key")]:
+                      ("precision=bf16", "unknown key"),
+                      ("sequence_parallel=maybe", "true or false")]:
         with pytest.raises(ValueError, match=says):
             step_cpu.parse_layout(bad)
+
+
+def test_thread_clocks_cover_this_thread():
+    import threading
+    clocks = step_cpu._threads_cpu()
+    mine = clocks[str(threading.get_native_id())]
+    assert 0 < mine and abs(mine - __import__("time").thread_time()) < 0.05
 
 
 def test_main_rejects_bad_input_before_running(capsys):
