@@ -34,8 +34,8 @@ charged within 12% either way (at one sequence a micro-batch 4-12% low); the tra
 the main thread's other work, ~15% of the node's core time, are not priced as core time:
 at 4 sequences the engine's pipeline bound (the busiest rank at every-rank-busy speed) is
 pessimistic enough to cover them, at 1 it is not.  Earlier runs of this script read the
-same GPT 1x4 layout's stage work at 312 and 373 core-ms minutes apart: the machine's speed
-moves that much.  There is no target: it says what the model does not yet price.
+same GPT layout's stage work at one micro-batch of 4 at 312 and 373 core-ms minutes apart:
+the machine's speed moves that much.  There is no target: it says what the model does not yet price.
 """
 
 from __future__ import annotations
