@@ -46,3 +46,25 @@ def small_plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("plans") / "plan.json"
     path.write_text(plan.to_json())
     return path
+
+
+@pytest.fixture(scope="session")
+def a100_x4(tmp_path_factory: pytest.TempPathFactory):
+    """``a100_x4(name, **node)``: the shipped A100 node profile with 4 devices (and 4
+    NICs), the given ``node`` keys set on top (``shared_cores=2``), written to a file; its
+    path.  For what needs some 4-device cluster (the confirm pass's 4 ranks), not this
+    machine's."""
+    import yaml
+
+    from autoplan.hardware.profiles import shipped_profiles_dir
+
+    def make(name: str, **node) -> Path:
+        data = yaml.safe_load((shipped_profiles_dir() / "a100-sxm4-80gb.yaml").read_text())
+        data["name"] = name
+        data["node"]["devices_per_node"] = 4
+        data["node"].update(node)
+        data["network"]["nics_per_node"] = 4
+        path = tmp_path_factory.mktemp("profile") / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return path
+    return make

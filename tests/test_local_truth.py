@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -17,20 +16,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import local_truth as lt  # noqa: E402
 
 from autoplan import load_cluster, trace  # noqa: E402
-from autoplan.hardware.profiles import shipped_profiles_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def profile4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def profile4(a100_x4) -> Path:
     """The shipped A100 node profile with 4 devices (the enumeration needs some 4-device
     cluster, not this machine's)."""
-    data = yaml.safe_load((shipped_profiles_dir() / "a100-sxm4-80gb.yaml").read_text())
-    data["name"] = "a100-x4-local-truth"
-    data["node"]["devices_per_node"] = 4
-    data["network"]["nics_per_node"] = 4
-    path = tmp_path_factory.mktemp("profile") / "a100-x4.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return a100_x4("a100-x4-local-truth")
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import step_cpu  # noqa: E402
-
-from autoplan.hardware.profiles import shipped_profiles_dir  # noqa: E402
 
 
 def test_parse_layout():
@@ -73,16 +70,10 @@ def test_account_sums_ranks_and_takes_the_median_step():
     assert step_cpu.account(low, cores=1)["other_threads"] == 0.0
 
 
-def test_priced_stage_work_is_core_time(tmp_path):
+def test_priced_stage_work_is_core_time(a100_x4):
     """The engine's stage work for a 4-rank layout on a profile whose 4 devices share 2
     cores: every replica's micro-batches over every pipeline rank, times 2/4."""
-    data = yaml.safe_load((shipped_profiles_dir() / "a100-sxm4-80gb.yaml").read_text())
-    data["name"] = "a100-x4-shared"
-    data["node"]["devices_per_node"] = 4
-    data["node"]["shared_cores"] = 2
-    data["network"]["nics_per_node"] = 4
-    path = tmp_path / "shared.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = a100_x4("a100-x4-shared", shared_cores=2)
     from autoplan import estimate, load_cluster, trace
     graphs: dict = {}
     kw = {"dp": 2, "pp": 2, "micro_batch": 2, "schedule": "gpipe"}
