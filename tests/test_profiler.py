@@ -12,8 +12,11 @@ import yaml
 from autoplan.hardware import (IntraNodeTopology, NodeGroup, available_profiles, compose_cluster,
                                load_cluster, load_profile)
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-from autoplan.hardware.profiler import (_TP_PAIR_ROUNDS, _build_profile, _p2p_partner,
-                                       fit_alpha_beta, main)
+from autoplan.errors import ProfileError
+from autoplan.hardware import EfficiencyTable
+from autoplan.hardware.profiler import (_ATTENTION_HEADS, _TP_PAIR_ROUNDS, _attention_call,
+                                       _attention_table, _build_profile, _p2p_partner,
+                                       _qk_flops, fit_alpha_beta, main)
 from runtime_cases import synthetic_measurements
 
 
@@ -334,9 +337,70 @@ def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windo
 
 
 def test_usage_errors_return_2(capsys):
-    assert main(["--nproc", "1", "--device", "cpu"]) == 2
-    assert "--nproc must be at least 2" in capsys.readouterr().err
+    assert main(["--nproc", "0", "--device", "cpu"]) == 2
+    assert "--nproc must be at least 1" in capsys.readouterr().err
     assert main(["--no-such-option"]) == 2
+
+
+def test_one_device_profile_has_no_collectives_and_loads(tmp_path):
+    """A machine of one GPU (or one CPU rank) profiles with --nproc 1: no collective can run,
+    none is measured, and the node's link stands at the device's copy bandwidth (a plan of
+    one device never uses it); the profile is marked measured and round-trips."""
+    raw = synthetic_measurements(world=1)
+    raw["comm"] = {}
+    profile, measurements = _build_profile("one", raw, cuda=False, nproc=1, threads=2,
+                                           devices_per_node=1, quick=True, copy_bytes=2**20)
+    node = profile.node
+    assert node.devices_per_node == 1 and node.latency_s == 0.0
+    assert node.bw_unidir_bytes_per_s == pytest.approx(profile.device.memory_bw_bytes_per_s)
+    assert "no collective was measured" in node.source
+    assert profile.device.measured and "collective_fits" not in measurements
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    path = tmp_path / "one.yaml"
+    path.write_text(profile_to_yaml(profile))
+    assert load_cluster(path).num_devices == 1
+
+
+def test_attention_table_prices_the_measured_calls():
+    """The CUDA profile's attention table: 4 QK^T products' FLOPs (what the engine prices a
+    causal fused attention's forward and backward at) over the measured time, over the best
+    16-bit matmul, for the first (heads, head dim) of the measured shapes; the other shapes
+    stay in the measurements only."""
+    heads, head_dim = _ATTENTION_HEADS[0]
+    other = _ATTENTION_HEADS[1]
+    calls = [(8, heads, 2048, head_dim, 2e-3), (8, other[0], 2048, other[1], 3e-3),
+             (2, heads, 8192, head_dim, 6e-3)]
+    ranks = [{"attention": calls}, {"attention": [c[:4] + (c[4] * 1.5,) for c in calls]}]
+    rows, table = _attention_table(ranks, {"bf16": 1e15, "fp32": 1e14}, "measured here")
+    assert [r["seconds"] for r in rows] == pytest.approx([3e-3, 4.5e-3, 9e-3])  # slowest rank
+    qk = [_qk_flops(8, heads, 2048, head_dim), _qk_flops(2, heads, 8192, head_dim)]
+    assert [p[0] for p in table.points] == qk
+    assert [p[1] for p in table.points] == pytest.approx(
+        [4 * qk[0] / 3e-3 / 1e15, 4 * qk[1] / 9e-3 / 1e15])
+    assert "scaled_dot_product_attention" in table.source
+    assert _attention_table([{"attention": []}], {"bf16": 1e15}, "x") == ([], None)
+    assert _attention_table([{}], {"bf16": 1e15}, "x") == ([], None)
+
+
+def test_attention_call_runs_sdpa_forward_and_backward():
+    import torch
+    call = _attention_call(torch, 2, 2, 16, 8, torch.device("cpu"))
+    call()   # gradients returned, nothing accumulated: repeatable
+    call()
+
+
+def test_measured_profile_fields_round_trip_and_reject_bad_values():
+    profile, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
+                                threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
+    table = EfficiencyTable(((1e9, 0.3), (1e11, 0.6)), source="measured attention")
+    from dataclasses import replace
+    p2 = replace(profile, device=replace(profile.device, attention_efficiency=table))
+    data = yaml.safe_load(profile_to_yaml(p2))
+    assert data["device"]["measured"] is True
+    assert parse_profile(data) == p2
+    data["device"]["measured"] = "maybe"
+    with pytest.raises(ProfileError, match="measured.*true or false"):
+        parse_profile(data)
 
 
 def test_p2p_partners():

@@ -253,6 +253,14 @@ def _is_gpu(device: DeviceType) -> bool:
     return device.architecture not in ("", "cpu")
 
 
+def _takes_fit(device: DeviceType) -> bool:
+    """Whether the fitted figures apply: a GPU profile of datasheet figures.  A measured
+    profile (``device.measured``, ``autoplan profile``) keeps its own tables: its peak is
+    already the best achieved, and the fitted fraction of a datasheet peak would count
+    the shortfall twice."""
+    return _is_gpu(device) and not device.measured
+
+
 def _half_peak(device: DeviceType) -> float:
     return device.peak(device.resolve_dtype("bf16"))
 
@@ -284,14 +292,14 @@ def _apply(cluster: Cluster, calibration: Calibration) -> Cluster:
     ``bf16``/``fp16`` tables go; ``fp32``/``tf32`` stay); the FP8 curve, from its
     FP8 peak, becomes the ``fp8`` table where the device has one; the NVLink
     figure replaces the node's collective efficiency on NVLink nodes, the network
-    figure the network's.  CPU and unstated-architecture profiles (measured) are
-    kept as they are.
+    figure the network's.  CPU, unstated-architecture and measured profiles
+    (``DeviceType.measured``) are kept as they are.
     """
     profiles = {}
     links = calibration.links
     for name, profile in cluster.profiles.items():
         device = profile.device
-        if not _is_gpu(device):
+        if not _takes_fit(device):
             profiles[name] = profile
             continue
         arch = calibration.for_architecture(device.architecture)
@@ -321,14 +329,20 @@ def attention_tables(cluster: Cluster, calibration: Calibration,
     the FLOPs of one ``QK^T`` product on one device), for every device type of ``cluster``,
     for the attention ``kernel`` (``CostOptions.attention_kernel``).
 
-    GPUs: :meth:`Calibration.attention_fraction` of the architecture, with its matmul
-    overhead.  CPU and unstated-architecture devices, either kernel: their own matmul table
-    scaled by the fitted attention / matmul ratio (mean over the fitted architectures).
+    A device with a measured attention table (``DeviceType.attention_efficiency``,
+    ``autoplan profile`` on CUDA), either kernel: that table.  Other GPUs:
+    :meth:`Calibration.attention_fraction` of the architecture, with its matmul
+    overhead.  CPU, unstated-architecture and measured devices without a measured table,
+    either kernel: their own matmul table scaled by the fitted attention / matmul ratio
+    (mean over the fitted architectures).
     """
     out: dict[str, EfficiencyTable] = {}
     for profile in cluster.profiles.values():
         device = profile.device
-        if _is_gpu(device):
+        if device.attention_efficiency is not None:
+            out[device.name] = device.attention_efficiency
+            continue
+        if _takes_fit(device):
             fraction, source = calibration.attention_fraction(device.architecture, kernel)
             if fraction is not None:
                 arch = calibration.for_architecture(device.architecture)

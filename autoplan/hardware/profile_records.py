@@ -280,6 +280,16 @@ class DeviceType(Record):
     op_overhead : OpOverhead or None
         Host time per operator that adds to the device's (measured CPU profiles);
         ``None`` where the host runs ahead of the device (GPUs).
+    measured : bool
+        The peaks and tables are measurements of this device (``autoplan profile``), not
+        datasheet figures: the fitted figures of ``autoplan.cost.calibration``, which
+        scale a datasheet peak, are not applied to it.
+    attention_efficiency : EfficiencyTable or None
+        Measured fused attention (``autoplan profile`` on CUDA: causal SDPA, forward and
+        backward): the fraction of the 16-bit peak at which the cost model's fused-
+        attention FLOPs take the measured time, against the FLOPs of one ``QK^T`` product
+        on the device (the engine's key for attention).  ``None``: the fitted curve of the
+        architecture (or the device's matmul table scaled by the fitted ratio).
     """
 
     name: str
@@ -290,6 +300,8 @@ class DeviceType(Record):
     source: str
     architecture: str = ""
     op_overhead: OpOverhead | None = None
+    measured: bool = False
+    attention_efficiency: EfficiencyTable | None = None
 
     def __post_init__(self) -> None:
         _require(_text(self.name), "name", "expected a non-empty device name")
@@ -318,6 +330,12 @@ class DeviceType(Record):
                  f"{list(ARCHITECTURES)} or ''")
         _require(self.op_overhead is None or isinstance(self.op_overhead, OpOverhead),
                  "op_overhead", f"expected an OpOverhead or None, got {self.op_overhead!r}")
+        _require(isinstance(self.measured, bool), "measured",
+                 f"expected true or false, got {self.measured!r}")
+        _require(self.attention_efficiency is None
+                 or isinstance(self.attention_efficiency, EfficiencyTable),
+                 "attention_efficiency",
+                 f"expected an efficiency table or None, got {self.attention_efficiency!r}")
 
     def resolve_dtype(self, dtype: str) -> str:
         """The dtype a matmul requested in ``dtype`` runs in on this device.

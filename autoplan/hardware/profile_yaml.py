@@ -230,10 +230,18 @@ def _parse_device(sec: _Section) -> DeviceType:
                             required=False) or ""
     overhead_sec = sec.mapping("op_overhead", "host time per operator", required=False)
     overhead = _parse_op_overhead(overhead_sec) if overhead_sec is not None else None
+    measured = sec.data.get("measured", False)
+    sec.allowed.append("measured")
+    if not isinstance(measured, bool):
+        raise sec.error("measured", f"expected true or false, got {_describe(measured)}")
+    attention_sec = sec.mapping("attention_efficiency", "a measured fused-attention table",
+                                required=False)
+    attention = _parse_efficiency_table(attention_sec) if attention_sec is not None else None
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
                   memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
-                  architecture=architecture, op_overhead=overhead)
+                  architecture=architecture, op_overhead=overhead, measured=measured,
+                  attention_efficiency=attention)
 
 
 def _parse_op_overhead(sec: _Section) -> OpOverhead:
@@ -456,6 +464,12 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
     }
     if d.architecture:
         device["architecture"] = d.architecture
+    if d.measured:
+        device["measured"] = True
+    if d.attention_efficiency is not None:
+        t = d.attention_efficiency
+        device["attention_efficiency"] = {"points": [list(p) for p in t.points],
+                                          "source": t.source}
     if d.op_overhead is not None:
         o = d.op_overhead
         device["op_overhead"] = {"forward_s": o.forward_s, "backward_s": o.backward_s,

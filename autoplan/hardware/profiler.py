@@ -139,6 +139,8 @@ class MeasurementPlan:
     comm_target_s: float
     repeats: int
     overhead_target_s: float = 0.1
+    #: fused attention (CUDA only): (batch, heads, sequence, head dim) per timed call
+    attention_shapes: tuple[tuple[int, int, int, int], ...] = ()
 
     @classmethod
     def for_machine(cls, cuda: bool, quick: bool) -> "MeasurementPlan":
@@ -146,10 +148,14 @@ class MeasurementPlan:
         kib, mib = 2**10, 2**20
         if cuda:
             sizes = (512, 1024, 2048, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)
+            seqs = (1024, 4096) if quick else (512, 1024, 2048, 4096, 8192)
+            attention = tuple((_ATTENTION_TOKENS // s, heads, s, d) for s in seqs
+                              for heads, d in _ATTENTION_HEADS)
             return cls({d: sizes for d in ("fp32", "tf32", "bf16", "fp16")},
                        0.05 if quick else 0.2, (256 if quick else 1024) * mib, 0.05 if quick else 0.2,
                        tuple(4**i * kib for i in range(0, 9 if quick else 10, 2 if quick else 1)),
-                       0.05 if quick else 0.2, 3 if quick else 5)
+                       0.05 if quick else 0.2, 3 if quick else 5,
+                       attention_shapes=attention)
         if quick:
             # collectives up to 16 MiB, where a CPU collective is bandwidth-bound: up to 2 MiB
             # the fit's slope was noise under latency on 4 ranks of 2 cores (1000 GB/s)
@@ -499,6 +505,41 @@ def _time_local(fn: Callable[[], Any], sync: Callable[[], None], target_s: float
     return best
 
 
+#: Fused attention is timed on calls of this many tokens (batch x sequence), as a step's
+#: micro-batch of a 1-3B model, at sequence lengths 512-8192 and these (heads, head dim):
+#: width 2048 in heads of 128 (Llama 3 8B and up, GPT-3 1.3B; the profile's table) and of
+#: 64 (Llama 3.2 1B; recorded in the measurements only: a table has one curve)
+_ATTENTION_TOKENS = 16384
+_ATTENTION_HEADS = ((16, 128), (32, 64))
+#: The FLOPs the cost model prices a causal fused attention's forward and backward at, in
+#: units of one ``QK^T`` product: the forward's two products, the backward's four and the
+#: forward the kernel recomputes in it (2 + 4 + 2), halved by the causal mask
+#: (autoplan.cost.engine: CAUSAL_BLOCK_FRACTION)
+_ATTENTION_FLOPS_PER_QK = 4.0
+
+
+def _qk_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """FLOPs of one ``QK^T`` product (``2 b h s^2 d``), the engine's key for attention."""
+    return 2.0 * batch * heads * seq * seq * head_dim
+
+
+def _attention_call(torch, batch: int, heads: int, seq: int, head_dim: int,
+                    device) -> Callable[[], Any]:
+    """One causal ``scaled_dot_product_attention`` forward and backward in bf16 (torch picks
+    its fused kernel, as a model's SDPA call does)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
+                           generator=gen).requires_grad_() for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, device=device, dtype=torch.bfloat16,
+                       generator=gen)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call() -> None:   # gradients returned, not accumulated into .grad
+        torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), grad)
+
+    return call
+
+
 def _cold_matmul(torch, n: int, dtype, device, cold_bytes: int) -> Callable[[], Any]:
     """A call that multiplies two ``n x n`` matrices into a third, each call the next of
     as many distinct sets (views into three flat buffers) as span ``cold_bytes``, so no
@@ -772,6 +813,16 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
     del src, dst
 
+    attention: list[tuple[int, int, int, int, float]] = []
+    if cuda:   # torch's fused attention (SDPA), as models call it, forward and backward
+        for batch, heads, seq, head_dim in plan.attention_shapes:
+            call = _attention_call(torch, batch, heads, seq, head_dim, device)
+            sec = _time_local(call, sync, plan.matmul_target_s, plan.repeats)
+            del call
+            attention.append((batch, heads, seq, head_dim, sec))
+            say(f"attention b{batch} h{heads} s{seq} d{head_dim} forward+backward: "
+                f"{sec * 1e3:.2f} ms ({_ATTENTION_FLOPS_PER_QK * _qk_flops(batch, heads, seq, head_dim) / sec / 1e12:.0f} TFLOP/s priced)")
+
     # operator overhead: on CPU the host is the device (on CUDA the host runs ahead)
     overhead = None
     if not cuda:
@@ -808,7 +859,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         def work() -> None:
             torch.matmul(work_a, work_b)
 
-    for size in plan.comm_sizes_bytes:
+    # one rank: no collective can run on this node (no other device to talk to)
+    for size in plan.comm_sizes_bytes if world > 1 else ():
         count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
         nbytes = count * 4
         full = torch.ones(count, device=device)
@@ -893,7 +945,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     else:
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
-            "cold_bytes": cold_bytes}
+            "cold_bytes": cold_bytes, "attention": attention}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -1056,13 +1108,23 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
                        "each rank free-running, every rank busy, the fastest of a few windows "
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
+    attention, attention_table = _attention_table(ranks, peaks, how)
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
+        measured=True, attention_efficiency=attention_table,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
                 + "bandwidth is tensor-copy bytes (read + write) per second per device"))
+
+    backend = "NCCL" if cuda else "gloo"
+    if nproc == 1:
+        node = _one_device_node(copy_bytes_per_s, how, cuda)
+        profile = Profile(name=name, description=f"Measured on {host}: {device_name}, 1 device",
+                          device=device, node=node, network=None)
+        return profile, {"matmul_flops_per_s": throughput, "copy_bytes_per_s": copy_bytes_per_s,
+                         "attention": attention}
 
     # collectives: t = a + b S  ->  bus bandwidth factor / b, per-step latency a / steps
     fits: dict[str, dict[str, float]] = {}
@@ -1089,7 +1151,6 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                   "every pair of ranks at once, less the matmul, the others back to back"
                   if raw.get("shares_cores") else "")
                + ") over its ring steps")
-    backend = "NCCL" if cuda else "gloo"
     # more ranks than cores: they share them (a rank runs faster while others wait)
     shared = cores if not cuda and cores is not None and cores < devices_per_node else None
     arrival = float(raw.get("arrival_s", 0.0)) if shared is not None else 0.0
@@ -1111,8 +1172,56 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                       description=f"Measured on {host}: {device_name}, {devices_per_node} devices",
                       device=device, node=node, network=None)
     measurements = {"matmul_flops_per_s": throughput, "copy_bytes_per_s": copy_bytes_per_s,
-                    "collective_fits": fits, "collective_times_s": raw["comm"]}
+                    "collective_fits": fits, "collective_times_s": raw["comm"],
+                    "attention": attention}
     return profile, measurements
+
+
+def _attention_table(ranks: list[dict[str, Any]], peaks: dict[str, float], how: str
+                     ) -> tuple[list[dict[str, Any]], EfficiencyTable | None]:
+    """The measured attention calls (the slowest rank's time per shape) and the profile's
+    table: for the shapes of the first (heads, head dim) of :data:`_ATTENTION_HEADS`, the
+    fraction of the 16-bit peak at which :data:`_ATTENTION_FLOPS_PER_QK` ``QK^T`` products
+    take the measured time, against one product's FLOPs.  ``None`` without measurements."""
+    shapes = [tuple(r[:4]) for r in ranks[0].get("attention") or []]
+    if not shapes:
+        return [], None
+    peak = peaks.get("bf16") or peaks.get("fp16")
+    rows = []
+    for i, shape in enumerate(shapes):
+        sec = max(float(r["attention"][i][4]) for r in ranks)
+        qk = _qk_flops(*shape)
+        rows.append({"batch": shape[0], "heads": shape[1], "seq": shape[2], "head_dim": shape[3],
+                     "seconds": sec, "qk_flops": qk,
+                     "priced_flops_per_s": _ATTENTION_FLOPS_PER_QK * qk / sec})
+    if peak is None:
+        return rows, None
+    heads, head_dim = _ATTENTION_HEADS[0]
+    points = sorted((r["qk_flops"], min(1.0, r["priced_flops_per_s"] / peak)) for r in rows
+                    if (r["heads"], r["head_dim"]) == (heads, head_dim))
+    if not points:
+        return rows, None
+    table = EfficiencyTable(
+        tuple(points),
+        source=(f"{how}: causal torch scaled_dot_product_attention in bf16, forward and "
+                f"backward, {_ATTENTION_TOKENS} tokens a call, {heads} heads of {head_dim}, "
+                f"sequence {min(r['seq'] for r in rows)}-{max(r['seq'] for r in rows)}: "
+                f"{_ATTENTION_FLOPS_PER_QK:g} QK^T products' FLOPs (the cost model's price of a "
+                "causal fused attention) over the time, over the best measured 16-bit matmul"))
+    return rows, table
+
+
+def _one_device_node(copy_bytes_per_s: float, how: str, cuda: bool) -> NodeSpec:
+    """The node of a one-device profile: no collective can run on it, so none was measured;
+    its link figures are the device's own copy bandwidth (what a one-rank collective moves
+    through) and no latency, and are never used by a plan of one device."""
+    why = (f"{how}: one device, so no collective was measured (none runs on a one-device "
+           "node); the device's own copy bandwidth stands for the link")
+    return NodeSpec(devices_per_node=1,
+                    topology=IntraNodeTopology.UNIFORM if cuda else IntraNodeTopology.SHARED_MEMORY,
+                    bw_unidir_bytes_per_s=copy_bytes_per_s, latency_s=0.0,
+                    collective_efficiency=CollectiveEfficiency.uniform(1.0, why),
+                    source=why, latency_source=why)
 
 
 def _summary(profile: Profile, path: Path, elapsed: float) -> str:
@@ -1129,6 +1238,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         *(["  latency per step: " + ", ".join(
             f"{op} {n.collective_latency.of(op) * 1e6:.0f} us" for op in COLLECTIVE_OPS)]
           if n.collective_latency is not None else []),
+        *([f"  attention {len(d.attention_efficiency.points)} points, "
+           + ", ".join(f"{e:.2f}" for _, e in d.attention_efficiency.points)
+           + " of the 16-bit peak (causal SDPA, forward + backward)"]
+          if d.attention_efficiency is not None else []),
         *([f"  after compute: +{n.arrival_s * 1e6:.0f} us per collective call (ranks share "
            f"{n.shared_cores} cores)"] if n.arrival_s else []),
         *([f"  overhead {d.op_overhead.forward_dispatch_s * 1e6:.1f} us per dispatched operator "
@@ -1186,10 +1299,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpus = torch.cuda.device_count() if cuda else 0
     nproc = args.nproc if args.nproc is not None else (gpus if cuda else 2)
-    if nproc < 2 or (cuda and nproc > gpus):
+    if nproc < 1 or (cuda and nproc > gpus):
         parser.print_usage(sys.stderr)
         limit = f" and at most {gpus} (GPUs present)" if cuda else ""
-        print(f"{_PREFIX} error: --nproc must be at least 2{limit}, got {nproc}", file=sys.stderr)
+        print(f"{_PREFIX} error: --nproc must be at least 1{limit}, got {nproc}", file=sys.stderr)
         return 2
     if args.out is not None:
         out = args.out
