@@ -368,3 +368,25 @@ def test_tensor_parallel_recomputes_each_ranks_share_of_the_core(traced, precisi
         assert r["flops"] == charged // 2
         assert r["ops"] == expected and not r["lost"]
     assert results[0]["param_diff"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["dict", "list"])
+def test_pruning_reads_the_cache_as_either_torch_keeps_it(shape):
+    """torch 2.13 keys an operator's cached outputs by call index, torch 2.11 (the lent
+    H100's) lists them: either way, an output the backward does not read becomes _Unread
+    and one it saved stays."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from autoplan.runtime.ac import StorageSet, _Checked, _Unread, storage_tensors
+    checked = _Checked(core=None, where="block")
+    kept_tensor, dropped_tensor = torch.ones(3), torch.zeros(3)
+    entries = [SimpleNamespace(val=kept_tensor), SimpleNamespace(val=dropped_tensor)]
+    cache = dict(enumerate(entries)) if shape == "dict" else list(entries)
+    checked._cache = {"aten.mm": cache}
+    checked._saved = StorageSet()
+    checked._saved.add(storage_tensors(kept_tensor))
+    checked._hooks = contextlib.nullcontext()
+    checked.prune(None, None, None)
+    assert cache[0] is entries[0]
+    assert isinstance(cache[1], _Unread)

@@ -236,7 +236,9 @@ class _Checked:
             return _Unread(val)
 
         for entries in self._cache.values():
-            for idx, entry in list(entries.items()):
+            # torch 2.13 keys an operator's cached outputs by call index; torch 2.11 lists them
+            items = entries.items() if isinstance(entries, dict) else enumerate(entries)
+            for idx, entry in list(items):
                 leaves, spec = tree_flatten(entry)
                 entries[idx] = spec.unflatten([unread(w) for w in leaves]) if leaves else entry
         self._cache = self._saved = None

@@ -215,12 +215,18 @@ class ParallelModel:
                               f"was built for seq_len={self.seq_len}")
         r = self.replica
         lo, n = plan.replica_offset(r), plan.replica_batch[r]
-        inputs, targets = inputs[lo:lo + n], targets[lo:lo + n]
+        # this rank's rows on its device (a batch built on the host, a program on a GPU)
+        inputs, targets = inputs[lo:lo + n].to(self.device), targets[lo:lo + n].to(self.device)
         if plan.cp > 1:
             # this rank's load-balanced share of every sequence, targets shifted before the split
             local = shard_batch(inputs, plan.cp, self.coords["cp"])
             inputs, targets = local.ids, local.targets
         return inputs, targets
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank's parts live on (the collectives' and the batch's)."""
+        return next(self.parts[0].parameters()).device
 
     def _autocast(self):
         """bf16 autocast for ``precision="bf16"`` (fp32 master weights and optimizer)."""
@@ -243,7 +249,7 @@ class ParallelModel:
         m, runs = plan.micro_batches_of(self.replica), plan.micro_batches_run(self.replica)
         if plan.pp == 1:
             part = self.parts[0]
-            total = torch.zeros((), dtype=torch.float64)
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
             xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
             for i in range(runs):
                 # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
@@ -264,7 +270,7 @@ class ParallelModel:
             if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
                 # targets marked (torch's schedules do not compute losses in micro-batch order)
                 extra = (runs - m) * plan.micro_batch
-                pad = torch.arange(extra) % inputs.shape[0]
+                pad = torch.arange(extra, device=inputs.device) % inputs.shape[0]
                 inputs = torch.cat([inputs, inputs[pad]])
                 targets = torch.cat([targets, targets[pad] - _PAD_OFFSET])
             losses: list[torch.Tensor] = []
@@ -280,7 +286,8 @@ class ParallelModel:
                 self.tied()
             # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
             local = (torch.stack([l.detach().double() for l in losses]).sum() / weight
-                     if self.holds_loss else torch.zeros((), dtype=torch.float64))
+                     if self.holds_loss else torch.zeros((), dtype=torch.float64,
+                                                         device=self.device))
         reduce_partial_grads(self.parts)
         for opt in self.optimizers:
             opt.step()
@@ -289,7 +296,8 @@ class ParallelModel:
         # mean over the global batch: each replica's mean weighted by its sequences, from
         # the ranks that hold the loss (every tensor-parallel rank of a replica alike)
         share = float(plan.replica_batch[self.replica]) if self.holds_loss else 0.0
-        buf = torch.stack([local * share, torch.tensor(share, dtype=torch.float64)])
+        buf = torch.stack([local * share, torch.tensor(share, dtype=torch.float64,
+                                                        device=self.device)])
         dist.all_reduce(buf)
         return float(buf[0] / buf[1])
 
