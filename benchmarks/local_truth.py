@@ -23,7 +23,8 @@ adds to every operator of a micro-batch), and, with more ranks than cores, that 
 them (``shared_cores``: a pipeline rank waiting in its bubble lends its core).
 
 Memory (``--memory``): predicted vs measured peak memory per rank for DP, ZeRO-1/2/3,
-TP, PP and recompute layouts on 2 and 4 processes (fp32).  Measured: the peak of the
+TP, PP and recompute layouts on 2 and 4 processes (fp32; DP and ZeRO-3 also in bf16, which
+parallelize runs as torch.autocast over the fp32 weights).  Measured: the peak of the
 bytes of live tensor storages during one training step after a warm-up step (so the
 optimizer states exist), counted by :class:`LiveBytes` (every storage alive at the step's
 start, then every op's outputs until their storage is freed).  Predicted: the estimate's
@@ -248,7 +249,8 @@ def runtime_available() -> bool:
 
 # ----------------------------------------------------------------------------- memory
 
-#: Layouts whose memory is compared, with their process count (fp32, CONFIG).
+#: Layouts whose memory is compared, with their process count (CONFIG; fp32, and three
+#: in bf16).
 MEMORY_LAYOUTS = {
     "DP=2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, precision="fp32")),
     "ZeRO-1 dp2": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, zero=1,
@@ -271,6 +273,12 @@ MEMORY_LAYOUTS = {
                               precision="fp32")),
     "TP2 x PP2 full rc": (4, Strategy(tp=2, pp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
                                       recompute="full", precision="fp32")),
+    # bf16 as parallelize runs it: torch.autocast over the fp32 weights (CostOptions.autocast)
+    "DP=2 bf16": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, precision="bf16")),
+    "ZeRO-3 dp2 bf16": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH, zero=3,
+                                    precision="bf16")),
+    "ZeRO-3 dp2 bf16 full rc": (2, Strategy(dp=2, micro_batch=2, global_batch=GLOBAL_BATCH,
+                                            zero=3, recompute="full", precision="bf16")),
 }
 #: The issue's target for predicted vs measured peak memory per layout.
 MEMORY_TARGET = 0.10
@@ -438,7 +446,8 @@ def memory_main(names: list[str] | None = None) -> int:
         return 2
     predicted = predict_memory()
     print(f"memory: GPT {CONFIG.layers} layers, hidden {CONFIG.hidden}, seq {CONFIG.seq_len}, "
-          f"vocab {CONFIG.vocab_size}; global batch {GLOBAL_BATCH}, micro-batch 2, fp32; "
+          f"vocab {CONFIG.vocab_size}; global batch {GLOBAL_BATCH}, micro-batch 2, fp32 unless "
+          "named bf16 (torch.autocast over fp32 weights, as parallelize runs it); "
           "peak live tensor bytes of one step after a warm-up step, worst rank; predicted "
           "without the runtime reserve")
     print("(columns 'between steps': parameters and optimizer states predicted, live bytes "

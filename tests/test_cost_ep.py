@@ -81,10 +81,13 @@ def _estimate(graph, cluster, options=None, **kw):
 #: when sequence parallelism's norm gradients came to be all-reduced over tp once per
 #: step, one all-reduce per tensor under FSDP2 (before: 4.430054400000001e-05).  Without
 #: the step's closing loss all-reduce, which the autoplan stack came to price later
-#: (``step_loss_all_reduce``; its own test in test_cost_exact).
+#: (``step_loss_all_reduce``; its own test in test_cost_exact).  Layout 0 again when
+#: ZeRO-1 came to hold one layer's unsharded gradients for its per-layer reduce-scatter
+#: (FSDP2, ``zero_step_per_layer``) instead of a bucket's (before: 1074705442.6 and
+#: 1074666298.6); without the loss's fp32 logits (``loss_fp32_copy``).
 BEFORE = {
-    ("moe", 0): (1.8782391999999996e-05, 1074705442.6),
-    ("gpt", 0): (2.4690980000000007e-05, 1074666298.6),
+    ("moe", 0): (1.8782391999999996e-05, 1074688105.0),
+    ("gpt", 0): (2.4690980000000007e-05, 1074539962.6),
     ("gpt", 1): (3.1435406000000004e-05, 1074109214.8),   # + torch's per-micro-batch
                                                           # pipeline receive buffers
     ("gpt", 2): (4.432358400000001e-05, 1073996984.5),
@@ -102,7 +105,8 @@ def test_ep1_prices_as_before(moe_snapshot, gpt, model, layout):
     # pricing them at one expert's size changes nothing here (it does at scale)
     e = _estimate(moe_snapshot if model == "moe" else gpt,
                   toy_cluster(nodes=2, devices_per_node=4),
-                  options=CostOptions(step_loss_all_reduce=False), **LAYOUTS[layout])
+                  options=CostOptions(step_loss_all_reduce=False, loss_fp32_copy=False),
+                  **LAYOUTS[layout])
     step, peak = BEFORE[(model, layout)]
     assert e.step_time_s == pytest.approx(step, rel=1e-12)
     assert e.peak_memory_bytes == pytest.approx(peak, rel=1e-12)

@@ -19,10 +19,11 @@ def _graph():
     return trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)), seq_len=16)
 
 
-def _buffers(zero: int) -> float:
+def _buffers(zero: int, options=None) -> float:
     cluster = load_cluster("a100-sxm4-80gb")
     s = Strategy(dp=8, micro_batch=1, global_batch=8, zero=zero, precision="fp32")
-    return estimate(_graph(), cluster, s, calibration=None).stages[0].memory.buffers_bytes
+    return estimate(_graph(), cluster, s, calibration=None,
+                    options=options).stages[0].memory.buffers_bytes
 
 
 def test_zero2_and_zero3_hold_unsharded_gradients_of_the_largest_layer():
@@ -34,14 +35,23 @@ def test_zero2_and_zero3_hold_unsharded_gradients_of_the_largest_layer():
     assert _buffers(3) == pytest.approx(grads + gathered, rel=1e-12)
 
 
-def test_zero0_and_zero1_hold_gradient_buckets_only():
+def test_zero0_holds_gradient_buckets_and_zero1_as_its_stack_reduces():
+    """ZeRO-0 reduces its replicated gradients in buckets; ZeRO-1 per wrapped layer where
+    the stack reduce-scatters per layer (FSDP2, what autoplan.parallelize runs: one layer's
+    unsharded gradients, as ZeRO-2) and in buckets where it does not (Megatron's
+    distributed optimizer)."""
+    from autoplan.cost import CostOptions
     k = load_constants()
-    params = sum(l.params for l in summarize(_graph()).layers)
+    layers = summarize(_graph()).layers
+    params = sum(l.params for l in layers)
     bucket = min(k.memory.grad_bucket_bytes * k.memory.grad_buckets_in_flight,
                  params * k.model_states.fp32_grad_bytes)
+    per_layer = (max(l.params for l in layers) * k.memory.zero3_unsharded_grad_layers
+                 * k.model_states.fp32_grad_bytes)
     assert _buffers(0) == pytest.approx(bucket, rel=1e-12)
-    assert _buffers(1) == pytest.approx(bucket, rel=1e-12)
-
+    assert _buffers(1) == pytest.approx(per_layer, rel=1e-12) == _buffers(2)
+    megatron = CostOptions(stack="megatron-core")
+    assert _buffers(1, megatron) == pytest.approx(bucket, rel=1e-12)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

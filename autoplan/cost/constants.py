@@ -248,6 +248,28 @@ class CostOptions(Record):
         returns on every rank (two float64 numbers).  Its latency is all it costs: tens of
         microseconds over NCCL, several milliseconds over gloo on CPU ranks that share
         cores.  ``False`` where a stack reduces the loss for its logs only every few steps.
+    autocast : bool
+        A 16-bit precision runs as ``torch.autocast`` over fp32 weights
+        (:func:`autoplan.parallelize`), not over 16-bit weights with fp32 master copies
+        in the optimizer (Megatron, DeepSpeed, FSDP's mixed-precision policy).  Memory:
+        autocast caches the bf16 copy of every weight it casts until the forward (and the
+        loss, computed inside it) ends, 2 bytes per parameter a device computes with on
+        top of its model states (unsharded: under ZeRO-3, copies of the gathered
+        weights).  Time, memory-bound on the device: each micro-batch's forward casts its
+        weights (4 bytes read, 2 written per parameter; a recomputed forward again), its
+        backward casts the weight gradients up (2 read, 4 written), every micro-batch
+        after the first adds them to the fp32 gradients (12 bytes; in ``optimizer_s``),
+        and the operators that are not matmuls run on fp32 tensors (the residual stream
+        stays fp32: priced at 4 bytes per captured element, not the recipe's 2).
+        Measured on an H100 (``benchmarks/gpu_truth.py``).
+    loss_fp32_copy : bool
+        The loss is torch's cross-entropy over an fp32 copy of the logits, as Hugging Face
+        computes it (:func:`autoplan.runtime.loss.token_cross_entropy`, what
+        :func:`autoplan.parallelize` runs): the stage that computes it holds
+        :func:`~autoplan.cost.engine.loss_bytes_per_logit` bytes per logit of a micro-batch
+        beyond what capture counts (measured on an H100: ``benchmarks/gpu_truth.py``).
+        ``False``: a fused cross-entropy that works in place (flash-attn's in LLM Foundry,
+        Megatron's vocab-parallel one), whose working set capture's count stands for.
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -280,6 +302,8 @@ class CostOptions(Record):
     sp_grads_per_tensor_under_fsdp2: bool | None = None
     zero_step_per_layer: bool | None = None
     step_loss_all_reduce: bool | None = None
+    autocast: bool | None = None
+    loss_fp32_copy: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -348,7 +372,8 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
-                          "zero_step_per_layer", "step_loss_all_reduce")
+                          "zero_step_per_layer", "step_loss_all_reduce",
+                          "autocast", "loss_fp32_copy")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -366,7 +391,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            attention_kernel: str = "flash-attention-2",
            zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
            sp_grads_per_tensor_under_fsdp2: bool = False,
-           zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False) -> Stack:
+           zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False,
+           autocast: bool = False, loss_fp32_copy: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -378,7 +404,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
         zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
         sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2,
-        zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce))
+        zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce,
+        autocast=autocast, loss_fp32_copy=loss_fp32_copy))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -397,11 +424,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
-           "all-reduced over every rank at its end",
+           "all-reduced over every rank at its end; a 16-bit precision as torch.autocast "
+           "over fp32 weights, whose bf16 copies it caches for the forward; the loss as "
+           "Hugging Face computes it, over an fp32 copy of the logits",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
-           zero_step_per_layer=True, step_loss_all_reduce=True),
+           zero_step_per_layer=True, step_loss_all_reduce=True, autocast=True,
+           loss_fp32_copy=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

@@ -135,6 +135,37 @@ ELEMENTWISE_BACKWARD_FACTOR = 2.0
 #: the loss sum and the sequence count, float64 (``ParallelModel.step``).
 LOSS_REDUCE_BYTES = 16
 
+#: Under torch.autocast over fp32 weights (:attr:`CostOptions.autocast`): bytes per
+#: parameter of the bf16 copies it caches during a forward; bytes moved per parameter by
+#: one cast (fp32 -> bf16 in the forward, the gradient bf16 -> fp32 in the backward:
+#: 4 + 2); and by adding a micro-batch's fp32 gradient to the accumulated one (read
+#: both, write one: 3 x 4)
+AUTOCAST_COPY_BYTES = 2
+AUTOCAST_CAST_BYTES = 6
+AUTOCAST_ACCUMULATE_BYTES = 12
+
+
+def loss_bytes_per_logit(dtype: str, shifts: bool) -> float:
+    """Bytes per logit the token cross-entropy holds beyond what capture counts
+    (:func:`autoplan.runtime.loss.token_cross_entropy`, as Hugging Face computes it).
+
+    While its log-softmax runs, the model's logits (in the compute dtype) are held by the
+    caller, log-softmax reads an fp32 tensor made for it -- the upcast of 16-bit logits,
+    or, in fp32, the copy that reshaping the next-token slice makes -- and writes its fp32
+    output, which it saves for the backward.  Capture counts only that saved output, and
+    at the recipe's activation bytes.  So ``4 + 4`` where the fp32 input is a new tensor,
+    else ``4``, whatever the compute dtype: the logits' own bytes and the saved output's
+    count cancel.  Measured: a bf16 H100 step (``benchmarks/gpu_truth.py``) under full
+    recompute, where the loss's working set decides the peak, within 1% of its peak
+    memory with this term, 4-24% under it without.
+
+    >>> loss_bytes_per_logit("bf16", shifts=True), loss_bytes_per_logit("fp32", shifts=False)
+    (8.0, 4.0)
+    """
+    new_input = dtype != "fp32" or shifts
+    return 4.0 + (4.0 if new_input else 0.0)
+
+
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
 CAUSAL_BLOCK_FRACTION = 0.5
@@ -628,12 +659,21 @@ class CostEngine:
         rep, shd, quad = self.summary.elementwise[template]
         if fused:
             quad = 0.0      # inside the attention kernel
-        # captured bytes are in the graph's activation dtype; the recipe's dtype moves
-        act_scale = Precision(dtype).bytes / self.summary.activation_bytes
+        # captured bytes are in the graph's activation dtype; the recipe's dtype moves,
+        # fp32 under autocast (CostOptions.autocast)
+        autocast = self.options.autocast and dtype != "fp32"
+        ew_bytes = Precision.FP32.bytes if autocast else Precision(dtype).bytes
+        act_scale = ew_bytes / self.summary.activation_bytes
         moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp * act_scale
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
+        if autocast:
+            # the weights cast down in the forward, their gradients up in the backward
+            layer = self._templates[template]
+            local = layer.params - layer.sharded_params + layer.sharded_params / tp
+            fwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
+            bwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
         if fp8:
             # FP8 scaling/quantization kernels: memory-bound, half in each direction
             fwd += cast / 2 / device.memory_bw_bytes_per_s
@@ -1383,6 +1423,12 @@ class CostEngine:
             dtensors = tensors if fsdp2 else tp_tensors
             ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
                              + dtensors * overhead.optimizer_dtensor_param_s)
+        if opts.autocast and recipe.dtype != "fp32" and micro_batches > 1:
+            # each micro-batch after the first adds its fp32 gradients to the accumulated
+            # ones (CostOptions.autocast); once a step, with the optimizer's share
+            computed = sum(params_by_zero) + tied_extra + sum(experts_by_zero)
+            ev.optimizer += (AUTOCAST_ACCUMULATE_BYTES * (micro_batches - 1) * computed
+                             / device.memory_bw_bytes_per_s)
 
         # memory
         z = zero_degree
@@ -1403,19 +1449,34 @@ class CostEngine:
         buffers = 0.0
         if (params_by_zero[3] or x3) and z > 1:
             buffers += max_layer_params * kmem.zero3_gathered_layers * param_bytes
-        if (params_by_zero[2] or params_by_zero[3] or x2 or x3) and z > 1:
+        # ZeRO-1 reduce-scatters per wrapped layer where the stack does so
+        # (CostOptions.zero_step_per_layer: FSDP2, what autoplan.parallelize runs for ZeRO-1
+        # too), else in its buckets with the replicated gradients
+        per_layer_1 = opts.zero_step_per_layer and bool(params_by_zero[1] or x1)
+        if (params_by_zero[2] or params_by_zero[3] or x2 or x3 or per_layer_1) and z > 1:
             # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
             # does (FSDP2 for both): they wait unsharded for their reduce-scatter
             buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * grad_bytes
-        if z > 1 and (params_by_zero[0] or params_by_zero[1] or x0 or x1):
+        bucketed = params_by_zero[0] + x0 + (0.0 if per_layer_1 else params_by_zero[1] + x1)
+        if z > 1 and bucketed:
             buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
-                           (params_by_zero[0] + params_by_zero[1] + x0 + x1) * grad_bytes)
+                           bucketed * grad_bytes)
         if pp > 1 and opts.pp_buffers_per_micro_batch:
             # torch.distributed.pipelining allocates a receive buffer per micro-batch of the
             # step for every chunk's input and output gradient, and keeps them
             buffers += micro_batches * recv_per_micro_batch
         elif pp > 1:
             buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
+        if opts.autocast and recipe.dtype != "fp32":
+            # torch.autocast's cache of bf16 weight copies (CostOptions.autocast)
+            buffers += AUTOCAST_COPY_BYTES * (sum(params_by_zero) + tied_extra
+                                              + sum(experts_by_zero))
+        if (opts.loss_fp32_copy and s.loss_logits
+                and any(sg.hi == len(s.layers) for ch in chunks for sg in ch)):
+            # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
+            head_tp = next(sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers))
+            logits = b * (s.seq_len or 1) / cp * s.loss_logits / head_tp
+            acts += logits * loss_bytes_per_logit(recipe.dtype, s.loss_shifts)
         allocated = held_params + held_grads + held_optimizer + acts + buffers
         reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
         ev.memory = MemoryBreakdown(held_params, held_grads, held_optimizer, acts, buffers, reserve)

@@ -157,6 +157,11 @@ class LayerCost:
         return self.kind is LayerKind.BLOCK
 
 
+def _vocab_width(rec) -> int:
+    """Output features of the layer's vocabulary head (0 without one)."""
+    return sum(l.out_features for l in rec.tp.linears if l.role is LinearRole.VOCAB_HEAD)
+
+
 class GraphSummary:
     """What the cost model needs of a :class:`ModelGraph` (see the module docstring).
 
@@ -181,6 +186,10 @@ class GraphSummary:
         Bytes of one token's keys and values per layer in the captured dtype
         (context parallelism exchanges them); ``None`` when the graph does not
         state hidden size and heads.
+    ``loss_logits``
+        Logits per token the loss reads (the vocabulary head's width) when the objective
+        is a token cross-entropy, else 0; ``loss_shifts``: the next-token shift slices
+        them first (:func:`~autoplan.runtime.loss.token_cross_entropy`).
     ``op_counts``
         ``{template: (operators, tensor-parallel linears)}``: the captured operators a
         forward pass dispatches (nodes less ``getitem`` and export's guards) and the
@@ -227,6 +236,11 @@ class GraphSummary:
         self.kv_bytes_per_token = (2 * h * kv // a * self.activation_bytes
                                    if h and a and kv else None)
         self.tied_owner = {l.index: owners.get(l.index) for l in self.layers}
+        # the token cross-entropy (autoplan.runtime.loss.token_cross_entropy) over the vocab
+        # head's logits: their width, and whether the next-token shift slices them
+        self.loss_logits = (_vocab_width(graph.layers[-1]) if graph.layers
+                            and "cross-entropy" in graph.objective else 0)
+        self.loss_shifts = graph.objective.startswith("next-token")
         # prefix sums of the additive per-layer figures: totals of [lo, hi) in O(1)
         self._prefix = {
             key: [0.0, *accumulate(float(getattr(l, key)) for l in self.layers)]

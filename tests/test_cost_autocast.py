@@ -1,0 +1,111 @@
+"""What ``autoplan.parallelize``'s bf16 recipe costs (torch.autocast over fp32 weights), the
+loss's working set, and measured GPU profiles under the calibration (all measured on an H100:
+``benchmarks/gpu_truth.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoplan import Strategy, estimate, trace
+from autoplan.cost import CostOptions
+from autoplan.cost.calibration import apply_calibration, attention_tables, load_calibration
+from autoplan.cost.engine import (AUTOCAST_ACCUMULATE_BYTES, AUTOCAST_CAST_BYTES,
+                                  AUTOCAST_COPY_BYTES, loss_bytes_per_logit)
+from autoplan.hardware import EfficiencyTable, load_cluster
+from autoplan.hardware.cluster import Cluster
+from autoplan.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=512, seq_len=64, hidden=128, heads=4, layers=4)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(GPT(CFG), seq_len=CFG.seq_len)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    return load_cluster("h100-sxm5-80gb", nodes=1, devices_per_node=1)
+
+
+def _memory(e):
+    return e.stages[0].memory
+
+
+def test_autocast_holds_a_bf16_copy_of_every_weight(graph, one_gpu):
+    s = Strategy(global_batch=4, micro_batch=2, precision="bf16")
+    on = estimate(graph, one_gpu, s)
+    off = estimate(graph, one_gpu, s, options=CostOptions(autocast=False))
+    extra = _memory(on).buffers_bytes - _memory(off).buffers_bytes
+    assert extra == pytest.approx(AUTOCAST_COPY_BYTES * graph.num_params, rel=0.01)
+    # in fp32 there is no autocast: nothing to cache, no casts
+    s32 = dataclasses.replace(s, precision="fp32")
+    assert (estimate(graph, one_gpu, s32).to_dict()
+            == estimate(graph, one_gpu, s32, options=CostOptions(autocast=False)).to_dict())
+
+
+def test_autocast_costs_casts_fp32_elementwise_and_gradient_accumulation(graph, one_gpu):
+    """Slower with autocast: each micro-batch casts the weights down and their gradients
+    up, the memory-bound operators run in fp32, and micro-batches after the first add
+    their fp32 gradients (in the optimizer's share)."""
+    opts = CostOptions(autocast=False)
+    one = Strategy(global_batch=2, micro_batch=2, precision="bf16")
+    two = Strategy(global_batch=4, micro_batch=2, precision="bf16")
+    bw = one_gpu.device_type_of(0).memory_bw_bytes_per_s
+    for s in (one, two):
+        on, off = estimate(graph, one_gpu, s), estimate(graph, one_gpu, s, options=opts)
+        m = s.global_batch // s.micro_batch
+        assert on.breakdown["compute_s"] > off.breakdown["compute_s"] + (
+            2 * m * AUTOCAST_CAST_BYTES * graph.num_params * 0.9 / bw)
+        accumulate = AUTOCAST_ACCUMULATE_BYTES * (m - 1) * graph.num_params / bw
+        assert on.breakdown["optimizer_s"] - off.breakdown["optimizer_s"] == pytest.approx(
+            accumulate, rel=0.02, abs=1e-12)
+
+
+def test_the_loss_working_set_is_on_the_stage_that_computes_it(graph, monkeypatch):
+    """The cross-entropy's fp32 logits (8 bytes per logit beyond what capture counts, for a
+    shifted next-token loss) are held on the last pipeline stage only."""
+    import autoplan.cost.engine as engine
+    from autoplan.cost.summary import summarize
+    assert loss_bytes_per_logit("bf16", shifts=True) == loss_bytes_per_logit("fp32", True) == 8
+    assert loss_bytes_per_logit("fp32", shifts=False) == 4
+    summary = summarize(graph)
+    assert summary.loss_logits == CFG.vocab_size and summary.loss_shifts
+    two = load_cluster("h100-sxm5-80gb", nodes=1, devices_per_node=2)
+    s = Strategy(pp=2, global_batch=4, micro_batch=2, precision="bf16")
+    with_loss = [st.memory.activations_bytes for st in estimate(graph, two, s).stages]
+    monkeypatch.setattr(engine, "loss_bytes_per_logit", lambda dtype, shifts: 0.0)
+    without = [st.memory.activations_bytes for st in estimate(graph, two, s).stages]
+    logits = s.micro_batch * CFG.seq_len * CFG.vocab_size
+    assert with_loss[0] == without[0]
+    assert with_loss[1] - without[1] == pytest.approx(8 * logits)
+
+
+def test_a_measured_gpu_profile_keeps_its_own_figures(one_gpu):
+    """A measured profile's peak is the best achieved: the fitted fraction of a datasheet
+    peak is not applied on top (it would count the shortfall twice), and its measured
+    attention table prices attention."""
+    cal = load_calibration()
+    profile = one_gpu.profiles[next(iter(one_gpu.profiles))]
+    table = EfficiencyTable(((1e9, 0.2), (1e12, 0.7)), source="measured SDPA")
+    measured = dataclasses.replace(profile, device=dataclasses.replace(
+        profile.device, measured=True, attention_efficiency=table))
+    cluster = Cluster(one_gpu.name, {profile.name: measured}, one_gpu.nodes, one_gpu.site_links)
+    kept = apply_calibration(cluster, cal).profiles[profile.name].device
+    assert kept.matmul_efficiency == profile.device.matmul_efficiency
+    assert attention_tables(cluster, cal)[profile.device.name] is table
+    # the datasheet profile itself takes the fitted curve
+    fitted = apply_calibration(one_gpu, cal).profiles[profile.name].device
+    assert fitted.matmul_efficiency["default"].source.startswith("fitted")
+
+
+def test_the_committed_measured_h100_profile_loads():
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "profiles" / "measured" / \
+        "h100-sxm5-80gb-2026-11-26.yaml"
+    device = load_cluster(path).device_type_of(0)
+    assert device.measured and device.architecture == "hopper"
+    assert device.attention_efficiency is not None
+    assert 5e14 < device.peak("bf16") < 1e15      # measured, below the 989 TFLOP/s datasheet
