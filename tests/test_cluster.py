@@ -468,3 +468,21 @@ def test_gb200_nvl72_groups_of_up_to_72_stay_on_nvlink():
         nvl.collective_time("all_reduce", range(32), 1e9)
     assert "inter_node" in {lv.kind for lv in nvl.collective_params("all_reduce", split,
                                                                      nbytes=1e9).levels}
+
+
+def test_estimate_and_plan_take_a_profile_name_for_the_cluster():
+    """A new user passes the profile's name where a Cluster goes: one node of it (not an
+    AttributeError); anything else is a ConfigError that says what to pass."""
+    import autoplan
+    from autoplan.errors import ConfigError, UnknownProfileError
+    from autoplan.models import GPT, GPTConfig
+    g = autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=2)),
+                       seq_len=16)
+    s = autoplan.Strategy(dp=8, global_batch=8)
+    by_name = autoplan.estimate(g, "h100-sxm5-80gb", s)
+    assert by_name.to_dict() == autoplan.estimate(g, load_cluster("h100-sxm5-80gb"), s).to_dict()
+    assert autoplan.plan(g, "h100-sxm5-80gb", global_batch=8).num_devices == 8
+    with pytest.raises(UnknownProfileError, match="Did you mean 'h100-sxm5-80gb'"):
+        autoplan.estimate(g, "h100-sxm5-80g", s)
+    with pytest.raises(ConfigError, match="expected a Cluster"):
+        autoplan.estimate(g, 42, s)

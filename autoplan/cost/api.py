@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..graph import ModelGraph
+from ..hardware.cluster import as_cluster
 from ..strategy import Strategy
 from .calibration import DEFAULT_CALIBRATION, Calibration, resolve_calibration
 from .constants import CostConstants, CostOptions
@@ -42,6 +43,7 @@ def engine_for(graph: ModelGraph | GraphSummary, cluster, *, options: CostOption
     GPU profiles by architecture and link kind; ``None`` disables it.
     """
     summary = summarize(graph)
+    cluster = as_cluster(cluster)
     cal = resolve_calibration(calibration)
     key = (id(summary), id(cluster), options, constants, id(cal))
     hit = _ENGINES.get(key)

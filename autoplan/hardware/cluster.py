@@ -74,7 +74,8 @@ from .profiles import (
     load_profile,
 )
 
-__all__ = ["Device", "ClusterNode", "Link", "Cluster", "compose_cluster", "load_cluster"]
+__all__ = ["Device", "ClusterNode", "Link", "Cluster", "as_cluster", "compose_cluster",
+           "load_cluster"]
 
 #: The kinds of :class:`Link` (and of :class:`CollectiveLevel` resources).
 LINK_KINDS = ("intra_node", "inter_node", "inter_site")
@@ -626,6 +627,28 @@ def compose_cluster(groups: Sequence[NodeGroup], links: Sequence[SiteLink] = (),
         nodes.extend(ClusterNode(f"g{gi}n{ni}", gi, profile.name, group.site, ranks)
                      for ni in range(group.nodes))
     return Cluster(name, profiles, tuple(nodes), tuple(links))
+
+
+def as_cluster(cluster: "Cluster | str | os.PathLike[str]") -> Cluster:
+    """``cluster`` itself, or the one-node cluster of the profile it names (a name or a
+    path, as :func:`load_cluster` takes it), for the functions that take a cluster.
+
+    Raises
+    ------
+    ConfigError
+        For anything else (says what to pass).
+    UnknownProfileError, ProfileError
+        As :func:`load_cluster`.
+
+    >>> as_cluster("a100-sxm4-80gb").num_devices
+    8
+    """
+    if isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        return load_cluster(cluster)
+    raise ConfigError(f"expected a Cluster (autoplan.load_cluster(name, nodes=...)) or a "
+                      f"profile name or path, got {type(cluster).__name__}")
 
 
 def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None, *,

@@ -52,6 +52,7 @@ from typing import Any, Iterable, Sequence
 from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight, pipeline_time
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
+from ..hardware.cluster import as_cluster
 from ..plan import (MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan,
                     chunk_bounds, even_block_counts, expert_counts)
 from ..strategy import Precision, Recompute, Schedule, schedule_problem
@@ -888,8 +889,9 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     ----------
     model_or_graph : nn.Module or ModelGraph
         A model (captured with :func:`autoplan.trace`) or its graph.
-    cluster : Cluster
-        From :func:`autoplan.load_cluster` / :func:`autoplan.compose_cluster`.
+    cluster : Cluster or str
+        From :func:`autoplan.load_cluster` / :func:`autoplan.compose_cluster`, or a
+        profile's name or path (one node of it).
     global_batch : int
         Sequences (samples) per optimizer step.
     memory_fraction : float
@@ -916,6 +918,7 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     from ..graph import ModelGraph as _MG
     graph = model_or_graph if isinstance(model_or_graph, _MG) else \
         trace(model_or_graph, seq_len=seq_len, example_inputs=example_inputs)
+    cluster = as_cluster(cluster)
     result = search(graph, cluster, global_batch=global_batch, memory_fraction=memory_fraction,
                     time_limit_s=time_limit_s, top_k=top_k, precision=precision, options=options,
                     space=space)
