@@ -24,7 +24,8 @@ report (the default; no GPU needed)
       ``h100-sxm5-80gb``) with the published-run calibration, what a user gets who has
       never profiled;
     * ``measured``: the profile measured in step 1 (its own matmul, copy and attention
-      figures; ``DeviceType.measured``, so no calibration on top).
+      figures, and the host's time per operator, which the cost model sets against the
+      device's per layer; ``DeviceType.measured``, so no calibration on top).
 
     It prints measured and predicted step time and peak memory per case, with their
     errors; the memory prediction is the estimate's allocated bytes (model states,
@@ -32,7 +33,8 @@ report (the default; no GPU needed)
     ``max_memory_allocated`` counts.
 
     python benchmarks/gpu_truth.py --run --out gpu-run           # on the GPU machine (~4 min)
-    python benchmarks/gpu_truth.py          # report the committed run (H100, 2026-11-26)
+    python benchmarks/gpu_truth.py          # report the latest committed run (H100)
+    python benchmarks/gpu_truth.py --results benchmarks/gpu_truth/h100-2026-11-26
     python benchmarks/gpu_truth.py --run --device cpu --out /tmp/rehearsal   # tiny, on a CPU
     python benchmarks/gpu_truth.py --results /tmp/rehearsal
 """
@@ -336,8 +338,12 @@ def _pct(pred: float | None, meas: float | None) -> str:
     return f"{(pred / meas - 1) * 100:+6.1f}%"
 
 
-#: The committed GPU run (``--results`` by default) and the profile it measured
-LATEST = REPO / "benchmarks" / "gpu_truth" / "h100-2026-11-26"
+#: The committed GPU runs: the one with every case (its profile beside it, device figures
+#: only), and the later one with the host's time per operator in its profile (under
+#: ``profiles/measured/``), reported by default
+RUNS = REPO / "benchmarks" / "gpu_truth"
+FIRST = RUNS / "h100-2026-11-26"
+LATEST = RUNS / "h100-2026-11-26-host"
 
 
 def _measured_profile(results_dir: Path, results: dict) -> Path | None:

@@ -109,3 +109,41 @@ def test_the_committed_measured_h100_profile_loads():
     assert device.measured and device.architecture == "hopper"
     assert device.attention_efficiency is not None
     assert 5e14 < device.peak("bf16") < 1e15      # measured, below the 989 TFLOP/s datasheet
+
+
+def _with_host(cluster, per_op_s: float, selective_s: float = 0.0):
+    """``cluster``'s GPU with a measured host time per operator (as ``autoplan profile``
+    measures it on CUDA)."""
+    from autoplan.hardware import OpOverhead
+    profile = cluster.profiles[next(iter(cluster.profiles))]
+    overhead = OpOverhead(forward_s=per_op_s, backward_s=per_op_s, tp_linear_forward_s=0.0,
+                          tp_linear_backward_s=0.0, selective_dispatch_s=selective_s,
+                          forward_dispatch_s=per_op_s, backward_node_s=per_op_s,
+                          source="test host")
+    device = dataclasses.replace(profile.device, measured=True, op_overhead=overhead)
+    return Cluster(cluster.name, {profile.name: dataclasses.replace(profile, device=device)},
+                   cluster.nodes, cluster.site_links)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_a_gpus_host_runs_ahead_each_layer_takes_the_longer(graph, one_gpu, recompute):
+    """On a GPU the host's dispatch overlaps the device's work: a negligible host time
+    leaves the step as the device prices it, a large one sets it (every layer's operators
+    and autograd nodes at that time each, selective checkpointing's Python mode on top),
+    never the sum of the two as on a CPU."""
+    from autoplan.cost.engine import host_runs_ahead
+    from autoplan.cost.summary import summarize
+    s = Strategy(global_batch=2, micro_batch=2, recompute=recompute, precision="bf16")
+    device_only = estimate(graph, _with_host(one_gpu, 0.0), s, calibration=None)
+    tiny = estimate(graph, _with_host(one_gpu, 1e-12), s, calibration=None)
+    assert host_runs_ahead(_with_host(one_gpu, 0.0).device_type_of(0))
+    assert tiny.step_time_s == pytest.approx(device_only.step_time_s, rel=1e-9)
+    slow = estimate(graph, _with_host(one_gpu, 1e-3, selective_s=2e-3), s, calibration=None)
+    layers = summarize(graph).layers
+    host = sum(l.dispatched_ops + l.autograd_nodes for l in layers) * 1e-3
+    if recompute == "full":
+        host += sum(l.dispatched_ops for l in layers if l.is_block) * 1e-3
+    elif recompute == "selective":
+        host += sum(l.dispatched_ops for l in layers if l.is_block) * 2e-3
+    compute = slow.breakdown["compute_s"] + slow.breakdown["recompute_s"]
+    assert compute == pytest.approx(host, rel=1e-6)

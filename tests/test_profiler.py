@@ -561,3 +561,28 @@ def test_the_arrival_cost_is_the_median_extra_of_a_collective_after_compute(monk
     extras = iter([-1e-3] * 3)
     assert profiler._measure_arrival(work, [collective], barrier, agreed_mean=lambda v: v,
                                      rounds=3, loop=4) == 0.0   # clamped
+
+
+def test_a_cuda_profile_keeps_the_hosts_time_per_operator():
+    """On CUDA the tiny blocks measure the host (their kernels take less than a launch):
+    the profile keeps it as op_overhead, which the cost model sets against the device's work
+    per layer (the host runs ahead), with the optimizer and tensor-parallel figures at 0."""
+    overhead = {"forward_s": 1.4e-5, "backward_s": 4.4e-5, "forward_dispatch_s": 7.9e-6,
+                "backward_node_s": 2.1e-5, "selective_dispatch_s": 1.6e-4, "selective_s": 0.0,
+                "optimizer_param_s": 0.0, "optimizer_dtensor_param_s": 0.0,
+                "optimizer_element_s": 0.0, "tp_linear_forward_s": 0.0,
+                "tp_linear_backward_s": 0.0}
+    matmul = {d: [[1024, 2 * 1024**3 / 5e14], [4096, 2 * 4096**3 / 7e14]]
+              for d in ("fp32", "bf16")}
+    raw = {"ranks": [{"rank": 0, "matmul": matmul, "copy_s": 2 * 2**30 / 3e12,
+                      "info": {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2**30,
+                               "capability": [9, 0]},
+                      "overhead": overhead, "attention": []}],
+           "comm": {}, "world": 1}
+    profile, _ = _build_profile("gpu", raw, cuda=True, nproc=1, threads=1, devices_per_node=1,
+                                quick=False, copy_bytes=2**30)
+    d = profile.device
+    assert d.architecture == "hopper" and d.measured
+    assert d.op_overhead.forward_dispatch_s == 7.9e-6
+    assert "host runs ahead" in d.op_overhead.source
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile

@@ -325,6 +325,12 @@ def _host_s(overhead, layer: LayerCost, captured_ops: int, counted: bool) -> tup
     return captured_ops * overhead.forward_s, captured_ops * overhead.backward_s
 
 
+def host_runs_ahead(device) -> bool:
+    """Whether the host dispatches ahead of the device (a GPU), so that a layer takes the
+    longer of the two, rather than being the device (a CPU, whose operator overhead adds)."""
+    return device.architecture not in ("", "cpu")
+
+
 def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int) -> float:
     """Host seconds torch's selective checkpoint adds to one micro-batch of a block: its
     Python dispatch mode runs for every operator the forward and the recompute dispatch,
@@ -680,7 +686,7 @@ class CostEngine:
             bwd += cast / 2 / device.memory_bw_bytes_per_s
         core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
         overhead = device.op_overhead
-        if overhead is not None:
+        if overhead is not None and not host_runs_ahead(device):
             # the host's dispatch per operator, whatever the micro-batch (CPU devices)
             ops, tp_linears = self.summary.op_counts[template]
             host_fwd, host_bwd = _host_s(overhead, self._templates[template], ops,
@@ -892,13 +898,28 @@ class CostEngine:
         forward, backward = layer_time.forward_s, layer_time.backward_s
         core = layer_time.core_forward_s
         recompute = 0.0
+        overhead = device.op_overhead
+        ahead = overhead is not None and host_runs_ahead(device)
         if seg.recompute is Recompute.FULL and layer.is_block:
             recompute = forward
         elif seg.recompute is Recompute.SELECTIVE and layer.is_block and not opts.fused_attention:
             recompute = core
-            if device.op_overhead is not None:
-                recompute += _selective_dispatch_s(device.op_overhead, layer,
+            if overhead is not None and not ahead:
+                recompute += _selective_dispatch_s(overhead, layer,
                                                    s.op_counts[layer.template][0])
+        if ahead:
+            # a GPU's host dispatches ahead of it: each direction takes the longer of the
+            # device's work and the host's (recompute and selective checkpointing's Python
+            # mode included), the excess counted as recompute in the backward
+            ops = s.op_counts[layer.template][0]
+            host_fwd, host_bwd = _host_s(overhead, layer, ops, self._host_counted)
+            if seg.recompute is Recompute.FULL and layer.is_block:
+                host_bwd += host_fwd
+            elif (seg.recompute is Recompute.SELECTIVE and layer.is_block
+                  and not opts.fused_attention):
+                host_bwd += _selective_dispatch_s(overhead, layer, ops)
+            forward = max(forward, host_fwd)
+            recompute = max(backward + recompute, host_bwd) - backward
         # tensor-parallel collectives of one layer
         tp_forward = tp_backward = 0.0
         if t > 1:

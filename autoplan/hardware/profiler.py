@@ -249,7 +249,7 @@ def _overhead_model(torch, h: int, blocks: int):
             q, k, v = self.qkv(x).view(b, s, 3, 2, h // 2).unbind(2)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(h // 2))
-            mask = torch.ones(s, s, dtype=torch.bool).tril().bitwise_not()
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().bitwise_not()
             att = self.attn_dropout(att.masked_fill(mask, float("-inf")).softmax(-1))
             out = torch.matmul(att, v).transpose(1, 2).reshape(b, s, h)
             return self.resid_dropout(self.proj(out))
@@ -296,7 +296,8 @@ def _p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
     return partner if partner is not None and partner < world else None
 
 
-def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float],
+                         device: Any = None) -> dict[str, float]:
     """Host time of tiny transformer blocks (:func:`_overhead_model`, arithmetic
     negligible), as :class:`~autoplan.hardware.OpOverhead` fields (``timed(fn)`` is
     seconds per call):
@@ -309,15 +310,18 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> 
     * over one block, the extra of forward + backward with the block wrapped as
       :func:`autoplan.parallelize` wraps a block under selective recompute (its softmax as
       the attention core), per operator its forward dispatches (``selective_dispatch_s``):
-      torch's selective checkpoint pays its Python mode per operator that reaches it."""
+      torch's selective checkpoint pays its Python mode per operator that reaches it.
+
+    On a CUDA ``device`` the tiny blocks' kernels take less than their launch, so the
+    time is the host's: what it takes to dispatch and launch each operator."""
     from ..graph import AttentionCore, CoreOp
     from ..opstream import DispatchCount, autograd_nodes
     from ..runtime.ac import apply_ac
     from ..strategy import Recompute
 
     h = _OVERHEAD_WIDTH
-    stack = _overhead_model(torch, h, _OVERHEAD_BLOCKS)
-    x = torch.randn(1, 4, h).requires_grad_(True)
+    stack = _overhead_model(torch, h, _OVERHEAD_BLOCKS).to(device)
+    x = torch.randn(1, 4, h, device=device).requires_grad_(True)
     with DispatchCount() as dispatched:
         loss = stack(x).sum()
     nodes = autograd_nodes([loss], lambda t: isinstance(t, torch.nn.Parameter))
@@ -328,7 +332,8 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float]) -> 
 
     block = stack[0]
     core = AttentionCore(nodes=("softmax",), ops=(CoreOp("_softmax", 0),), calls={"_softmax": 1})
-    selective = apply_ac(_overhead_model(torch, h, 1)[0], Recompute.SELECTIVE, core=core)
+    selective = apply_ac(_overhead_model(torch, h, 1)[0].to(device), Recompute.SELECTIVE,
+                         core=core)
     plain = timed(lambda: block(x).sum().backward())
     sac = timed(lambda: selective(x).sum().backward())
     with DispatchCount() as one:
@@ -823,10 +828,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             say(f"attention b{batch} h{heads} s{seq} d{head_dim} forward+backward: "
                 f"{sec * 1e3:.2f} ms ({_ATTENTION_FLOPS_PER_QK * _qk_flops(batch, heads, seq, head_dim) / sec / 1e12:.0f} TFLOP/s priced)")
 
-    # operator overhead: on CPU the host is the device (on CUDA the host runs ahead)
+    # operator overhead: on CPU the host is the device; on CUDA the host's dispatch runs
+    # ahead of the device, and the cost model takes the larger of the two per layer
     overhead = None
-    if not cuda:
-        dist.barrier()
+    dist.barrier()
+    if cuda:
+        overhead = _measure_op_overhead(
+            torch, lambda fn: _time_local(fn, sync, plan.overhead_target_s, plan.repeats),
+            device=device)
+    else:
         overhead = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s,
                                                                 local=True))
         say(f"operator overhead: {overhead['forward_dispatch_s'] * 1e6:.1f} us per dispatched "
@@ -917,7 +927,13 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             dist.barrier, agreed_mean)
         say(f"a collective after compute: {arrival * 1e6:.0f} us more per call than back to back")
 
-    if overhead is not None:
+    if cuda:
+        # the optimizer's step is the device's memory-bound work there (one fused launch
+        # per group of tensors); tensor parallelism's host work is not measured on one rank
+        overhead.update(optimizer_param_s=0.0, optimizer_dtensor_param_s=0.0,
+                        optimizer_element_s=0.0, tp_linear_forward_s=0.0,
+                        tp_linear_backward_s=0.0)
+    elif overhead is not None:
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
         opt_plain, opt_dtensor, opt_element = _measure_optimizer_overhead(
@@ -1080,7 +1096,19 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     architecture = (cuda_architecture(*min(tuple(r["info"].get("capability", (0, 0)))
                                            for r in ranks)) if cuda else "cpu")
     op_overhead = None
-    if not cuda and all(r.get("overhead") for r in ranks):
+    if cuda and all(r.get("overhead") for r in ranks):
+        worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
+        op_overhead = OpOverhead(
+            **worst,
+            source=(f"{how}: the host's time, {_OVERHEAD_BLOCKS} tiny transformer blocks on the "
+                    f"GPU (modules, width {_OVERHEAD_WIDTH}: each kernel takes less than its "
+                    "launch), the forward per operator they dispatch and forward + backward "
+                    "less the forward per autograd node; one block's extra of forward + "
+                    "backward under torch's selective checkpoint, per operator its forward "
+                    "dispatches; the optimizer and tensor-parallel figures not measured (0). "
+                    "The host runs ahead of the GPU: the cost model takes the larger of the "
+                    "two per layer"))
+    elif not cuda and all(r.get("overhead") for r in ranks):
         tp_in_pairs = _tp_in_pairs(bool(raw.get("shares_cores")), nproc)
         # the slowest rank decides, as for the matmuls
         worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
