@@ -101,9 +101,20 @@ Model states per ZeRO stage (Rajbhandari et al. 2020, Sec. 5) over the
 shrinks by ``tp`` only with sequence parallelism, the part inside by ``tp``;
 selective recompute and fused attention drop the ``s x s`` part; full recompute
 keeps each block's input) times the micro-batches in flight, plus one layer's
-working set under full recompute; buffers (gathered ZeRO-3 layers, gradient
-buckets, pipeline send/receive) and the runtime reserve from
+working set under full recompute, and on the stage computing the loss its fp32 logits
+(``CostOptions.loss_fp32_copy``, :func:`loss_bytes_per_logit`); buffers (gathered ZeRO-3
+layers, gradient buckets or, where ZeRO-1/2 reduce-scatter per layer, one layer's
+unsharded gradients, pipeline send/receive, and under ``CostOptions.autocast`` the bf16
+weight copies torch.autocast caches) and the runtime reserve from
 ``profiles/cost/cost-model.yaml``.
+
+The host
+--------
+On a CPU the host is the device: a measured ``op_overhead`` adds per operator.  On a GPU
+the host dispatches ahead of the device; with a measured ``op_overhead``
+(``autoplan profile`` on CUDA) each layer takes the longer of the host's work and the
+device's, per direction (:func:`host_runs_ahead`); without one (datasheet profiles) the
+device's alone.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ training):
 * memory bandwidth (a large tensor copy: bytes read + bytes written);
 * all-reduce, all-gather, reduce-scatter, all-to-all, broadcast and
   point-to-point (ping-pong) time over message sizes, with torch.distributed
-  (gloo on CPU, NCCL on CUDA);
+  (gloo on CPU, NCCL on CUDA); none with one rank (``--nproc 1``, a machine of one
+  GPU), whose node's link then stands at the device's copy bandwidth;
+* on CUDA, torch's fused attention (causal ``scaled_dot_product_attention`` in bf16,
+  forward and backward) over sequence lengths, as the profile's
+  ``attention_efficiency`` (:func:`_attention_table`);
 * on CPU, the host's time per operator: tiny transformer blocks (so small their
   arithmetic is negligible), the forward per operator they dispatch and the backward per
   autograd node they run (and both per captured operator, for older graphs), the extra
@@ -20,9 +24,15 @@ training):
   (added once per step); every repeat is timed on all ranks at once, from the
   first rank's start to the last rank's end, except where ranks share cores: there each
   rank times its own work in free-running windows with every rank busy
-  (:func:`_free_running`).  The cost model adds it per operator and micro-batch (on a GPU
-  the host enqueues work ahead of the device and this time is hidden, so it is not
-  measured there).
+  (:func:`_free_running`).  The cost model adds it per operator and micro-batch.  On
+  CUDA the same tiny blocks, on the GPU, measure the host's time (their kernels take
+  less than their launch; no optimizer or tensor-parallel figure): there the host
+  enqueues work ahead of the device, and the cost model takes the longer of the host's
+  and the device's work per layer (selective recompute's Python dispatch made steps of a
+  1-3B model 1.7-4x the GPU's busy time on an H100: ``benchmarks/gpu_truth.py``).
+
+Every profile it writes says ``measured: true``: its peaks are the best achieved, so the
+calibration's fitted fractions of a datasheet peak are not applied on top.
 
 From this it writes a node :class:`~autoplan.hardware.profiles.Profile`:
 
@@ -723,7 +733,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             **({"device_id": device} if cuda else {}))
     say = (lambda m: _say(m, start)) if rank == 0 else (lambda m: None)
-    say(f"{world} ranks up ({backend}); measuring matmul throughput")
+    say(f"{world} rank{'s' if world > 1 else ''} up ({backend}); measuring matmul throughput")
 
     # timed together: every repeat starts on all ranks at once (a barrier) and lasts from the
     # first rank's start to the last rank's end, on the host's monotonic clock (the ranks are
@@ -839,10 +849,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     else:
         overhead = _measure_op_overhead(torch, lambda fn: timed(fn, plan.overhead_target_s,
                                                                 local=True))
-        say(f"operator overhead: {overhead['forward_dispatch_s'] * 1e6:.1f} us per dispatched "
-            f"operator forward, {overhead['backward_node_s'] * 1e6:.1f} us per autograd node "
-            f"backward, {overhead['selective_dispatch_s'] * 1e6:.1f} us more per dispatched "
-            "operator under selective recompute")
+    say(f"operator overhead{' (the host)' if cuda else ''}: "
+        f"{overhead['forward_dispatch_s'] * 1e6:.1f} us per dispatched "
+        f"operator forward, {overhead['backward_node_s'] * 1e6:.1f} us per autograd node "
+        f"backward, {overhead['selective_dispatch_s'] * 1e6:.1f} us more per dispatched "
+        "operator under selective recompute")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -1061,7 +1072,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     host = socket.gethostname()
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     how = (f"measured by `autoplan profile{' --quick' if quick else ''}` on {host} at {when}, "
-           f"{nproc} ranks at once" + ("" if cuda else f", {threads} thread(s) per rank"))
+           f"{nproc} rank{'s' if nproc > 1 else ''} at once"
+           + ("" if cuda else f", {threads} thread(s) per rank"))
     ranks = raw["ranks"]
 
     # matmul: the slowest rank at each size; peak = best of those
@@ -1261,8 +1273,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         f"  device   {d.name} x {n.devices_per_node}",
         f"  matmul   best GFLOP/s: {peaks}",
         f"  memory   {d.memory_bytes / 2**30:.2f} GiB per device, copy {d.memory_bw_bytes_per_s / 1e9:.2f} GB/s",
-        f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, {n.latency_s * 1e6:.1f} us per step",
-        f"  collective efficiency: {effs}",
+        *([f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, "
+           f"{n.latency_s * 1e6:.1f} us per step",
+           f"  collective efficiency: {effs}"] if n.devices_per_node > 1 else
+          ["  link     none: one device, no collective measured"]),
         *(["  latency per step: " + ", ".join(
             f"{op} {n.collective_latency.of(op) * 1e6:.0f} us" for op in COLLECTIVE_OPS)]
           if n.collective_latency is not None else []),
@@ -1342,7 +1356,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = 1 if cuda else max(1, cores // nproc)
     plan = MeasurementPlan.for_machine(cuda, args.quick)
     backend = "nccl" if cuda else "gloo"
-    _say(f"profiling {'CUDA' if cuda else 'CPU'} with {nproc} ranks ({backend}"
+    _say(f"profiling {'CUDA' if cuda else 'CPU'} with {nproc} rank{'s' if nproc > 1 else ''} "
+         f"({backend}"
          f"{'' if cuda else f', {threads} thread(s) each'}){' --quick' if args.quick else ''}",
          start)
     try:
@@ -1357,7 +1372,8 @@ def main(argv: list[str] | None = None) -> int:
         name, raw, cuda=cuda, nproc=nproc, threads=threads,
         devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes,
         cores=cores)
-    header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} ranks) "
+    header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} "
+              f"rank{'s' if nproc > 1 else ''}) "
               f"on {socket.gethostname()}. Figures are measurements, not datasheet values;\n"
               f"# see autoplan/hardware/profiler.py for what each one means. Re-run to refresh.\n")
     atomic_write_text(out, header + profile_to_yaml(profile))
