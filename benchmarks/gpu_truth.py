@@ -241,8 +241,13 @@ def run_main(out: Path, device: str, models: list[str], timeout_s: float) -> int
         print("gpu_truth: --run --device cuda, but torch sees no CUDA device "
               "(rehearse with --device cpu)", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     zoo = TINY if device == "cpu" else MODELS
+    unknown = [m for m in models if m not in zoo]
+    if unknown:
+        print(f"gpu_truth: unknown model {unknown[0]!r} for --device {device}; choose from "
+              f"{sorted(zoo)}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
     results: dict = {"host": socket.gethostname(), "device": device,
                      "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "torch": torch.__version__, "precision": PRECISION,
@@ -277,9 +282,6 @@ def run_main(out: Path, device: str, models: list[str], timeout_s: float) -> int
     rows = out / "cases.jsonl"
     rows.unlink(missing_ok=True)
     for name in models or list(zoo):
-        if name not in zoo:
-            print(f"gpu_truth: unknown model {name!r}; choose from {sorted(zoo)}", file=sys.stderr)
-            return 2
         t0 = time.perf_counter()
         code = subprocess.run([sys.executable, __file__, "--worker", name, "--device", device,
                                "--rows", str(rows)], cwd=REPO, timeout=timeout_s).returncode
@@ -363,7 +365,13 @@ def report_main(results_dir: Path, shipped: str) -> int:
         print(f"gpu_truth: no {path}; measure with --run --out {results_dir} first",
               file=sys.stderr)
         return 2
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+        results["cases"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"gpu_truth: {path} is not a gpu_truth results file ({type(exc).__name__}: "
+              f"{exc}); measure with --run --out {results_dir}", file=sys.stderr)
+        return 2
     zoo = TINY if results.get("device") == "cpu" else MODELS
     clusters = {}
     try:

@@ -93,9 +93,20 @@ def test_run_without_cuda_is_a_usage_error(tmp_path, capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_report_of_a_missing_run_is_a_usage_error(tmp_path, capsys):
+def test_report_of_a_missing_or_broken_run_is_a_usage_error(tmp_path, capsys):
     assert gpu_truth.main(["--results", str(tmp_path / "none")]) == 2
     assert "measure with --run" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("{not json")
+    assert gpu_truth.main(["--results", str(tmp_path)]) == 2
+    assert "not a gpu_truth results file" in capsys.readouterr().err
+
+
+def test_an_unknown_model_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert gpu_truth.main(["--run", "--device", "cpu", "--out", str(out),
+                           "--model", "gpt-tin"]) == 2
+    assert "unknown model 'gpt-tin'" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.distributed
