@@ -57,6 +57,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from autoplan.records import atomic_write_text  # noqa: E402
+from local_truth import _free_port  # noqa: E402  (benchmarks/, this script's folder)
 
 #: Models measured on the GPU: (name, family, config, sequence length, global batch,
 #: micro-batch).  GPT: autoplan.models.GPT with GPT-3 XL's shape (Brown et al. 2020,
@@ -229,12 +230,6 @@ def _kernel_breakdown(torch, step) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_main(out: Path, device: str, models: list[str], timeout_s: float) -> int:
     import torch
     if device == "cuda" and not torch.cuda.is_available():
@@ -324,10 +319,8 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
         for label, cluster in clusters.items():
             e = estimate(graphs[case["model"]], cluster, s)
             mem = e.stages[0].memory
-            allocated = mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes \
-                + mem.activations_bytes + mem.buffers_bytes
             row[f"pred_{label}_s"] = e.step_time_s
-            row[f"pred_{label}_bytes"] = allocated
+            row[f"pred_{label}_bytes"] = mem.total_bytes - mem.reserve_bytes   # allocated
             row[f"pred_{label}_fits"] = e.fits
             row[f"pred_{label}_peak_bytes"] = e.peak_memory_bytes
         rows.append(row)

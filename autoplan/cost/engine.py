@@ -127,6 +127,7 @@ from typing import NamedTuple
 from ..errors import ConfigError, StrategyError
 from ..graph import LayerKind
 from ..strategy import Precision, Recompute, Schedule, Strategy, stage_ranks, uses_ddp
+from .calibration import _is_gpu
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
@@ -339,7 +340,16 @@ def _host_s(overhead, layer: LayerCost, captured_ops: int, counted: bool) -> tup
 def host_runs_ahead(device) -> bool:
     """Whether the host dispatches ahead of the device (a GPU), so that a layer takes the
     longer of the two, rather than being the device (a CPU, whose operator overhead adds)."""
-    return device.architecture not in ("", "cpu")
+    return _is_gpu(device)
+
+
+def _local_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
+    """Parameters of ``layer`` on one device, ``(outside the expert banks, in them)``:
+    tensor parallelism shards the sharded ones by ``tp``, expert parallelism the banks by
+    ``ep`` (banks are whole on every tp rank; without ep they shard as the rest)."""
+    expert = layer.expert_params if ep > 1 else 0
+    return (layer.sharded_params / tp + (layer.params - layer.sharded_params - expert),
+            expert / ep)
 
 
 def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int) -> float:
@@ -687,8 +697,7 @@ class CostEngine:
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
         if autocast:
             # the weights cast down in the forward, their gradients up in the backward
-            layer = self._templates[template]
-            local = layer.params - layer.sharded_params + layer.sharded_params / tp
+            local = sum(_local_params(self._templates[template], tp, 1))
             fwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
             bwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
         if fp8:
@@ -971,11 +980,7 @@ class CostEngine:
                                         else 1)
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
-        # (expert banks are whole on every tp rank; without ep they shard as the rest)
-        expert_params = layer.expert_params if ep > 1 else 0
-        local_params = layer.sharded_params / t + (layer.params - layer.sharded_params
-                                                   - expert_params)
-        local_expert_params = expert_params / ep
+        local_params, local_expert_params = _local_params(layer, t, ep)
         if opts.zero3_gather_unit == "module":
             gather_unit = layer.largest_module_params / (t if layer.largest_module_sharded else 1) \
                 / (ep if layer.largest_module_expert else 1)
@@ -1455,10 +1460,13 @@ class CostEngine:
             dtensors = tensors if fsdp2 else tp_tensors
             ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
                              + dtensors * overhead.optimizer_dtensor_param_s)
-        if opts.autocast and recipe.dtype != "fp32" and micro_batches > 1:
+        # torch.autocast over fp32 weights (CostOptions.autocast), on every parameter this
+        # device computes with
+        autocast = opts.autocast and recipe.dtype != "fp32"
+        computed = sum(params_by_zero) + tied_extra + sum(experts_by_zero)
+        if autocast and micro_batches > 1:
             # each micro-batch after the first adds its fp32 gradients to the accumulated
-            # ones (CostOptions.autocast); once a step, with the optimizer's share
-            computed = sum(params_by_zero) + tied_extra + sum(experts_by_zero)
+            # ones; once a step, with the optimizer's share
             ev.optimizer += (AUTOCAST_ACCUMULATE_BYTES * (micro_batches - 1) * computed
                              / device.memory_bw_bytes_per_s)
 
@@ -1499,14 +1507,11 @@ class CostEngine:
             buffers += micro_batches * recv_per_micro_batch
         elif pp > 1:
             buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
-        if opts.autocast and recipe.dtype != "fp32":
-            # torch.autocast's cache of bf16 weight copies (CostOptions.autocast)
-            buffers += AUTOCAST_COPY_BYTES * (sum(params_by_zero) + tied_extra
-                                              + sum(experts_by_zero))
-        if (opts.loss_fp32_copy and s.loss_logits
-                and any(sg.hi == len(s.layers) for ch in chunks for sg in ch)):
-            # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
-            head_tp = next(sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers))
+        if autocast:
+            buffers += AUTOCAST_COPY_BYTES * computed   # its cache of bf16 weight copies
+        # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
+        head_tp = next((sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers)), None)
+        if opts.loss_fp32_copy and s.loss_logits and head_tp is not None:
             logits = b * (s.seq_len or 1) / cp * s.loss_logits / head_tp
             acts += logits * loss_bytes_per_logit(recipe.dtype, s.loss_shifts)
         allocated = held_params + held_grads + held_optimizer + acts + buffers

@@ -1108,8 +1108,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     architecture = (cuda_architecture(*min(tuple(r["info"].get("capability", (0, 0)))
                                            for r in ranks)) if cuda else "cpu")
     op_overhead = None
-    if cuda and all(r.get("overhead") for r in ranks):
-        worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
+    # the slowest rank decides, as for the matmuls
+    worst = ({k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
+             if all(r.get("overhead") for r in ranks) else None)
+    if cuda and worst is not None:
         op_overhead = OpOverhead(
             **worst,
             source=(f"{how}: the host's time, {_OVERHEAD_BLOCKS} tiny transformer blocks on the "
@@ -1120,10 +1122,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "dispatches; the optimizer and tensor-parallel figures not measured (0). "
                     "The host runs ahead of the GPU: the cost model takes the larger of the "
                     "two per layer"))
-    elif not cuda and all(r.get("overhead") for r in ranks):
+    elif worst is not None:
         tp_in_pairs = _tp_in_pairs(bool(raw.get("shares_cores")), nproc)
-        # the slowest rank decides, as for the matmuls
-        worst = {k: max(r["overhead"][k] for r in ranks) for k in ranks[0]["overhead"]}
         op_overhead = OpOverhead(
             **worst,
             source=(f"{how}: {_OVERHEAD_BLOCKS} tiny transformer blocks (modules, width "
