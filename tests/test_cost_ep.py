@@ -359,3 +359,22 @@ def test_expert_banks_copy_through_buffers_only_where_reduced(moe, ep):
     bw = c.device_type_of(0).memory_bw_bytes_per_s
     assert copies.comm_total["dp_comm_s"] - views.comm_total["dp_comm_s"] == pytest.approx(
         2 * 2 * (dense + experts) * 4 / bw, rel=1e-9)
+
+
+def test_autocast_casts_only_this_ranks_experts(moe):
+    """Under autocast each micro-batch casts the weights this rank computes with: with
+    expert parallelism, ``1/ep`` of the expert banks (the rest live on other ranks)."""
+    from autoplan.cost.engine import AUTOCAST_CAST_BYTES
+    c = toy_cluster(devices_per_node=8)
+    bw = c.device_type_of(0).memory_bw_bytes_per_s
+    experts = sum(l.expert_params for l in summarize(moe).layers)
+
+    def cast_s(ep):
+        kw = dict(dp=8, ep=ep, global_batch=8, precision="bf16")
+        on = _estimate(moe, c, CostOptions(autocast=True), **kw)
+        off = _estimate(moe, c, CostOptions(autocast=False), **kw)
+        return on.breakdown["compute_s"] - off.breakdown["compute_s"]
+
+    # forward and backward, one micro-batch: 2 casts of each weight this rank holds
+    assert cast_s(1) - cast_s(4) == pytest.approx(
+        2 * AUTOCAST_CAST_BYTES * experts * (1 - 1 / 4) / bw, rel=1e-6)

@@ -697,7 +697,7 @@ class CostEngine:
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
         if autocast:
             # the weights cast down in the forward, their gradients up in the backward
-            local = sum(_local_params(self._templates[template], tp, 1))
+            local = sum(_local_params(self._templates[template], tp, ep))
             fwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
             bwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
         if fp8:
