@@ -11,8 +11,8 @@ import pytest
 from autoplan import Strategy, estimate, trace
 from autoplan.cost import CostOptions
 from autoplan.cost.calibration import apply_calibration, attention_tables, load_calibration
-from autoplan.cost.engine import (AUTOCAST_ACCUMULATE_BYTES, AUTOCAST_CAST_BYTES,
-                                  AUTOCAST_COPY_BYTES, loss_bytes_per_logit)
+from autoplan.cost.engine import (AUTOCAST_CAST_BYTES, AUTOCAST_COPY_BYTES,
+                                  GRAD_ACCUMULATE_READS_WRITES, loss_bytes_per_logit)
 from autoplan.hardware import EfficiencyTable, load_cluster
 from autoplan.hardware.cluster import Cluster
 from autoplan.models import GPT, GPTConfig
@@ -50,7 +50,7 @@ def test_autocast_costs_casts_fp32_elementwise_and_gradient_accumulation(graph, 
     """Slower with autocast: each micro-batch casts the weights down and their gradients
     up, the memory-bound operators run in fp32, and micro-batches after the first add
     their fp32 gradients (in the optimizer's share)."""
-    opts = CostOptions(autocast=False)
+    opts = CostOptions(autocast=False, grad_accumulate_add=False)
     one = Strategy(global_batch=2, micro_batch=2, precision="bf16")
     two = Strategy(global_batch=4, micro_batch=2, precision="bf16")
     bw = one_gpu.device_type_of(0).memory_bw_bytes_per_s
@@ -59,9 +59,29 @@ def test_autocast_costs_casts_fp32_elementwise_and_gradient_accumulation(graph, 
         m = s.global_batch // s.micro_batch
         assert on.breakdown["compute_s"] > off.breakdown["compute_s"] + (
             2 * m * AUTOCAST_CAST_BYTES * graph.num_params * 0.9 / bw)
-        accumulate = AUTOCAST_ACCUMULATE_BYTES * (m - 1) * graph.num_params / bw
+        accumulate = GRAD_ACCUMULATE_READS_WRITES * 4 * (m - 1) * graph.num_params / bw
         assert on.breakdown["optimizer_s"] - off.breakdown["optimizer_s"] == pytest.approx(
             accumulate, rel=0.02, abs=1e-12)
+
+
+def test_gradient_accumulation_is_priced_in_every_precision(graph):
+    """Micro-batches after the first add their gradients to the accumulated ones (torch's
+    AccumulateGrad, 12 bytes per fp32 parameter): in fp32 too, on the whole gradients under
+    ZeRO-0 and on the reduce-scattered shard under ZeRO-3; a stack that accumulates inside
+    its GEMMs (``grad_accumulate_add=False``) pays nothing."""
+    two = load_cluster("h100-sxm5-80gb", nodes=1, devices_per_node=2)
+    bw = two.device_type_of(0).memory_bw_bytes_per_s
+    off = CostOptions(grad_accumulate_add=False)
+    for zero, share in ((0, 1.0), (3, 0.5)):
+        for m in (1, 4):
+            s = Strategy(dp=2, zero=zero, global_batch=4 * m, micro_batch=2, precision="fp32")
+            extra = (estimate(graph, two, s).breakdown["optimizer_s"]
+                     - estimate(graph, two, s, options=off).breakdown["optimizer_s"])
+            # (the tied embedding and head count once: graph.num_params)
+            want = GRAD_ACCUMULATE_READS_WRITES * 4 * (m - 1) * graph.num_params * share / bw
+            assert extra == pytest.approx(want, rel=0.02, abs=1e-12), (zero, m)
+    assert CostOptions(stack="megatron-core").grad_accumulate_add is False
+    assert CostOptions().grad_accumulate_add is True
 
 
 def test_the_loss_working_set_is_on_the_stage_that_computes_it(graph, monkeypatch):

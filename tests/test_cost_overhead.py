@@ -27,7 +27,8 @@ OVERHEAD = {"forward_s": 10e-6, "backward_s": 20e-6, "tp_linear_forward_s": 300e
 NO_OVERLAP = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
                          tp_comm_overlap=False, pp_comm_overlap=False)
 NO_AUTOCAST = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
-                          tp_comm_overlap=False, pp_comm_overlap=False, autocast=False)
+                          tp_comm_overlap=False, pp_comm_overlap=False, autocast=False,
+                          grad_accumulate_add=False)
 
 
 @pytest.fixture(scope="module")
@@ -370,3 +371,79 @@ def test_the_arrival_cost_round_trips_and_is_checked():
     del data["node"]["arrival_source"]
     with pytest.raises(ProfileError, match="arrival_source"):
         parse_profile(data)
+
+
+def _with(overhead: dict | None, *, world: int = 2, cores: int | None = None,
+          arrival_s: float = 0.0):
+    """``cpu_cluster(world, overhead)`` with its ranks sharing ``cores`` cores and their
+    collectives costing ``arrival_s`` more after compute."""
+    import dataclasses
+
+    from autoplan.hardware import NodeGroup, compose_cluster
+    p = next(iter(cpu_cluster(world, overhead=overhead).profiles.values()))
+    p = dataclasses.replace(p, node=dataclasses.replace(
+        p.node, shared_cores=cores, arrival_s=arrival_s,
+        arrival_source="a test's figure" if arrival_s else None))
+    return compose_cluster([NodeGroup(p, 1)], name=f"with-{world}-{cores}-{arrival_s}")
+
+
+PIPELINE = {**OVERHEAD, "pipeline_action_s": 1e-3, "pipeline_message_s": 2e-3}
+
+
+@pytest.mark.parametrize("schedule,per_micro_batch", [
+    # each rank's one chunk: a forward and a backward action, each across one boundary
+    ("1f1b", 2 * (1e-3 + 2e-3)),
+    # ZB-V: two chunks a rank, one boundary each to the other rank (the V's turn is on
+    # one rank: no message), and each chunk's deferred weight backward is an action
+    ("zero_bubble", 2 * (2 * 1e-3 + 2 * 2e-3) + 2 * 1e-3),
+])
+def test_pipeline_host_work_is_per_stage_action_and_message_end(graph, schedule,
+                                                                 per_micro_batch):
+    """A CPU rank's pipeline machinery (the schedule's and the stage's Python, gloo's
+    transport threads) costs ``pipeline_action_s`` per stage action and
+    ``pipeline_message_s`` per message it sends or receives, every micro-batch, in the
+    compute of the rank."""
+    v = 2 if schedule == "zero_bubble" else 1
+    s = Strategy(pp=2, micro_batch=1, global_batch=8, schedule=schedule, virtual_stages=v,
+                 precision="fp32")
+    base = estimate(graph, _with(OVERHEAD), s, calibration=None, options=NO_AUTOCAST)
+    piped = estimate(graph, _with(PIPELINE), s, calibration=None, options=NO_AUTOCAST)
+    m = 8
+    added = piped.breakdown["compute_s"] - base.breakdown["compute_s"]
+    assert added == pytest.approx(m * per_micro_batch, rel=1e-9)
+    assert piped.step_time_s > base.step_time_s + m * per_micro_batch * 0.99
+    # without a pipeline there is no stage action
+    dp = Strategy(dp=2, micro_batch=1, global_batch=8, precision="fp32")
+    assert (estimate(graph, _with(PIPELINE), dp, calibration=None).to_dict()
+            == estimate(graph, _with(OVERHEAD), dp, calibration=None).to_dict())
+
+
+def test_pipeline_host_figures_round_trip():
+    import yaml
+
+    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+    p = next(iter(_with(PIPELINE).profiles.values()))
+    o = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert (o.pipeline_action_s, o.pipeline_message_s) == (1e-3, 2e-3)
+    # a profile measured before them states neither, and reads 0
+    assert "pipeline" not in profile_to_yaml(next(iter(_with(OVERHEAD).profiles.values())))
+
+
+def test_tensor_parallel_collectives_take_no_arrival_where_the_linears_host_time_holds_it(
+        graph):
+    """Where the profile prices each tensor-parallel linear's host time (measured with its
+    collectives on pairs of ranks, their waits in it), the link model's arrival cost is not
+    added to the tensor-parallel collectives again; the data-parallel ones still pay it.
+    Without that figure every collective pays it."""
+    import dataclasses
+
+    opts = dataclasses.replace(NO_AUTOCAST, step_loss_all_reduce=False)
+    s = Strategy(dp=2, tp=2, micro_batch=2, global_batch=8, precision="fp32")
+    for overhead, tp_pays in ((OVERHEAD, False), (None, True)):
+        base = estimate(graph, _with(overhead, world=4, cores=2), s, calibration=None,
+                        options=opts)
+        late = estimate(graph, _with(overhead, world=4, cores=2, arrival_s=2e-3), s,
+                        calibration=None, options=opts)
+        tp_extra = late.breakdown["tp_comm_s"] - base.breakdown["tp_comm_s"]
+        assert (tp_extra > 0) is tp_pays, (overhead, tp_extra)
+        assert late.breakdown["dp_comm_s"] > base.breakdown["dp_comm_s"]

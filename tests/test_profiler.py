@@ -475,6 +475,33 @@ def test_tp_overhead_on_one_rank_and_on_a_pair():
         assert got["returned"][2] == "Tensor", got["returned"]
 
 
+def _pipeline_overhead(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.hardware.profiler import _measure_pipeline_overhead
+
+    def agreed_mean(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / world
+
+    pair = dist.new_subgroups(group_size=2)[0]
+    return {"once": _measure_pipeline_overhead(torch, dist, pair, agreed_mean, 1.0, rounds=2)}
+
+
+@pytest.mark.distributed
+def test_pipeline_host_work_is_measured_on_a_real_two_stage_pipeline():
+    """A two-stage 1F1B of a tiny linear on a pair of ranks runs and costs its ranks CPU
+    time beyond the module's own work: the main thread's per stage action and the other
+    threads' (gloo's transport) per message end, both agreed over the ranks."""
+    from dist_harness import run
+    got = run(_pipeline_overhead, 2)
+    assert got[0] == got[1], got                       # the ranks' mean: one figure
+    action, message = got[0]["once"]
+    assert 0 < action < 0.05 and 0 <= message < 0.05, got   # the schedule is never free
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
@@ -519,6 +546,9 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e-8 < o.optimizer_param_s < o.optimizer_dtensor_param_s < 0.1
     # ... and per parameter element (28 bytes moved: well under a microsecond)
     assert 1e-12 < o.optimizer_element_s < 1e-6
+    # a two-stage pipeline's host work per stage action (and per message end)
+    assert 1e-7 < o.pipeline_action_s < 0.05 and 0 <= o.pipeline_message_s < 0.05
+    assert "two-stage 1F1B" in o.source
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

@@ -257,9 +257,8 @@ class CostOptions(Record):
         top of its model states (unsharded: under ZeRO-3, copies of the gathered
         weights).  Time, memory-bound on the device: each micro-batch's forward casts its
         weights (4 bytes read, 2 written per parameter; a recomputed forward again), its
-        backward casts the weight gradients up (2 read, 4 written), every micro-batch
-        after the first adds them to the fp32 gradients (12 bytes; in ``optimizer_s``),
-        and the operators that are not matmuls run on fp32 tensors (the residual stream
+        backward casts the weight gradients up (2 read, 4 written), they accumulate in
+        fp32 (``grad_accumulate_add``), and the operators that are not matmuls run on fp32 tensors (the residual stream
         stays fp32: priced at 4 bytes per captured element, not the recipe's 2).
         Measured on an H100 (``benchmarks/gpu_truth.py``).
     loss_fp32_copy : bool
@@ -270,6 +269,16 @@ class CostOptions(Record):
         beyond what capture counts (measured on an H100: ``benchmarks/gpu_truth.py``).
         ``False``: a fused cross-entropy that works in place (flash-attn's in LLM Foundry,
         Megatron's vocab-parallel one), whose working set capture's count stands for.
+    grad_accumulate_add : bool
+        Each micro-batch after the first adds its weight gradients to the accumulated
+        ones in a separate pass (torch's ``AccumulateGrad``: read both, write one, three
+        times the gradient's bytes per parameter, on the device's memory bandwidth, in
+        ``optimizer_s``): the whole gradients under ZeRO-0/1 (DDP's ``no_sync``, FSDP2
+        without gradient sync), the reduce-scattered shard under ZeRO-2/3; fp32 under
+        ``autocast``.  On 4 CPU ranks of the confirm models it is 2-3% of a step of four
+        one-sequence micro-batches.  ``False`` where the stack accumulates inside the
+        weight-gradient GEMM (Megatron's ``gradient_accumulation_fusion``) or in its
+        reduction buffers.
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -304,6 +313,7 @@ class CostOptions(Record):
     step_loss_all_reduce: bool | None = None
     autocast: bool | None = None
     loss_fp32_copy: bool | None = None
+    grad_accumulate_add: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -373,7 +383,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
                           "zero_step_per_layer", "step_loss_all_reduce",
-                          "autocast", "loss_fp32_copy")
+                          "autocast", "loss_fp32_copy", "grad_accumulate_add")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -392,7 +402,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
            sp_grads_per_tensor_under_fsdp2: bool = False,
            zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False,
-           autocast: bool = False, loss_fp32_copy: bool = False) -> Stack:
+           autocast: bool = False, loss_fp32_copy: bool = False,
+           grad_accumulate_add: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -405,7 +416,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
         sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2,
         zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce,
-        autocast=autocast, loss_fp32_copy=loss_fp32_copy))
+        autocast=autocast, loss_fp32_copy=loss_fp32_copy,
+        grad_accumulate_add=grad_accumulate_add))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -426,12 +438,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
            "all-reduced over every rank at its end; a 16-bit precision as torch.autocast "
            "over fp32 weights, whose bf16 copies it caches for the forward; the loss as "
-           "Hugging Face computes it, over an fp32 copy of the logits",
+           "Hugging Face computes it, over an fp32 copy of the logits; gradients of "
+           "micro-batches after the first added to the accumulated ones in a pass of "
+           "their own",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
            zero_step_per_layer=True, step_loss_all_reduce=True, autocast=True,
-           loss_fp32_copy=True),
+           loss_fp32_copy=True, grad_accumulate_add=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

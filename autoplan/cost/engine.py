@@ -150,11 +150,13 @@ LOSS_REDUCE_BYTES = 16
 #: Under torch.autocast over fp32 weights (:attr:`CostOptions.autocast`): bytes per
 #: parameter of the bf16 copies it caches during a forward; bytes moved per parameter by
 #: one cast (fp32 -> bf16 in the forward, the gradient bf16 -> fp32 in the backward:
-#: 4 + 2); and by adding a micro-batch's fp32 gradient to the accumulated one (read
-#: both, write one: 3 x 4)
+#: 4 + 2)
 AUTOCAST_COPY_BYTES = 2
 AUTOCAST_CAST_BYTES = 6
-AUTOCAST_ACCUMULATE_BYTES = 12
+#: Gradient accumulation (:attr:`CostOptions.grad_accumulate_add`): a micro-batch's
+#: gradient added to the accumulated one reads both and writes one, three times the
+#: gradient's bytes per parameter
+GRAD_ACCUMULATE_READS_WRITES = 3
 
 
 def loss_bytes_per_logit(dtype: str, shifts: bool) -> float:
@@ -597,18 +599,21 @@ class CostEngine:
         return d
 
     def collective_time(self, op: str, group: tuple[int, ...], nbytes: float,
-                        concurrent: int | None = None, group_key: tuple | None = None) -> float:
+                        concurrent: int | None = None, group_key: tuple | None = None, *,
+                        after_compute: bool = True) -> float:
         """Seconds of collective ``op`` sending ``nbytes`` per rank over ``group``
         (:meth:`Cluster.collective_time <autoplan.hardware.Cluster.collective_time>`,
         cached); ``concurrent`` its ``concurrent_groups``.  ``group_key`` stands for a
         large ``group`` in the cache key (``(first device, size, hash)``: hashing the
-        group once per rank, not per call).  Zero for one device or no bytes."""
+        group once per rank, not per call); ``after_compute=False``: without the node's
+        arrival cost.  Zero for one device or no bytes."""
         if len(group) <= 1 or nbytes <= 0:
             return 0.0
-        key = (op, group if group_key is None else group_key, nbytes, concurrent)
+        key = (op, group if group_key is None else group_key, nbytes, concurrent, after_compute)
         t = self._collective_times.get(key)
         if t is None:
-            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent)
+            t = self.cluster.collective_time(op, group, nbytes, concurrent_groups=concurrent,
+                                             after_compute=after_compute)
             self._collective_times[key] = t
         return t
 
@@ -945,8 +950,16 @@ class CostEngine:
         if t > 1:
             tp_group = groups.tp if t == len(groups.tp) else groups.replica[:t]
             colls = layer.sp_collectives if seg.sequence_parallel else layer.tp_collectives
+            # a device that prices tensor-parallel linears' host time (CPU profiles) measured
+            # it with the linears' own collectives on pairs of ranks, every pair at once
+            # where they share cores: each collective's wait for its peer is in that figure,
+            # so the link model's arrival cost is not added again
+            host = device.op_overhead
+            waits_priced = (host is not None and not host_runs_ahead(device)
+                            and (host.tp_linear_forward_s > 0 or host.tp_linear_backward_s > 0))
             for op, phase, nbytes in colls:
-                seconds = self.collective_time(op, tp_group, nbytes * b * act_scale / cp)
+                seconds = self.collective_time(op, tp_group, nbytes * b * act_scale / cp,
+                                               after_compute=not waits_priced)
                 if phase == "forward":
                     tp_forward += seconds
                 else:
@@ -1268,8 +1281,11 @@ class CostEngine:
             pair = (devices[0], self._replica_devices(lay, lay.stage_ranks[to], replica)[0])
             if pair[0] == pair[1]:
                 return 0.0
+            nonlocal messages
+            messages += 1
             return self.collective_time("p2p", pair,
                                         scattered if opts.pp_scatter_gather else whole)
+        messages = 0                            # message ends of one forward (and backward)
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
         forward_compute = backward_compute = recompute = weight_grad = 0.0
@@ -1351,6 +1367,20 @@ class CostEngine:
             if k < pp * v - 1:  # and its output's gradient from the next
                 recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
                 p2p_fwd += send(k + 1, cut * last.tp, cut)
+        overhead = device.op_overhead
+        if pp > 1 and overhead is not None and not host_runs_ahead(device):
+            # the pipeline's host work per stage action and message end (CPU devices):
+            # each chunk's forward and backward of a micro-batch, and a zero-bubble
+            # schedule's deferred weight backward; each sends or receives across its
+            # chunk's boundaries
+            actions = len(chunks) * overhead.pipeline_action_s
+            host = actions + messages * overhead.pipeline_message_s
+            deferred = actions if lay.schedule is Schedule.ZERO_BUBBLE else 0.0
+            forward_compute += host
+            forward += host
+            backward_compute += host + deferred
+            backward += host + deferred
+            weight_grad += deferred
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
         ev.recompute, ev.wgrad = recompute, weight_grad
@@ -1464,10 +1494,17 @@ class CostEngine:
         # device computes with
         autocast = opts.autocast and recipe.dtype != "fp32"
         computed = sum(params_by_zero) + tied_extra + sum(experts_by_zero)
-        if autocast and micro_batches > 1:
-            # each micro-batch after the first adds its fp32 gradients to the accumulated
-            # ones; once a step, with the optimizer's share
-            ev.optimizer += (AUTOCAST_ACCUMULATE_BYTES * (micro_batches - 1) * computed
+        if opts.grad_accumulate_add and micro_batches > 1:
+            # each micro-batch after the first adds its gradients to the accumulated ones
+            # (read both, write one): whole under ZeRO-0/1, which reduce once a step, the
+            # reduce-scattered shard under ZeRO-2/3; fp32 under autocast (the weights'
+            # dtype); once a step, with the optimizer's share
+            accumulated = (params_by_zero[0] + params_by_zero[1] + tied_extra
+                           + (params_by_zero[2] + params_by_zero[3]) / zero_degree
+                           + x0 + x1 + (x2 + x3) / edp)
+            nbytes = GRAD_ACCUMULATE_READS_WRITES * (Precision.FP32.bytes if autocast
+                                                     else grad_bytes)
+            ev.optimizer += ((micro_batches - 1) * accumulated * nbytes
                              / device.memory_bw_bytes_per_s)
 
         # memory

@@ -433,8 +433,11 @@ class Cluster(Record):
         return GroupShape(tuple(sites), tuple(links))
 
     def collective_candidates(self, op: str, group: Sequence[int], *,
-                              concurrent_groups: int | None = None) -> tuple[CollectiveParams, ...]:
-        """Every modelled algorithm for ``op`` over ``group`` (cached per group signature)."""
+                              concurrent_groups: int | None = None,
+                              after_compute: bool = True) -> tuple[CollectiveParams, ...]:
+        """Every modelled algorithm for ``op`` over ``group`` (cached per group signature).
+        ``after_compute=False`` leaves out the node's arrival cost (:meth:`_arrival_s`), for
+        a caller whose own figure holds the wait (see :meth:`collective_time`)."""
         op_ = parse_op(op)
         members = self._check_group(group)
         if concurrent_groups is not None and (isinstance(concurrent_groups, bool)
@@ -443,11 +446,11 @@ class Cluster(Record):
             raise ConfigError(f"concurrent_groups must be an integer >= 1 or None, "
                               f"got {concurrent_groups!r}")
         signature = self._signature(members)
-        key = (op_, concurrent_groups, signature)
+        key = (op_, concurrent_groups, signature, after_compute)
         cached = self._collective_cache.get(key)
         if cached is None:
             cached = collective_candidates(op_, self._shape(signature, concurrent_groups))
-            arrival = self._arrival_s(op_, signature)
+            arrival = self._arrival_s(op_, signature) if after_compute else 0.0
             if arrival:
                 cached = tuple(replace(c, latency_s=c.latency_s + arrival) for c in cached)
             self._collective_cache[key] = cached
@@ -478,7 +481,8 @@ class Cluster(Record):
         return min(candidates, key=lambda c: c.time(nbytes))
 
     def collective_time(self, op: str, group: Sequence[int], nbytes: float, *,
-                        concurrent_groups: int | None = None) -> float:
+                        concurrent_groups: int | None = None,
+                        after_compute: bool = True) -> float:
         """Seconds for collective ``op`` over ``group`` on ``nbytes`` (full buffer per rank).
 
         ``op`` is one of ``all_reduce``, ``all_gather`` (``nbytes`` = gathered
@@ -487,6 +491,8 @@ class Cluster(Record):
         (group of two).  The fastest modelled algorithm; see
         :mod:`autoplan.hardware.collectives` for the formulas and the module
         docstring for ``concurrent_groups``.  Zero for one device or zero bytes.
+        Where ranks share a node's cores, a call after compute costs the node's
+        ``arrival_s`` more (:meth:`_arrival_s`); ``after_compute=False`` leaves it out.
 
         Examples
         --------
@@ -497,7 +503,8 @@ class Cluster(Record):
         7.806
         """
         _check_nbytes(nbytes)
-        candidates = self.collective_candidates(op, group, concurrent_groups=concurrent_groups)
+        candidates = self.collective_candidates(op, group, concurrent_groups=concurrent_groups,
+                                                after_compute=after_compute)
         return min(c.time(nbytes) for c in candidates)
 
     # ------------------------------------------------------------------ sub-clusters

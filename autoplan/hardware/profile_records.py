@@ -224,6 +224,15 @@ class OpOverhead(Record):
         than one large copy (measured 15-16 GB/s of its 28 bytes per parameter against
         12-13 GB/s copying 64 MiB, 4 processes on 2 cores).  0 in profiles measured
         before it was.
+    pipeline_action_s, pipeline_message_s : float
+        Seconds of host work per pipeline stage action (one micro-batch's forward or
+        backward, or a zero-bubble schedule's weight backward, of one stage) beyond the
+        stage's operators: the schedule's and the stage's Python on the rank's main thread
+        (``pipeline_action_s``) and, per message the action sends or receives, gloo's
+        transport threads (``pipeline_message_s``).  CPU work that competes for the cores
+        where ranks share them, measured as core time and scaled by the ranks over the
+        cores (:func:`autoplan.hardware.profiler._measure_pipeline_overhead`).  0 in
+        profiles measured before them and on GPUs.
     source : str
         How the figures were measured.
     """
@@ -240,12 +249,14 @@ class OpOverhead(Record):
     forward_dispatch_s: float = 0.0
     backward_node_s: float = 0.0
     optimizer_element_s: float = 0.0
+    pipeline_action_s: float = 0.0
+    pipeline_message_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "selective_s", "selective_dispatch_s", "optimizer_param_s",
                      "optimizer_dtensor_param_s", "forward_dispatch_s", "backward_node_s",
-                     "optimizer_element_s"):
+                     "optimizer_element_s", "pipeline_action_s", "pipeline_message_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -263,7 +263,9 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("forward_dispatch", "seconds per dispatched operator in the forward"),
                       ("backward_node", "seconds per autograd node in the backward"),
                       ("optimizer_element", "seconds per parameter element of an optimizer "
-                                            "step")):
+                                            "step"),
+                      ("pipeline_action", "host seconds per pipeline stage action"),
+                      ("pipeline_message", "host seconds per pipeline message end")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -482,6 +484,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  "forward_dispatch_s": o.forward_dispatch_s,
                                  "backward_node_s": o.backward_node_s,
                                  "optimizer_element_s": o.optimizer_element_s,
+                                 **({"pipeline_action_s": o.pipeline_action_s,
+                                     "pipeline_message_s": o.pipeline_message_s}
+                                    if o.pipeline_action_s or o.pipeline_message_s else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

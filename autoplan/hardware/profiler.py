@@ -701,6 +701,84 @@ def _measure_arrival(work: Callable[[], Any], collectives: Sequence[Callable[[],
     return max(0.0, statistics.fmean(extras))
 
 
+#: The pipeline's host work (:func:`_measure_pipeline_overhead`): micro-batches per step
+#: of the two-stage 1F1B pipeline, steps per timed round, rounds (the median is kept).
+_PIPELINE_MICRO_BATCHES = 8
+_PIPELINE_STEPS = 20
+_PIPELINE_ROUNDS = 3
+
+
+def _measure_pipeline_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], float],
+                               share: float, rounds: int = _PIPELINE_ROUNDS) -> tuple[float, float]:
+    """Core seconds a pipeline stage action costs beyond its module's own work,
+    ``(action, message)``, each times ``share`` (the ranks over the cores they share, 1
+    where each rank has its own): a two-stage ``Schedule1F1B`` of
+    ``_PIPELINE_MICRO_BATCHES`` micro-batches over ``pair`` (every pair at once), each
+    stage one tiny linear (width ``_OVERHEAD_WIDTH``), against the same module's forward
+    and backward run as often without a pipeline, per action (a micro-batch's forward or
+    backward on one stage).
+
+    * ``action``: the CPU time of the rank's main thread (the schedule's Python, the
+      stage's input and output handling, posting the transfers and waiting on them).
+    * ``message``: the CPU time of the rank's other threads (gloo's transport loops move
+      every transfer over loopback TCP), per action, each of which receives or sends one
+      message on a two-stage pipeline: per message end.
+
+    Both are core time that competes with the ranks' compute where ranks share cores,
+    which the link model's per-transfer latency (a wait) does not price: on 4 CPU ranks of
+    2 cores they read 0.19-0.24 and 0.36-0.84 core-ms, where ``benchmarks/step_cpu.py``
+    saw a one-sequence 1F1B step of the confirm GPT spend 0.25 and 0.75 core-ms more per
+    action in its main threads and transport threads than the same layout at one
+    micro-batch of 4 (2026-11-26).  Interleaved 1F1B's main thread read 0.35-0.41 per
+    action on the same ranks (its schedule does more per action): the 1F1B figure stands
+    for every schedule.  Each is the ranks' mean, the median of ``rounds`` rounds."""
+    import resource
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    h, m = _OVERHEAD_WIDTH, _PIPELINE_MICRO_BATCHES
+    me = dist.get_rank(pair)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(h, h), torch.nn.Tanh())
+    stage = PipelineStage(module, me, 2, torch.device("cpu"), group=pair)
+    schedule = Schedule1F1B(stage, m, loss_fn=lambda y, t: ((y - t) ** 2).mean(),
+                            scale_grads=False)
+    x, target = torch.randn(m, 4, h), torch.randn(m, 4, h)
+    one = torch.randn(1, 4, h).requires_grad_(True)
+
+    def piped() -> None:
+        if me == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target)
+
+    def plain() -> None:
+        for _ in range(m):
+            module(one).sum().backward()
+
+    def cpu(fn: Callable[[], None]) -> tuple[float, float]:
+        """(main thread, whole process) CPU seconds per call of ``fn``."""
+        dist.barrier()
+        usage, main = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+        for _ in range(_PIPELINE_STEPS):
+            fn()
+        main = time.thread_time() - main
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        total = (after.ru_utime + after.ru_stime) - (usage.ru_utime + usage.ru_stime)
+        return main / _PIPELINE_STEPS, total / _PIPELINE_STEPS
+
+    for _ in range(3):
+        piped()
+        plain()
+    actions, readings = 2 * m, []
+    for _ in range(max(1, rounds)):
+        (p_main, p_all), (q_main, q_all) = cpu(piped), cpu(plain)
+        action = max(0.0, p_main - q_main) / actions
+        message = max(0.0, (p_all - p_main) - (q_all - q_main)) / actions
+        readings.append((agreed_mean(action), agreed_mean(message)))
+    return (share * statistics.median(a for a, _ in readings),
+            share * statistics.median(b for _, b in readings))
+
+
 def _calls_per_batch(target_s: float, repeats: int, first_s: float, shares_cores: bool) -> int:
     """Calls per timed batch: ``repeats`` batches fill ``target_s`` at ``first_s`` a call."""
     calls = min(10_000, int(target_s / repeats / max(first_s, 1e-9)))
@@ -964,6 +1042,16 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
+        overhead["pipeline_action_s"] = overhead["pipeline_message_s"] = 0.0
+        if world % 2 == 0:
+            # a two-stage pipeline on pairs of ranks, every pair at once
+            pp_pair = pair if pair is not None else dist.new_subgroups(group_size=2)[0]
+            share = world * threads / _usable_cores() if shares_cores else 1.0
+            action, message = _measure_pipeline_overhead(torch, dist, pp_pair, agreed_mean,
+                                                         max(1.0, share))
+            overhead.update(pipeline_action_s=action, pipeline_message_s=message)
+            say(f"pipeline host work: {action * 1e6:.0f} us per stage action, "
+                f"{message * 1e6:.0f} us per message end")
 
     if cuda:
         props = torch.cuda.get_device_properties(rank)
@@ -1145,6 +1233,18 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     f"mesh, per tensor; over {_OPTIMIZER_LARGE[0]} of {_OPTIMIZER_LARGE[1]} fp32 "
                     "elements less that, per element"
                     + ("" if nproc > 1 else " (DTensor on one rank: not measured, 0)")
+                    + ("" if "pipeline_action_s" not in worst else
+                       f"; pipeline: a two-stage 1F1B of {_PIPELINE_MICRO_BATCHES} "
+                       "micro-batches of a tiny linear on pairs of ranks, every pair at once, "
+                       "less the same module's forward and backward without it, per stage "
+                       "action: the main thread's CPU time, and the other threads' (gloo's "
+                       "transport) per message end, the ranks' mean, the median of "
+                       f"{_PIPELINE_ROUNDS} rounds"
+                       + (f", times the {nproc} ranks over the cores they share"
+                          if raw.get("shares_cores") else "")
+                       if nproc % 2 == 0
+                       else "; pipeline: not measured ("
+                       + ("one rank" if nproc == 1 else "an odd number of ranks") + "), 0")
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
                        "each rank free-running, every rank busy, the fastest of a few windows "
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
@@ -1293,7 +1393,9 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
            f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor, "
-           f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element"]
+           f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element; pipeline "
+           f"{d.op_overhead.pipeline_action_s * 1e6:.0f} us per stage action + "
+           f"{d.op_overhead.pipeline_message_s * 1e6:.0f} us per message end"]
           if d.op_overhead else []),
     ])
 
