@@ -84,7 +84,9 @@ def _estimate(graph, cluster, options=None, **kw):
 #: (``step_loss_all_reduce``; its own test in test_cost_exact).  Layout 0 again when
 #: ZeRO-1 came to hold one layer's unsharded gradients for its per-layer reduce-scatter
 #: (FSDP2, ``zero_step_per_layer``) instead of a bucket's (before: 1074705442.6 and
-#: 1074666298.6); without the loss's fp32 logits (``loss_fp32_copy``).
+#: 1074666298.6); without the loss's fp32 logits (``loss_fp32_copy``) and without the
+#: gradient accumulation pass the autoplan stack came to price in fp32 too
+#: (``grad_accumulate_add``; its own test in test_cost_autocast).
 BEFORE = {
     ("moe", 0): (1.8782391999999996e-05, 1074688105.0),
     ("gpt", 0): (2.4690980000000007e-05, 1074539962.6),
@@ -105,7 +107,8 @@ def test_ep1_prices_as_before(moe_snapshot, gpt, model, layout):
     # pricing them at one expert's size changes nothing here (it does at scale)
     e = _estimate(moe_snapshot if model == "moe" else gpt,
                   toy_cluster(nodes=2, devices_per_node=4),
-                  options=CostOptions(step_loss_all_reduce=False, loss_fp32_copy=False),
+                  options=CostOptions(step_loss_all_reduce=False, loss_fp32_copy=False,
+                                      grad_accumulate_add=False),
                   **LAYOUTS[layout])
     step, peak = BEFORE[(model, layout)]
     assert e.step_time_s == pytest.approx(step, rel=1e-12)

@@ -20,8 +20,9 @@ training):
   time per dispatched operator under selective recompute (torch's selective
   checkpoint runs every operator the block dispatches through Python), the extra time
   of a tensor-parallel (DTensor) linear over a plain one (on real pairs of ranks where
-  ranks share cores), and an AdamW step's time per parameter tensor, plain and DTensor
-  (added once per step); every repeat is timed on all ranks at once, from the
+  ranks share cores), an AdamW step's time per parameter tensor, plain and DTensor
+  (added once per step), and a pipeline's host work per stage action and per message
+  end (a two-stage 1F1B on pairs of ranks, :func:`_measure_pipeline_overhead`); every repeat is timed on all ranks at once, from the
   first rank's start to the last rank's end, except where ranks share cores: there each
   rank times its own work in free-running windows with every rank busy
   (:func:`_free_running`).  The cost model adds it per operator and micro-batch.  On
