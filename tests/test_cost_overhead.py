@@ -447,3 +447,25 @@ def test_tensor_parallel_collectives_take_no_arrival_where_the_linears_host_time
         tp_extra = late.breakdown["tp_comm_s"] - base.breakdown["tp_comm_s"]
         assert (tp_extra > 0) is tp_pays, (overhead, tp_extra)
         assert late.breakdown["dp_comm_s"] > base.breakdown["dp_comm_s"]
+
+
+def test_a_zero_bubble_split_backward_costs_its_measured_host_time_per_autograd_node(graph):
+    """torch's zero-bubble schedules split each backward (input gradients, then the
+    weights'): ``zero_bubble_node_s`` per autograd node of the rank's layers, every
+    micro-batch; other schedules do not pay it."""
+    z = 5e-6
+    split = {**PIPELINE, "zero_bubble_node_s": z}
+    m = 8
+    s = Strategy(pp=2, micro_batch=1, global_batch=m, schedule="zero_bubble", virtual_stages=2,
+                 precision="fp32")
+    base = estimate(graph, _with(PIPELINE), s, calibration=None, options=NO_AUTOCAST)
+    est = estimate(graph, _with(split), s, calibration=None, options=NO_AUTOCAST)
+    added = est.breakdown["compute_s"] - base.breakdown["compute_s"]
+    # the busiest rank's share of the model's autograd nodes, every micro-batch
+    n = added / (m * z)
+    total = sum(layer.autograd_nodes for layer in graph.layers)
+    block = max(layer.autograd_nodes for layer in graph.layers)
+    assert n == pytest.approx(round(n), abs=1e-6) and block <= n < total, (n, total)
+    one = Strategy(pp=2, micro_batch=1, global_batch=m, schedule="1f1b", precision="fp32")
+    assert (estimate(graph, _with(split), one, calibration=None).to_dict()
+            == estimate(graph, _with(PIPELINE), one, calibration=None).to_dict())

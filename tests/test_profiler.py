@@ -239,7 +239,8 @@ def test_the_host_figures_are_per_unit_the_capture_counts():
     assert eager.total == k * one.total
     assert one.total > profiler.OVERHEAD_BLOCK_OPS and nodes > k * profiler.OVERHEAD_BLOCK_OPS
 
-    calls = iter([0.28, 0.84, 0.5, 0.66])   # forward, forward + backward, one block, selective
+    # forward, forward + backward, one block, selective, split backward, whole backward
+    calls = iter([0.28, 0.84, 0.5, 0.66, 0.9, 0.7])
     got = profiler._measure_op_overhead(torch, lambda fn: next(calls))
     n = profiler.OVERHEAD_BLOCK_OPS * k
     assert got["forward_s"] == pytest.approx(0.28 / n)
@@ -247,6 +248,7 @@ def test_the_host_figures_are_per_unit_the_capture_counts():
     assert got["forward_dispatch_s"] == pytest.approx(0.28 / (eager.total + objective))
     assert got["backward_node_s"] == pytest.approx(0.56 / (nodes + objective))
     assert got["selective_dispatch_s"] == pytest.approx(0.16 / one.total)
+    assert got["zero_bubble_node_s"] == pytest.approx(0.2 / (nodes + objective))
 
 
 def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
@@ -475,6 +477,29 @@ def test_tp_overhead_on_one_rank_and_on_a_pair():
         assert got["returned"][2] == "Tensor", got["returned"]
 
 
+def test_a_split_backward_costs_more_host_time_than_a_whole_one():
+    """torch's zero-bubble split (input gradients, then the weights' in a pass of their
+    own) over the tiny blocks takes longer than the whole backward: the extra is what the
+    profile states per autograd node (``zero_bubble_node_s``)."""
+    import time
+
+    import torch
+
+    from autoplan.hardware.profiler import _OVERHEAD_WIDTH, _overhead_model, _split_backward_extra
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(30):
+            fn()
+        return (time.perf_counter() - t0) / 30
+
+    stack = _overhead_model(torch, _OVERHEAD_WIDTH, 4)
+    x = torch.randn(1, 4, _OVERHEAD_WIDTH).requires_grad_(True)
+    assert 0 < _split_backward_extra(torch, stack, x, timed) < 0.05
+
+
 def _pipeline_overhead(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -546,7 +571,9 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e-8 < o.optimizer_param_s < o.optimizer_dtensor_param_s < 0.1
     # ... and per parameter element (28 bytes moved: well under a microsecond)
     assert 1e-12 < o.optimizer_element_s < 1e-6
-    # a two-stage pipeline's host work per stage action (and per message end)
+    # a split backward's extra per autograd node, and a two-stage pipeline's host work
+    # per stage action (and per message end)
+    assert 1e-8 < o.zero_bubble_node_s < 1e-3
     assert 1e-7 < o.pipeline_action_s < 0.05 and 0 <= o.pipeline_message_s < 0.05
     assert "two-stage 1F1B" in o.source
 

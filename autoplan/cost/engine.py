@@ -1286,6 +1286,7 @@ class CostEngine:
             return self.collective_time("p2p", pair,
                                         scattered if opts.pp_scatter_gather else whole)
         messages = 0                            # message ends of one forward (and backward)
+        nodes = 0                               # autograd nodes of one backward
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
         forward_compute = backward_compute = recompute = weight_grad = 0.0
@@ -1326,6 +1327,7 @@ class CostEngine:
                     zero_exposed += count * zero_exposed_s
                     forward += count * forward_s
                     backward += count * backward_s
+                    nodes += count * l.autograd_nodes
                     params_by_zero[seg.zero] += count * local_params
                     experts_by_zero[seg.zero] += count * local_expert_params
                     if seg.zero in (1, 2) and (local_params or local_expert_params):
@@ -1375,11 +1377,17 @@ class CostEngine:
             # chunk's boundaries
             actions = len(chunks) * overhead.pipeline_action_s
             host = actions + messages * overhead.pipeline_message_s
-            deferred = actions if lay.schedule is Schedule.ZERO_BUBBLE else 0.0
+            split = deferred = 0.0
+            if lay.schedule is Schedule.ZERO_BUBBLE:
+                # torch splits the backward (input gradients, then the weights' in a pass
+                # of their own): its walk of the graph and second pass, per autograd node,
+                # half in each
+                split = nodes * overhead.zero_bubble_node_s
+                deferred = actions + split / 2
             forward_compute += host
             forward += host
-            backward_compute += host + deferred
-            backward += host + deferred
+            backward_compute += host + split / 2 + deferred
+            backward += host + split / 2 + deferred
             weight_grad += deferred
         ev.layers = n_layers
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute

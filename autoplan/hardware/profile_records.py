@@ -224,6 +224,11 @@ class OpOverhead(Record):
         than one large copy (measured 15-16 GB/s of its 28 bytes per parameter against
         12-13 GB/s copying 64 MiB, 4 processes on 2 cores).  0 in profiles measured
         before it was.
+    zero_bubble_node_s : float
+        Extra seconds per autograd node of a backward split as torch's zero-bubble
+        schedules split it (input gradients, then the weight gradients in a pass of their
+        own after a Python walk of the graph), forward + backward together.  0 in
+        profiles measured before it.
     pipeline_action_s, pipeline_message_s : float
         Seconds of host work per pipeline stage action (one micro-batch's forward or
         backward, or a zero-bubble schedule's weight backward, of one stage) beyond the
@@ -251,12 +256,14 @@ class OpOverhead(Record):
     optimizer_element_s: float = 0.0
     pipeline_action_s: float = 0.0
     pipeline_message_s: float = 0.0
+    zero_bubble_node_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "selective_s", "selective_dispatch_s", "optimizer_param_s",
                      "optimizer_dtensor_param_s", "forward_dispatch_s", "backward_node_s",
-                     "optimizer_element_s", "pipeline_action_s", "pipeline_message_s"):
+                     "optimizer_element_s", "pipeline_action_s", "pipeline_message_s",
+                     "zero_bubble_node_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")

@@ -265,7 +265,9 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("optimizer_element", "seconds per parameter element of an optimizer "
                                             "step"),
                       ("pipeline_action", "host seconds per pipeline stage action"),
-                      ("pipeline_message", "host seconds per pipeline message end")):
+                      ("pipeline_message", "host seconds per pipeline message end"),
+                      ("zero_bubble_node", "extra seconds per autograd node of a split "
+                                           "backward")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -487,6 +489,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  **({"pipeline_action_s": o.pipeline_action_s,
                                      "pipeline_message_s": o.pipeline_message_s}
                                     if o.pipeline_action_s or o.pipeline_message_s else {}),
+                                 **({"zero_bubble_node_s": o.zero_bubble_node_s}
+                                    if o.zero_bubble_node_s else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

@@ -321,7 +321,14 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float],
     * over one block, the extra of forward + backward with the block wrapped as
       :func:`autoplan.parallelize` wraps a block under selective recompute (its softmax as
       the attention core), per operator its forward dispatches (``selective_dispatch_s``):
-      torch's selective checkpoint pays its Python mode per operator that reaches it.
+      torch's selective checkpoint pays its Python mode per operator that reaches it;
+    * over the blocks, the extra of forward + backward with the backward split as torch's
+      zero-bubble schedules split it (``stage_backward_input``, then
+      ``stage_backward_weight``: the input gradients first, the weight gradients in a
+      pass of their own, after a Python walk of the autograd graph that groups the
+      weights), per autograd node (``zero_bubble_node_s``; 0 where torch has no such
+      functions).  On one process here it read 10-11 us per node, about a backward node's
+      own host time again.
 
     On a CUDA ``device`` the tiny blocks' kernels take less than their launch, so the
     time is the host's: what it takes to dispatch and launch each operator."""
@@ -351,7 +358,32 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float],
         block(x)
     return {"forward_s": fwd / captured, "backward_s": bwd / captured,
             "forward_dispatch_s": fwd / dispatched.total, "backward_node_s": bwd / nodes,
-            "selective_dispatch_s": max(0.0, sac - plain) / one.total}
+            "selective_dispatch_s": max(0.0, sac - plain) / one.total,
+            "zero_bubble_node_s": _split_backward_extra(torch, stack, x, timed) / nodes}
+
+
+def _split_backward_extra(torch, stack: Any, x: Any,
+                          timed: Callable[[Callable[[], Any]], float]) -> float:
+    """Seconds a forward + backward of ``stack`` takes more with its backward split as
+    torch's zero-bubble schedules split it (input gradients, then weight gradients) than
+    whole; 0 where torch has no such functions."""
+    try:
+        from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                            stage_backward_weight)
+    except ImportError:
+        return 0.0
+    grad = torch.ones_like(stack(x))
+
+    def whole() -> None:
+        xi = x.detach().requires_grad_(True)
+        stack(xi).backward(grad)
+
+    def split() -> None:
+        xi = x.detach().requires_grad_(True)
+        _, groups = stage_backward_input([stack(xi)], [grad], [xi], stack.parameters())
+        stage_backward_weight(stack.parameters(), groups)
+
+    return max(0.0, timed(split) - timed(whole))
 
 
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any,
@@ -1019,10 +1051,12 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
 
     if cuda:
         # the optimizer's step is the device's memory-bound work there (one fused launch
-        # per group of tensors); tensor parallelism's host work is not measured on one rank
+        # per group of tensors); tensor parallelism's host work is not measured on one
+        # rank; a split backward's host work is the CPU figure (the cost model prices it
+        # on CPU devices only)
         overhead.update(optimizer_param_s=0.0, optimizer_dtensor_param_s=0.0,
                         optimizer_element_s=0.0, tp_linear_forward_s=0.0,
-                        tp_linear_backward_s=0.0)
+                        tp_linear_backward_s=0.0, zero_bubble_node_s=0.0)
     elif overhead is not None:
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
@@ -1208,7 +1242,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "launch), the forward per operator they dispatch and forward + backward "
                     "less the forward per autograd node; one block's extra of forward + "
                     "backward under torch's selective checkpoint, per operator its forward "
-                    "dispatches; the optimizer and tensor-parallel figures not measured (0). "
+                    "dispatches; the optimizer, tensor-parallel and zero-bubble figures not "
+                    "measured (0). "
                     "The host runs ahead of the GPU: the cost model takes the larger of the "
                     "two per layer"))
     elif worst is not None:
@@ -1221,7 +1256,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     f"(and both per captured operator, {OVERHEAD_BLOCK_OPS} a block); one "
                     "block's extra of forward + backward under torch's selective checkpoint, "
                     "per operator its forward dispatches; "
-                    "tensor-parallel linears: a ColwiseParallel + "
+                    + ("the blocks' extra of forward + backward with the backward split as "
+                       "torch's zero-bubble schedules split it, per autograd node; "
+                       if "zero_bubble_node_s" in worst else "")
+                    + "tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
                     + ("on two-rank groups, every pair at once (ranks share cores), less "
                        "one all-reduce of the same bytes each way, the median of "
@@ -1394,7 +1432,9 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
            f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor, "
-           f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element; pipeline "
+           f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element; zero-bubble "
+           f"split backward +{d.op_overhead.zero_bubble_node_s * 1e6:.1f} us per autograd "
+           f"node; pipeline "
            f"{d.op_overhead.pipeline_action_s * 1e6:.0f} us per stage action + "
            f"{d.op_overhead.pipeline_message_s * 1e6:.0f} us per message end"]
           if d.op_overhead else []),
