@@ -35,7 +35,12 @@ the main thread's other work, ~15% of the node's core time, are not priced as co
 at 4 sequences the engine's pipeline bound (the busiest rank at every-rank-busy speed) is
 pessimistic enough to cover them, at 1 it is not.  Earlier runs of this script read the
 same GPT layout's stage work at one micro-batch of 4 at 312 and 373 core-ms minutes apart:
-the machine's speed moves that much.  There is no target: it says what the model does not yet price.
+the machine's speed moves that much.  Later the same day: against one micro-batch of 4, a
+one-sequence 1F1B step spent 0.25 core-ms more per stage action in its main threads and 0.75
+in its transport threads, what the profile now measures on a two-stage pipeline of a tiny
+linear (``OpOverhead.pipeline_action_s``, ``pipeline_message_s``) and the engine prices per
+stage action and message end (in the priced stage column since).  There is no target: it
+says what the model does not yet price.
 """
 
 from __future__ import annotations

@@ -258,8 +258,9 @@ class CostOptions(Record):
         weights).  Time, memory-bound on the device: each micro-batch's forward casts its
         weights (4 bytes read, 2 written per parameter; a recomputed forward again), its
         backward casts the weight gradients up (2 read, 4 written), they accumulate in
-        fp32 (``grad_accumulate_add``), and the operators that are not matmuls run on fp32 tensors (the residual stream
-        stays fp32: priced at 4 bytes per captured element, not the recipe's 2).
+        fp32 (``grad_accumulate_add``), and the operators that are not matmuls run on
+        fp32 tensors (the residual stream stays fp32: priced at 4 bytes per captured
+        element, not the recipe's 2).
         Measured on an H100 (``benchmarks/gpu_truth.py``).
     loss_fp32_copy : bool
         The loss is torch's cross-entropy over an fp32 copy of the logits, as Hugging Face

@@ -22,8 +22,9 @@ training):
   of a tensor-parallel (DTensor) linear over a plain one (on real pairs of ranks where
   ranks share cores), an AdamW step's time per parameter tensor, plain and DTensor
   (added once per step), and a pipeline's host work per stage action and per message
-  end (a two-stage 1F1B on pairs of ranks, :func:`_measure_pipeline_overhead`); every repeat is timed on all ranks at once, from the
-  first rank's start to the last rank's end, except where ranks share cores: there each
+  end (a two-stage 1F1B on pairs of ranks, :func:`_measure_pipeline_overhead`); every
+  repeat is timed on all ranks at once, from the first rank's start to the last rank's
+  end, except where ranks share cores: there each
   rank times its own work in free-running windows with every rank busy
   (:func:`_free_running`).  The cost model adds it per operator and micro-batch.  On
   CUDA the same tiny blocks, on the GPU, measure the host's time (their kernels take
@@ -763,8 +764,9 @@ def _measure_pipeline_overhead(torch, dist, pair: Any, agreed_mean: Callable[[fl
     saw a one-sequence 1F1B step of the confirm GPT spend 0.25 and 0.75 core-ms more per
     action in its main threads and transport threads than the same layout at one
     micro-batch of 4 (2026-11-26).  Interleaved 1F1B's main thread read 0.35-0.41 per
-    action on the same ranks (its schedule does more per action): the 1F1B figure stands
-    for every schedule.  Each is the ranks' mean, the median of ``rounds`` rounds."""
+    action on the same ranks in one run (1F1B's 0.19-0.24), alike in another (0.26-0.30
+    against 0.16-0.33; ZB-V's 0.27): the 1F1B figure stands for every schedule.  Each is
+    the ranks' mean, the median of ``rounds`` rounds."""
     import resource
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
