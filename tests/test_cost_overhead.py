@@ -422,11 +422,14 @@ def test_pipeline_host_figures_round_trip():
     import yaml
 
     from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-    p = next(iter(_with(PIPELINE).profiles.values()))
+    p = next(iter(_with({**PIPELINE, "zero_bubble_node_s": 5e-6}).profiles.values()))
     o = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
-    assert (o.pipeline_action_s, o.pipeline_message_s) == (1e-3, 2e-3)
-    # a profile measured before them states neither, and reads 0
-    assert "pipeline" not in profile_to_yaml(next(iter(_with(OVERHEAD).profiles.values())))
+    assert (o.pipeline_action_s, o.pipeline_message_s, o.zero_bubble_node_s) == (1e-3, 2e-3, 5e-6)
+    # a profile measured before them states none of them, and reads 0
+    old = profile_to_yaml(next(iter(_with(OVERHEAD).profiles.values())))
+    assert "pipeline" not in old and "zero_bubble" not in old
+    o = parse_profile(yaml.safe_load(old)).device.op_overhead
+    assert (o.pipeline_action_s, o.pipeline_message_s, o.zero_bubble_node_s) == (0, 0, 0)
 
 
 def test_tensor_parallel_collectives_take_no_arrival_where_the_linears_host_time_holds_it(
