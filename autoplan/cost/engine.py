@@ -1286,7 +1286,6 @@ class CostEngine:
             return self.collective_time("p2p", pair,
                                         scattered if opts.pp_scatter_gather else whole)
         messages = 0                            # message ends of one forward (and backward)
-        nodes = 0                               # autograd nodes of one backward
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
         forward_compute = backward_compute = recompute = weight_grad = 0.0
@@ -1327,7 +1326,6 @@ class CostEngine:
                     zero_exposed += count * zero_exposed_s
                     forward += count * forward_s
                     backward += count * backward_s
-                    nodes += count * l.autograd_nodes
                     params_by_zero[seg.zero] += count * local_params
                     experts_by_zero[seg.zero] += count * local_expert_params
                     if seg.zero in (1, 2) and (local_params or local_expert_params):
@@ -1382,6 +1380,8 @@ class CostEngine:
                 # torch splits the backward (input gradients, then the weights' in a pass
                 # of their own): its walk of the graph and second pass, per autograd node,
                 # half in each
+                nodes = sum(s.total("autograd_nodes", seg.lo, seg.hi)
+                            for chunk in chunks for seg in chunk)
                 split = nodes * overhead.zero_bubble_node_s
                 deferred = actions + split / 2
             forward_compute += host
@@ -1482,7 +1482,6 @@ class CostEngine:
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp
-        overhead = device.op_overhead
         if overhead is not None and overhead.optimizer_element_s > 0:
             # measured per fp32 element of the fused step (CPU profiles), the recipe's
             # bytes against fp32's

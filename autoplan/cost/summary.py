@@ -246,7 +246,7 @@ class GraphSummary:
             key: [0.0, *accumulate(float(getattr(l, key)) for l in self.layers)]
             for key in ("fwd_flops", "bwd_flops", "selective_flops", "params", "sharded_params",
                         "saved_replicated_bytes", "saved_sharded_bytes", "saved_quadratic_bytes",
-                        "input_bytes")
+                        "input_bytes", "autograd_nodes")
         }
 
     def total(self, key: str, lo: int, hi: int) -> float:

@@ -327,9 +327,9 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float],
       zero-bubble schedules split it (``stage_backward_input``, then
       ``stage_backward_weight``: the input gradients first, the weight gradients in a
       pass of their own, after a Python walk of the autograd graph that groups the
-      weights), per autograd node (``zero_bubble_node_s``; 0 where torch has no such
-      functions).  On one process here it read 10-11 us per node, about a backward node's
-      own host time again.
+      weights), per autograd node (``zero_bubble_node_s``; 0 on CUDA and where torch has
+      no such functions).  On one process here it read 10-11 us per node, about a
+      backward node's own host time again.
 
     On a CUDA ``device`` the tiny blocks' kernels take less than their launch, so the
     time is the host's: what it takes to dispatch and launch each operator."""
@@ -355,12 +355,15 @@ def _measure_op_overhead(torch, timed: Callable[[Callable[[], Any]], float],
                          core=core)
     plain = timed(lambda: block(x).sum().backward())
     sac = timed(lambda: selective(x).sum().backward())
+    cuda = device is not None and torch.device(device).type == "cuda"
     with DispatchCount() as one:
         block(x)
     return {"forward_s": fwd / captured, "backward_s": bwd / captured,
             "forward_dispatch_s": fwd / dispatched.total, "backward_node_s": bwd / nodes,
             "selective_dispatch_s": max(0.0, sac - plain) / one.total,
-            "zero_bubble_node_s": _split_backward_extra(torch, stack, x, timed) / nodes}
+            # a CPU figure: the cost model prices it where the host is the device
+            "zero_bubble_node_s": (0.0 if cuda else
+                                   _split_backward_extra(torch, stack, x, timed) / nodes)}
 
 
 def _split_backward_extra(torch, stack: Any, x: Any,
@@ -1053,12 +1056,10 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
 
     if cuda:
         # the optimizer's step is the device's memory-bound work there (one fused launch
-        # per group of tensors); tensor parallelism's host work is not measured on one
-        # rank; a split backward's host work is the CPU figure (the cost model prices it
-        # on CPU devices only)
+        # per group of tensors); tensor parallelism's host work is not measured on one rank
         overhead.update(optimizer_param_s=0.0, optimizer_dtensor_param_s=0.0,
                         optimizer_element_s=0.0, tp_linear_forward_s=0.0,
-                        tp_linear_backward_s=0.0, zero_bubble_node_s=0.0)
+                        tp_linear_backward_s=0.0)
     elif overhead is not None:
         # each rank's own one-rank group, for the DTensor figures (new_subgroups is collective)
         own = dist.new_subgroups(group_size=1)[0] if world > 1 else None
