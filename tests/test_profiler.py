@@ -527,6 +527,43 @@ def test_pipeline_host_work_is_measured_on_a_real_two_stage_pipeline():
     assert 0 < action < 0.05 and 0 <= message < 0.05, got   # the schedule is never free
 
 
+def _core_seconds_of_work_and_waits(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.hardware.profiler import _core_seconds
+
+    def agreed_mean(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t) / world
+
+    def busy() -> None:   # 4 ms of this thread's CPU
+        end = time.thread_time() + 0.004
+        while time.thread_time() < end:
+            pass
+
+    def asleep() -> None:  # 4 ms of waiting: no CPU
+        time.sleep(0.004)
+
+    return {"busy": _core_seconds(dist, agreed_mean, 2.0, busy, calls=5),
+            "asleep": _core_seconds(dist, agreed_mean, 2.0, asleep, calls=5)}
+
+
+@pytest.mark.distributed
+def test_core_seconds_count_a_ranks_cpu_not_its_waits():
+    """The tensor-parallel figure on ranks that share cores is read in main-thread CPU
+    time times the share: work counts (4 ms of CPU a call, share 2: 8 ms), waiting does
+    not, and the ranks agree on one figure."""
+    from dist_harness import run
+    got = run(_core_seconds_of_work_and_waits, 2)
+    assert got[0] == got[1], got
+    assert 0.0079 < got[0]["busy"] < 0.0095, got
+    assert got[0]["asleep"] < 0.001, got
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):

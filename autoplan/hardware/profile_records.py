@@ -198,7 +198,9 @@ class OpOverhead(Record):
         Extra seconds per tensor-parallel linear (a DTensor ``ColwiseParallel`` /
         ``RowwiseParallel`` module: sharding propagation, wrapping and unwrapping, the
         functional collective's Python side) in the forward and in the backward, beyond
-        the collective itself, which the link model prices.
+        the collective itself, which the link model prices.  Where ranks share cores, the
+        main thread's CPU time times the ranks over the cores (seconds at every-rank-busy
+        speed, as the pipeline figures).
     selective_dispatch_s : float
         Extra seconds per dispatched operator of a block under selective recompute
         (torch's selective checkpoint runs a Python dispatch mode over every operator the

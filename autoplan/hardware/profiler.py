@@ -88,6 +88,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -403,25 +404,22 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       collective's Python side is added once each way (``funcol.all_reduce`` + wait
       against ``dist.all_reduce`` on the same group: the row linear's output all-reduce
       in the forward, the column linear's input-gradient all-reduce in the backward).
+      On ranks with cores of their own the one-rank figure reads the 2-rank step within
+      5% (a pair overstated it by 15%).
     * On a two-rank group ``pair`` (the caller passes one where ranks share cores: the
       ranks in pairs, every pair at once, as a run's tensor-parallel groups are): the
       sharded MLP runs its real collectives, and each direction is measured less the
-      plain MLP and less one ``dist.all_reduce`` of the same bytes on the same group,
-      timed as the link model's collectives are timed there (back to back, the mean).
-      Where ranks share cores, the functional collective's asynchronous path (its work
-      handed to gloo's thread, the wait inside the autograd engine) waits for a core at
-      each hand-over, which a one-rank mesh, running no collective, never shows: on 4 CPU
-      ranks sharing 2 cores the pair read 1.7-2x the one-rank figure (2.2-2.8 against
-      1.3-1.4 ms per pair, 2026-11-24; ten quick profiles, 1.1-2.6x), and in one confirm
-      pass the tensor-parallel layouts, priced ~20% fast against the rest on the one-rank
-      figure, came within 5% of them.  On
-      ranks with cores of their own the pair overstated the 2-rank step (+15%, where the
-      one-rank figure reads within 5%), so there the one-rank figure is kept.
-      The link model also adds ``arrival_s`` (:func:`_measure_arrival`) to every
-      collective call there; taking it off this figure as well (as if the pair's wait
-      were the same cost) priced the tensor-parallel layouts 7-13 points faster than
-      keeping it, in three confirm passes that measured them 5-18% faster than priced
-      with it kept (median per model and pass, 2026-11-26): the figure is kept whole.
+      plain MLP and less one ``dist.all_reduce`` of the same bytes on the same group.
+      There the caller's ``timed`` reads the main thread's CPU time times the ranks over
+      the cores (:func:`_core_seconds`): the host work a rank's cores must find time for
+      while every rank is busy, the collective's wait left to the link model.  Its wall
+      time, the earlier figure, carried each call's hand-overs to gloo's thread and its
+      wait for the peer: on 4 CPU ranks sharing 2 cores it read 1.8-3.6 ms per linear
+      (forward + backward) across four profiles of one day, and the confirm pass's
+      tensor-parallel layouts moved with it (within 5% of measured at 3.6, 15-25% fast at
+      1.8); the CPU figure read 3.2-4.1 ms in three profiles back to back, and re-pricing
+      that day's three confirm passes at 3.0-3.5 ms put 76/77, 61/64 and 68/77 of 81 within
+      15% (2026-11-26).
 
     Measured ``rounds`` times; the median of each direction is returned."""
     import torch.distributed._functional_collectives as funcol
@@ -476,6 +474,8 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
 #: profiles keeping the median of five read 1.2-1.8 ms, where ten with one round had read
 #: 0.9-2.1 ms (2026-11-24)
 _TP_PAIR_ROUNDS = 5
+#: Calls per CPU-time reading of the tensor-parallel figure on pairs (:func:`_core_seconds`)
+_TP_CPU_CALLS = 20
 
 #: Parameter tensors the optimizer-step overhead is measured over (width ``_OVERHEAD_WIDTH``)
 _OPTIMIZER_TENSORS = 32
@@ -817,6 +817,19 @@ def _measure_pipeline_overhead(torch, dist, pair: Any, agreed_mean: Callable[[fl
             share * statistics.median(b for _, b in readings))
 
 
+def _core_seconds(dist, agreed_mean: Callable[[float], float], share: float,
+                  fn: Callable[[], Any], calls: int = _TP_CPU_CALLS) -> float:
+    """The CPU time of this rank's main thread per call of ``fn`` (after a warm-up call),
+    every rank at once, the ranks' mean, times ``share`` (the ranks over the cores they
+    share: the seconds a rank's own work takes when every rank is busy)."""
+    fn()
+    dist.barrier()
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return share * agreed_mean((time.thread_time() - start) / calls)
+
+
 def _calls_per_batch(target_s: float, repeats: int, first_s: float, shares_cores: bool) -> int:
     """Calls per timed batch: ``repeats`` batches fill ``target_s`` at ``first_s`` a call."""
     calls = min(10_000, int(target_s / repeats / max(first_s, 1e-9)))
@@ -1070,12 +1083,16 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         say(f"optimizer step overhead: {opt_plain * 1e6:.1f} us per parameter tensor, "
             f"{opt_dtensor * 1e6:.1f} us per DTensor parameter, "
             f"{opt_element * 1e9:.2f} ns per parameter element")
+        # a rank's core time becomes seconds at this factor when every rank is busy
+        share = max(1.0, world * threads / _usable_cores()) if shares_cores else 1.0
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
-            # where ranks share cores, measured on pairs of ranks
-            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist,
-                                                  lambda fn: timed(fn, plan.overhead_target_s),
-                                                  own, pair,
+            # where ranks share cores, measured on pairs of ranks in main-thread CPU time
+            # (times the share); elsewhere timed
+            tp_timed = (partial(_core_seconds, dist, agreed_mean, share)
+                        if pair is not None else
+                        (lambda fn: timed(fn, plan.overhead_target_s)))
+            tp_fwd, tp_bwd = _measure_tp_overhead(torch, dist, tp_timed, own, pair,
                                                   _TP_PAIR_ROUNDS if pair is not None else 1)
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
@@ -1084,9 +1101,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         if world % 2 == 0:
             # a two-stage pipeline on pairs of ranks, every pair at once
             pp_pair = pair if pair is not None else dist.new_subgroups(group_size=2)[0]
-            share = world * threads / _usable_cores() if shares_cores else 1.0
             action, message = _measure_pipeline_overhead(torch, dist, pp_pair, agreed_mean,
-                                                         max(1.0, share))
+                                                         share)
             overhead.update(pipeline_action_s=action, pipeline_message_s=message)
             say(f"pipeline host work: {action * 1e6:.0f} us per stage action, "
                 f"{message * 1e6:.0f} us per message end")
