@@ -46,7 +46,8 @@ Confirmation (``--confirm``): is the plan the search picks the fastest when run?
 GPT (``CONFIG``) and a small Llama (Hugging Face ``LlamaForCausalLM``, same sizes, 4 query
 and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
 
-1. profile 4 ranks (``autoplan profile --quick --nproc 4``) or load ``--profile``;
+1. profile 4 ranks (``autoplan profile --quick --nproc 4 --repeat 3``: each figure the
+   median of three runs) or load ``--profile``;
 2. ``autoplan.plan(..., top_k=100000, precision="fp32", options=GLOO_ON_CPU)`` ranks every
    layout its search keeps (the default calibration has no entry for a CPU, so the figures
    are the profile's own, as above); :func:`confirm_layouts` says which of them are run
@@ -526,11 +527,19 @@ def _confirm_model(name: str):
     raise ValueError(f"unknown model {name!r}; choose from {CONFIRM_MODELS}")
 
 
+#: Runs of the quick profile whose figure-by-figure median the confirm pass prices with
+#: (``autoplan profile --repeat``): single quick profiles of 4 ranks on 2 cores, taken
+#: minutes apart, priced ten of the confirm layouts with a median standard deviation of
+#: 5.8% (six profiles), three medians of three runs 4.1% (2026-11-26); ~2 min in all.
+CONFIRM_PROFILE_RUNS = 3
+
+
 def profile_machine_4(out: Path) -> Path:
-    """``autoplan profile --quick`` on ``CONFIRM_WORLD`` CPU processes (one device per rank,
-    the RAM divided among them)."""
+    """``autoplan profile --quick --repeat CONFIRM_PROFILE_RUNS`` on ``CONFIRM_WORLD`` CPU
+    processes (one device per rank, the RAM divided among them)."""
     from autoplan.hardware import profiler
     status = profiler.main(["--quick", "--nproc", str(CONFIRM_WORLD), "--device", "cpu",
+                            "--repeat", str(CONFIRM_PROFILE_RUNS),
                             "--out", str(out), "--name", f"local-truth-{CONFIRM_WORLD}"])
     if status != 0:
         raise SystemExit(f"profiling failed (exit {status})")

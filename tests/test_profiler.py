@@ -344,6 +344,58 @@ def test_usage_errors_return_2(capsys):
     assert main(["--no-such-option"]) == 2
 
 
+def _slowed(raw: dict, factor: float) -> dict:
+    """``raw`` with every matmul and copy time times ``factor`` (a slow spell)."""
+    import copy
+    out = copy.deepcopy(raw)
+    for rank in out["ranks"]:
+        rank["copy_s"] *= factor
+        for points in rank["matmul"].values():
+            for point in points:
+                point[1] *= factor
+    return out
+
+
+def test_median_of_runs_is_taken_figure_by_figure():
+    from autoplan.hardware.profiler import ProfilingFailed, _median_raw
+    runs = [{"n": 128, "t": [1.0, 5.0], "name": "cpu", "flag": True},
+            {"n": 128, "t": [3.0, 4.0], "name": "cpu", "flag": True},
+            {"n": 128, "t": [2.0, 9.0], "name": "cpu", "flag": True}]
+    got = _median_raw(runs)
+    assert got == {"n": 128, "t": [2.0, 5.0], "name": "cpu", "flag": True}
+    assert isinstance(got["n"], int)       # a figure alike in every run keeps its type
+    assert _median_raw([{"t": 1.0}, {"t": 2.0}]) == {"t": 1.5}
+    with pytest.raises(ProfilingFailed, match="different things"):
+        _median_raw([{"t": [1.0]}, {"t": [1.0, 2.0]}])
+    with pytest.raises(ProfilingFailed, match="different things"):
+        _median_raw([{"t": 1.0}, {"u": 1.0}])
+
+
+def test_repeat_keeps_each_figures_median_over_the_runs(tmp_path, monkeypatch, capsys):
+    """``autoplan profile --repeat 3``: three runs, one of them in a slow spell; the
+    profile is the one the middle run's figures give, and its sources say how it was made."""
+    from autoplan.hardware import profiler
+    raw = synthetic_measurements()
+    runs = iter([_slowed(raw, 2.0), raw, _slowed(raw, 1.1)])
+    monkeypatch.setattr(profiler, "_run_ranks", lambda *args, **kwargs: next(runs))
+    out = tmp_path / "median.yaml"
+    assert main(["--quick", "--nproc", "2", "--device", "cpu", "--repeat", "3",
+                 "--out", str(out)]) == 0
+    assert "run 3 of 3" in capsys.readouterr().err
+    with pytest.raises(StopIteration):
+        next(runs)                                   # each run once
+    got = load_cluster(out).device_type_of(0)
+    plan = profiler.MeasurementPlan.for_machine(cuda=False, quick=True)
+    want, _ = _build_profile("median", _slowed(raw, 1.1), cuda=False, nproc=2, threads=1,
+                             devices_per_node=2, quick=True, copy_bytes=plan.copy_bytes)
+    assert got.peak_flops_per_s == pytest.approx(want.device.peak_flops_per_s)
+    assert got.memory_bw_bytes_per_s == pytest.approx(want.device.memory_bw_bytes_per_s)
+    assert "--repeat 3" in got.source and "the median of 3 runs" in got.source
+    assert "the median of 3 runs" in out.read_text().splitlines()[0]
+    assert main(["--device", "cpu", "--repeat", "0"]) == 2
+    assert "--repeat must be at least 1" in capsys.readouterr().err
+
+
 def test_one_device_profile_has_no_collectives_and_loads(tmp_path):
     """A machine of one GPU (or one CPU rank) profiles with --nproc 1: no collective can run,
     none is measured, and the node's link stands at the device's copy bandwidth (a plan of

@@ -1203,6 +1203,31 @@ def _run_ranks(nproc: int, backend: str, cuda: bool, threads: int, plan: Measure
 # --------------------------------------------------------------------------- building
 
 
+def _median_raw(raws: list[Any]) -> Any:
+    """The figure-by-figure median of several runs' raw measurements (``result.json``
+    payloads of one machine and one plan): numbers by their median, dicts key by key,
+    lists item by item; anything else (names, flags) as the first run has it.
+
+    Raises
+    ------
+    ProfilingFailed
+        When the runs' structures differ (a key or a list length), which one plan on one
+        machine never gives."""
+    first = raws[0]
+    if isinstance(first, dict):
+        if any(not isinstance(r, dict) or r.keys() != first.keys() for r in raws):
+            raise ProfilingFailed("the profiling runs measured different things")
+        return {k: _median_raw([r[k] for r in raws]) for k in first}
+    if isinstance(first, list):
+        if any(not isinstance(r, list) or len(r) != len(first) for r in raws):
+            raise ProfilingFailed("the profiling runs measured different things")
+        return [_median_raw(list(items)) for items in zip(*raws)]
+    if (isinstance(first, (int, float)) and not isinstance(first, bool)
+            and any(r != first for r in raws)):
+        return statistics.median(raws)
+    return first     # the same in every run (sizes, counts), or not a number
+
+
 def _profile_name(text: str) -> str:
     name = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-._")
     return name or "local"
@@ -1210,12 +1235,14 @@ def _profile_name(text: str) -> str:
 
 def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, threads: int,
                    devices_per_node: int, quick: bool, copy_bytes: int,
-                   cores: int | None = None) -> tuple[Profile, dict[str, Any]]:
+                   cores: int | None = None, runs: int = 1) -> tuple[Profile, dict[str, Any]]:
     host = socket.gethostname()
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    how = (f"measured by `autoplan profile{' --quick' if quick else ''}` on {host} at {when}, "
+    how = (f"measured by `autoplan profile{' --quick' if quick else ''}"
+           f"{f' --repeat {runs}' if runs > 1 else ''}` on {host} at {when}, "
            f"{nproc} rank{'s' if nproc > 1 else ''} at once"
-           + ("" if cuda else f", {threads} thread(s) per rank"))
+           + ("" if cuda else f", {threads} thread(s) per rank")
+           + (f", each figure the median of {runs} runs" if runs > 1 else ""))
     ranks = raw["ranks"]
 
     # matmul: the slowest rank at each size; peak = best of those
@@ -1481,8 +1508,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="profile name (default: the --out file name, or local-<hostname>)")
     p.add_argument("--json", action="store_true",
                    help="print the profile and the raw measurements as JSON on stdout")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="measure N times and keep each figure's median (default 1): on a "
+                        "machine whose speed comes and goes (a shared VM), one run can catch "
+                        "a slow spell")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="give up after this many seconds (default 600)")
+                   help="give up after this many seconds, each run (default 600)")
     return p
 
 
@@ -1508,6 +1539,10 @@ def main(argv: list[str] | None = None) -> int:
         limit = f" and at most {gpus} (GPUs present)" if cuda else ""
         print(f"{_PREFIX} error: --nproc must be at least 1{limit}, got {nproc}", file=sys.stderr)
         return 2
+    if args.repeat < 1:
+        parser.print_usage(sys.stderr)
+        print(f"{_PREFIX} error: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
+        return 2
     if args.out is not None:
         out = args.out
         name = _profile_name(args.name or out.stem)
@@ -1523,7 +1558,12 @@ def main(argv: list[str] | None = None) -> int:
          f"{'' if cuda else f', {threads} thread(s) each'}){' --quick' if args.quick else ''}",
          start)
     try:
-        raw = _run_ranks(nproc, backend, cuda, threads, plan, args.timeout, start)
+        raws = []
+        for run in range(args.repeat):
+            if args.repeat > 1:
+                _say(f"run {run + 1} of {args.repeat}", start)
+            raws.append(_run_ranks(nproc, backend, cuda, threads, plan, args.timeout, start))
+        raw = _median_raw(raws)
     except ProfilingFailed as exc:
         print(f"{_PREFIX} {exc}", file=sys.stderr)
         return 1
@@ -1533,9 +1573,10 @@ def main(argv: list[str] | None = None) -> int:
     profile, measurements = _build_profile(
         name, raw, cuda=cuda, nproc=nproc, threads=threads,
         devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes,
-        cores=cores)
+        cores=cores, runs=args.repeat)
     header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} "
-              f"rank{'s' if nproc > 1 else ''}) "
+              f"rank{'s' if nproc > 1 else ''}"
+              f"{f', the median of {args.repeat} runs' if args.repeat > 1 else ''}) "
               f"on {socket.gethostname()}. Figures are measurements, not datasheet values;\n"
               f"# see autoplan/hardware/profiler.py for what each one means. Re-run to refresh.\n")
     atomic_write_text(out, header + profile_to_yaml(profile))
