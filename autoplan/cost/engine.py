@@ -954,9 +954,9 @@ class CostEngine:
             # it with the linears' own collectives on pairs of ranks, every pair at once
             # where they share cores, as the main thread's core time at every-rank-busy
             # speed: a rank waiting there for its peer lends its core to ranks at work, so
-            # the link model's arrival cost is not added (re-pricing three confirm passes
-            # with it added: 69, 66 and 78 of 81 within 15%, against 77, 64 and 77 without,
-            # 2026-11-26)
+            # the link model's arrival cost is not added (three confirm passes re-priced at
+            # 3 ms per linear with it added: 69, 66 and 78 of 81 within 15%, against 77, 64
+            # and 77 without, 2026-11-26)
             host = device.op_overhead
             waits_priced = (host is not None and not host_runs_ahead(device)
                             and (host.tp_linear_forward_s > 0 or host.tp_linear_backward_s > 0))

@@ -414,12 +414,14 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       the cores (:func:`_core_seconds`): the host work a rank's cores must find time for
       while every rank is busy, the collective's wait left to the link model.  Its wall
       time, the earlier figure, carried each call's hand-overs to gloo's thread and its
-      wait for the peer: on 4 CPU ranks sharing 2 cores it read 1.8-3.6 ms per linear
-      (forward + backward) across four profiles of one day, and the confirm pass's
-      tensor-parallel layouts moved with it (within 5% of measured at 3.6, 15-25% fast at
-      1.8); the CPU figure read 3.2-4.1 ms in three profiles back to back, and re-pricing
-      that day's three confirm passes at 3.0-3.5 ms put 76/77, 61/64 and 68/77 of 81 within
-      15% (2026-11-26).
+      wait for the peer: on 4 CPU ranks sharing 2 cores it read 1.4-3.6 ms per linear
+      (forward + backward; median 2.1) in nine profiles of two days, and the confirm
+      pass's tensor-parallel layouts moved with it (within 5% of measured at 3.6, 15-25%
+      fast at 1.8).  The CPU figure read 2.0-4.1 ms (median 3.2) in 17 runs of one day:
+      no steadier, but what a step pays; re-pricing the three confirm passes before it at
+      3.0-3.5 ms put 77, 64 and 77 of 81 within 15% (they read 76, 61 and 68), and the
+      tensor-parallel layouts within 15% went from 14, 8 and 5 of 16-17 a pass to 13, 16
+      and 12 in the three passes priced with it (2026-11-26).
 
     Measured ``rounds`` times; the median of each direction is returned."""
     import torch.distributed._functional_collectives as funcol
