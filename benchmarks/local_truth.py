@@ -72,7 +72,7 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    predicted vs measured, and the machine's speed at the launches with its rank
    correlation to the layouts' error.
 
-    python benchmarks/local_truth.py --confirm --csv rows.csv    # (~10-14 min on 2 cores, the profile ~2)
+    python benchmarks/local_truth.py --confirm --csv rows.csv  # (~10-14 min on 2 cores)
     python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
 """
 
