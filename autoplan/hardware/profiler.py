@@ -417,11 +417,12 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
       wait for the peer: on 4 CPU ranks sharing 2 cores it read 1.4-3.6 ms per linear
       (forward + backward; median 2.1) in nine profiles of two days, and the confirm
       pass's tensor-parallel layouts moved with it (within 5% of measured at 3.6, 15-25%
-      fast at 1.8).  The CPU figure read 2.0-4.1 ms (median 3.2) in 17 runs of one day:
+      fast at 1.8).  The CPU figure read 2.0-4.1 ms (median 2.9) in 23 runs of one day:
       no steadier, but what a step pays; re-pricing the three confirm passes before it at
       3.0-3.5 ms put 77, 64 and 77 of 81 within 15% (they read 76, 61 and 68), and the
-      tensor-parallel layouts within 15% went from 14, 8 and 5 of 16-17 a pass to 13, 16
-      and 12 in the three passes priced with it (2026-11-26).
+      tensor-parallel layouts within 15% went from 14, 8 and 5 of 16-17 a pass to 13, 16,
+      12, 15 and 6 in the five passes priced with it (the last one's runs slower than its
+      profile throughout, 2026-11-26).
 
     Measured ``rounds`` times; the median of each direction is returned."""
     import torch.distributed._functional_collectives as funcol
