@@ -552,19 +552,23 @@ def test_a_split_backward_costs_more_host_time_than_a_whole_one():
     assert 0 < _split_backward_extra(torch, stack, x, timed) < 0.05
 
 
+def _agreed_mean(x: float) -> float:
+    """The ranks' mean of ``x`` (what the profiler's workers agree on)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
 def _pipeline_overhead(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from autoplan.hardware.profiler import _measure_pipeline_overhead
 
-    def agreed_mean(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / world
-
     pair = dist.new_subgroups(group_size=2)[0]
-    return {"once": _measure_pipeline_overhead(torch, dist, pair, agreed_mean, 1.0, rounds=2)}
+    return {"once": _measure_pipeline_overhead(torch, dist, pair, _agreed_mean, 1.0, rounds=2)}
 
 
 @pytest.mark.distributed
@@ -582,15 +586,9 @@ def test_pipeline_host_work_is_measured_on_a_real_two_stage_pipeline():
 def _core_seconds_of_work_and_waits(rank: int, world: int) -> dict:
     import time
 
-    import torch
     import torch.distributed as dist
 
     from autoplan.hardware.profiler import _core_seconds
-
-    def agreed_mean(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / world
 
     def busy() -> None:   # 4 ms of this thread's CPU
         end = time.thread_time() + 0.004
@@ -600,8 +598,8 @@ def _core_seconds_of_work_and_waits(rank: int, world: int) -> dict:
     def asleep() -> None:  # 4 ms of waiting: no CPU
         time.sleep(0.004)
 
-    return {"busy": _core_seconds(dist, agreed_mean, 2.0, busy, calls=5),
-            "asleep": _core_seconds(dist, agreed_mean, 2.0, asleep, calls=5)}
+    return {"busy": _core_seconds(dist, _agreed_mean, 2.0, busy, calls=5),
+            "asleep": _core_seconds(dist, _agreed_mean, 2.0, asleep, calls=5)}
 
 
 @pytest.mark.distributed
