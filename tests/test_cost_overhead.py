@@ -472,3 +472,51 @@ def test_a_zero_bubble_split_backward_costs_its_measured_host_time_per_autograd_
     one = Strategy(pp=2, micro_batch=1, global_batch=m, schedule="1f1b", precision="fp32")
     assert (estimate(graph, _with(split), one, calibration=None).to_dict()
             == estimate(graph, _with(PIPELINE), one, calibration=None).to_dict())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_collectives_pay_their_host_work_per_byte(graph, sp):
+    """``tp_collective_byte_s`` per byte of every tensor-parallel collective's payload (the
+    full tensor, each micro-batch, forward and backward): a dp2 tp2 step of 2 micro-batches
+    of 2 sequences pays it on the bytes the capture records, with or without sequence
+    parallelism (its all-gathers and reduce-scatters); the rest of the step is unchanged."""
+    import dataclasses
+
+    from autoplan.cost.summary import summarize
+
+    per_byte = 3e-9
+    opts = dataclasses.replace(NO_AUTOCAST, step_loss_all_reduce=False)
+    s = Strategy(dp=2, tp=2, micro_batch=2, global_batch=8, precision="fp32",
+                 sequence_parallel=sp)
+    base = estimate(graph, _with(OVERHEAD, world=4, cores=2), s, calibration=None,
+                    options=opts)
+    paid = estimate(graph, _with({**OVERHEAD, "tp_collective_byte_s": per_byte}, world=4,
+                                 cores=2), s, calibration=None, options=opts)
+    summary = summarize(graph)   # bytes per sequence in its activation dtype: fp32 is 4
+    payload = 4 / summary.activation_bytes * sum(
+        nbytes for layer in summary.layers
+        for _, _, nbytes in (layer.sp_collectives if sp else layer.tp_collectives))
+    micro_batches, b = 2, 2
+    assert payload > 0
+    extra = paid.breakdown["tp_comm_s"] - base.breakdown["tp_comm_s"]
+    assert extra == pytest.approx(micro_batches * b * payload * per_byte, rel=1e-9)
+    others = {k: v for k, v in paid.breakdown.items() if k != "tp_comm_s"}
+    assert others == pytest.approx({k: v for k, v in base.breakdown.items()
+                                    if k != "tp_comm_s"})
+
+
+def test_the_per_byte_figure_round_trips_and_older_profiles_read_zero():
+    import yaml
+
+    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+    p = next(iter(_with({**OVERHEAD, "tp_collective_byte_s": 2e-9}).profiles.values()))
+    text = profile_to_yaml(p)
+    assert parse_profile(yaml.safe_load(text)).device.op_overhead.tp_collective_byte_s == 2e-9
+    old = profile_to_yaml(next(iter(_with(OVERHEAD).profiles.values())))
+    assert "tp_collective_byte" not in old
+    assert parse_profile(yaml.safe_load(old)).device.op_overhead.tp_collective_byte_s == 0
+    bad = yaml.safe_load(text)
+    bad["device"]["op_overhead"]["tp_collective_byte_s"] = -1
+    from autoplan.errors import AutoplanError
+    with pytest.raises(AutoplanError, match="tp_collective_byte"):
+        parse_profile(bad)

@@ -529,6 +529,54 @@ def test_tp_overhead_on_one_rank_and_on_a_pair():
         assert got["returned"][2] == "Tensor", got["returned"]
 
 
+def _tp_byte_overhead(rank: int, world: int) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from autoplan.hardware.profiler import _measure_tp_byte_overhead
+
+    def timed(fn) -> float:     # the mean of 5 calls after 2, the slowest rank's
+        for _ in range(2):
+            fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            fn()
+        t = torch.tensor([(time.perf_counter() - t0) / 5])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    # one round, the large MLP then the tiny one, each timed as (local forward, local
+    # forward + backward, sharded forward, sharded forward + backward, bare all-reduce):
+    # extras (2.5, 3.5) and (0.75, 0.75)
+    script = iter([1, 3, 4, 10, 0.5, 0, 0, 1, 2, 0.25])
+
+    def scripted(fn) -> float:
+        fn()
+        return next(script)
+
+    pair = dist.new_subgroups(group_size=2)[0]
+    return {"scripted": _measure_tp_byte_overhead(torch, dist, scripted, pair),
+            "timed": _measure_tp_byte_overhead(torch, dist, timed, pair, rounds=1)}
+
+
+@pytest.mark.distributed
+def test_tp_collective_host_work_per_byte():
+    """The per-byte figure is the large MLP's extra less the tiny one's, forward and
+    backward averaged, over the difference of their payloads (one all-reduce of the MLP's
+    output each way), in seconds per byte; measured for real it is finite and >= 0."""
+    from dist_harness import run
+
+    from autoplan.hardware.profiler import _OVERHEAD_WIDTH, _TP_BYTES_SHAPE
+    tokens, h = _TP_BYTES_SHAPE
+    span = 4 * (tokens * h - 4 * _OVERHEAD_WIDTH)
+    for got in run(_tp_byte_overhead, 2):
+        assert got["scripted"] == pytest.approx(((2.5 - 0.75) + (3.5 - 0.75)) / 2 / span)
+        assert 0 <= got["timed"] < 1e-6 and math.isfinite(got["timed"]), got
+
+
 def test_a_split_backward_costs_more_host_time_than_a_whole_one():
     """torch's zero-bubble split (input gradients, then the weights' in a pass of their
     own) over the tiny blocks takes longer than the whole backward: the extra is what the

@@ -960,9 +960,13 @@ class CostEngine:
             host = device.op_overhead
             waits_priced = (host is not None and not host_runs_ahead(device)
                             and (host.tp_linear_forward_s > 0 or host.tp_linear_backward_s > 0))
+            # and its host work that grows with the payload (OpOverhead.tp_collective_byte_s)
+            per_byte = host.tp_collective_byte_s if waits_priced else 0.0  # type: ignore[union-attr]
             for op, phase, nbytes in colls:
-                seconds = self.collective_time(op, tp_group, nbytes * b * act_scale / cp,
-                                               after_compute=not waits_priced)
+                payload = nbytes * b * act_scale / cp
+                seconds = (self.collective_time(op, tp_group, payload,
+                                                after_compute=not waits_priced)
+                           + per_byte * payload)
                 if phase == "forward":
                     tp_forward += seconds
                 else:

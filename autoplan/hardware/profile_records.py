@@ -201,6 +201,14 @@ class OpOverhead(Record):
         the collective itself, which the link model prices.  Where ranks share cores, the
         main thread's CPU time times the ranks over the cores (seconds at every-rank-busy
         speed, as the pipeline figures).
+    tp_collective_byte_s : float
+        Extra seconds per byte of a tensor-parallel collective's payload (the full tensor
+        an all-reduce sums, an all-gather gathers or a reduce-scatter scatters), forward
+        and backward alike: the host work that grows with the activation beyond the
+        collective's transfer, which the link model prices (the functional collective's
+        copy in, DTensor's wrapping of the result, the local shard's copies).  Where ranks
+        share cores, seconds at every-rank-busy speed as above.  0 where not measured
+        (ranks with cores of their own, GPUs, profiles measured before it).
     selective_dispatch_s : float
         Extra seconds per dispatched operator of a block under selective recompute
         (torch's selective checkpoint runs a Python dispatch mode over every operator the
@@ -259,10 +267,11 @@ class OpOverhead(Record):
     pipeline_action_s: float = 0.0
     pipeline_message_s: float = 0.0
     zero_bubble_node_s: float = 0.0
+    tp_collective_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
-                     "selective_s", "selective_dispatch_s", "optimizer_param_s",
+                     "tp_collective_byte_s", "selective_s", "selective_dispatch_s", "optimizer_param_s",
                      "optimizer_dtensor_param_s", "forward_dispatch_s", "backward_node_s",
                      "optimizer_element_s", "pipeline_action_s", "pipeline_message_s",
                      "zero_bubble_node_s"):

@@ -267,7 +267,9 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("pipeline_action", "host seconds per pipeline stage action"),
                       ("pipeline_message", "host seconds per pipeline message end"),
                       ("zero_bubble_node", "extra seconds per autograd node of a split "
-                                           "backward")):
+                                           "backward"),
+                      ("tp_collective_byte", "extra seconds per byte of a tensor-parallel "
+                                             "collective's payload")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -491,6 +493,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                     if o.pipeline_action_s or o.pipeline_message_s else {}),
                                  **({"zero_bubble_node_s": o.zero_bubble_node_s}
                                     if o.zero_bubble_node_s else {}),
+                                 **({"tp_collective_byte_s": o.tp_collective_byte_s}
+                                    if o.tp_collective_byte_s else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

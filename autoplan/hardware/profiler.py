@@ -470,6 +470,74 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
             statistics.median(b for _, b in readings))
 
 
+#: Tokens and width of the tensor-parallel MLP the per-byte figure is measured at, besides
+#: the tiny one: 512 KiB of fp32 payload each way, the activation of a micro-batch of a few
+#: sequences of a small model
+_TP_BYTES_SHAPE = (512, 256)
+
+
+def _tp_mlp_extra(torch, dist, timed: Callable[[Callable[[], Any]], float], pair: Any,
+                  tokens: int, h: int) -> tuple[float, float]:
+    """Extra seconds of one ``ColwiseParallel`` + ``RowwiseParallel`` MLP (``h`` wide, on
+    ``tokens`` tokens) on the two-rank group ``pair``, ``(forward, backward)``, beyond the
+    arithmetic a rank does (the same MLP with its inner width halved, unsharded) and one
+    bare ``dist.all_reduce`` of its ``tokens x h`` output each way."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    nn = torch.nn
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        local = nn.Sequential(nn.Linear(h, h // 2), nn.Linear(h // 2, h))
+        sharded = nn.Sequential(nn.Linear(h, h), nn.Linear(h, h))
+        x = torch.randn(1, tokens, h).requires_grad_(True)
+        flat = torch.randn(tokens * h)
+    parallelize_module(sharded, DeviceMesh.from_group(pair, "cpu"),
+                       {"0": ColwiseParallel(), "1": RowwiseParallel()})
+
+    def sharded_forward():   # to the row linear's all-reduce's end (_measure_tp_overhead)
+        out = sharded(x)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+    local_fwd = timed(lambda: local(x))
+    local_both = timed(lambda: local(x).sum().backward())
+    tp_fwd = timed(sharded_forward)
+    tp_both = timed(lambda: sharded(x).sum().backward())
+    bare = timed(lambda: dist.all_reduce(flat, group=pair))
+    return (tp_fwd - local_fwd - bare,
+            (tp_both - tp_fwd) - (local_both - local_fwd) - bare)
+
+
+def _measure_tp_byte_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float],
+                              pair: Any, rounds: int = 1) -> float:
+    """Extra seconds per byte of a tensor-parallel collective's payload
+    (``OpOverhead.tp_collective_byte_s``): :func:`_tp_mlp_extra` at
+    :data:`_TP_BYTES_SHAPE` less at :data:`_OVERHEAD_WIDTH` on 4 tokens, over the
+    difference of their payloads (one all-reduce of the MLP's output each way), forward
+    and backward averaged; the median of ``rounds``, at least 0.
+
+    What grows with the activation besides the transfer: the functional all-reduce's
+    copy of its input, DTensor's wrapping of the result, the local shards' copies.  On 4
+    CPU ranks sharing 2 cores, in main-thread CPU time times the share, the extra per
+    linear (forward + backward) read 2.3, 2.7, 3.0, 3.3 and 3.7 ms at 4, 128, 256, 512
+    and 1024 tokens of width 256 (0 to 1 MiB each way; the plain MLP's figure, 2.3 ms,
+    is what the per-linear figure states), about 1.4 ms per MiB each way; this function
+    read 1.8-2.3 ms per MiB in four quick profiles, and the confirm pass priced with it put
+    the tensor-parallel layouts of one micro-batch of 8 sequences at -12% to -13%, which
+    had read -13% to -27% in the five passes before (2026-11-26)."""
+    small_tokens, small_h = 4, _OVERHEAD_WIDTH
+    tokens, h = _TP_BYTES_SHAPE
+    span = 4 * (tokens * h - small_tokens * small_h)   # fp32 bytes
+
+    def once() -> float:
+        big = _tp_mlp_extra(torch, dist, timed, pair, tokens, h)
+        small = _tp_mlp_extra(torch, dist, timed, pair, small_tokens, small_h)
+        return ((big[0] - small[0]) + (big[1] - small[1])) / 2 / span
+
+    return max(0.0, statistics.median(once() for _ in range(rounds)))
+
+
 #: Rounds of the tensor-parallel figure on pairs of ranks, of which the median is kept: one
 #: round is a difference of differences of five timings, each with its collectives' waits
 #: for a core.  On 4 CPU ranks sharing 2 cores single rounds read 0.45-2.7 ms per linear
@@ -1100,6 +1168,14 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             overhead.update(tp_linear_forward_s=tp_fwd, tp_linear_backward_s=tp_bwd)
             say(f"tensor-parallel linear overhead: {tp_fwd * 1e6:.1f} us forward, "
                 f"{tp_bwd * 1e6:.1f} us backward")
+            if pair is not None:
+                # and what grows with the activation (on one-rank groups DTensor skips the
+                # collectives and their copies: not measured there, 0)
+                per_byte = _measure_tp_byte_overhead(torch, dist, tp_timed, pair,
+                                                     _TP_PAIR_ROUNDS)
+                overhead["tp_collective_byte_s"] = per_byte
+                say(f"tensor-parallel collective host work: {per_byte * 2**20 * 1e3:.2f} ms "
+                    "per MiB of payload")
         overhead["pipeline_action_s"] = overhead["pipeline_message_s"] = 0.0
         if world % 2 == 0:
             # a two-stage pipeline on pairs of ranks, every pair at once
@@ -1312,6 +1388,13 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
                     + ("on two-rank groups, every pair at once (ranks share cores), less "
                        "one all-reduce of the same bytes each way, the median of "
+                       f"{_TP_PAIR_ROUNDS} rounds; per byte of a collective's payload: the "
+                       f"MLP at width {_TP_BYTES_SHAPE[1]} on {_TP_BYTES_SHAPE[0]} tokens less "
+                       "at the tiny width, each less the MLP a rank computes and one "
+                       "all-reduce, over the payloads' difference"
+                       if tp_in_pairs and "tp_collective_byte_s" in worst else
+                       "on two-rank groups, every pair at once (ranks share cores), less "
+                       "one all-reduce of the same bytes each way, the median of "
                        f"{_TP_PAIR_ROUNDS} rounds" if tp_in_pairs else
                        "on a one-rank mesh, plus the functional all-reduce's own time once "
                        "each way")
@@ -1478,7 +1561,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"forward, {d.op_overhead.backward_node_s * 1e6:.1f} us per autograd node backward; "
            f"tensor-parallel linear "
            f"+{d.op_overhead.tp_linear_forward_s * 1e6:.0f} + "
-           f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us; optimizer "
+           f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us"
+           + (f" + {d.op_overhead.tp_collective_byte_s * 2**20 * 1e3:.2f} ms per MiB of its "
+              "collectives" if d.op_overhead.tp_collective_byte_s else "")
+           + "; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
            f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor, "
            f"{d.op_overhead.optimizer_element_s * 1e9:.2f} ns per element; zero-bubble "
