@@ -47,7 +47,8 @@ GPT (``CONFIG``) and a small Llama (Hugging Face ``LlamaForCausalLM``, same size
 and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
 
 1. profile 4 ranks (``autoplan profile --quick --nproc 4 --repeat 3``: each figure the
-   median of three runs) or load ``--profile``;
+   median of three runs; ``--keep-profile PATH`` keeps it, to price the pass's runs again
+   later) or load ``--profile``;
 2. ``autoplan.plan(..., top_k=100000, precision="fp32", options=GLOO_ON_CPU)`` ranks every
    layout its search keeps (the default calibration has no entry for a CPU, so the figures
    are the profile's own, as above); :func:`confirm_layouts` says which of them are run
@@ -84,6 +85,7 @@ import os
 import socket
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 import warnings
@@ -890,13 +892,25 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def _keep(profile: Path, keep: Path | None) -> None:
+    """Copy the profile a pass measured to ``keep`` (a temporary name, then renamed)."""
+    if keep is None:
+        return
+    tmp = keep.with_name(keep.name + ".tmp")
+    shutil.copyfile(profile, tmp)
+    os.replace(tmp, keep)
+    print(f"kept the profile: {keep}")
+
+
 def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all: bool,
-                 csv_path: Path | None) -> int:
+                 csv_path: Path | None, keep_profile: Path | None = None) -> int:
     from autoplan import trace
     from autoplan.hardware import load_cluster
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        profile = profile or profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+        if profile is None:
+            profile = profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+            _keep(profile, keep_profile)
         cluster = load_cluster(str(profile))
     if cluster.num_devices != CONFIRM_WORLD:
         raise SystemExit(f"the profile has {cluster.num_devices} devices; --confirm needs "
@@ -1124,7 +1138,8 @@ def plain_phases(graph, cluster, batch: int, optimizer_s: float) -> dict[str, fl
     return {"forward": fwd, "backward": bwd, "optimizer": optimizer_s}
 
 
-def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
+def plain_main(profile: Path | None, models: list[str], *, run: bool,
+               keep_profile: Path | None = None) -> int:
     """The compute alone, without parallelism: the confirm models' single-process training
     step on each of ``CONFIRM_WORLD`` processes at once against the estimate on one device
     of the 4-process profile (measured with every rank busy, as these processes are).  What
@@ -1134,7 +1149,10 @@ def plain_main(profile: Path | None, models: list[str], *, run: bool) -> int:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        path = profile or profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+        path = profile
+        if path is None:
+            path = profile_machine_4(Path(tmp) / "local-truth-4.yaml")
+            _keep(path, keep_profile)
         cluster = load_cluster(str(path), devices_per_node=1)
     print(f"\nthe single-process step, {CONFIRM_WORLD} processes at once, fp32, seq "
           f"{CONFIG.seq_len}; predicted on one device of the {CONFIRM_WORLD}-process profile")
@@ -1188,15 +1206,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true",
                     help="with --confirm: run every ranked layout (no cap)")
     ap.add_argument("--csv", type=Path, default=None, help="with --confirm: write the rows here")
+    ap.add_argument("--keep-profile", type=Path, default=None, metavar="PATH",
+                    help="with --confirm or --plain: keep the profile the pass measures here "
+                         "(to price it again later; with --profile nothing is measured)")
     ap.add_argument("--plain", action="store_true",
                     help=f"the confirm models' single-process step on {CONFIRM_WORLD} processes "
                          "at once against one device of the profile: the compute alone")
     args = ap.parse_args(argv)
+    if args.keep_profile is not None and not (args.confirm or args.plain):
+        ap.error("--keep-profile goes with --confirm or --plain (the passes that profile "
+                 "the 4-process machine)")
     if args.plain:
-        return plain_main(args.profile, args.models, run=not args.no_run)
+        return plain_main(args.profile, args.models, run=not args.no_run,
+                          keep_profile=args.keep_profile)
     if args.confirm:
         return confirm_main(args.profile, args.models, run=not args.no_run, run_all=args.all,
-                            csv_path=args.csv)
+                            csv_path=args.csv, keep_profile=args.keep_profile)
     if args.memory is not None:
         return memory_main(args.memory)
     t0 = time.perf_counter()

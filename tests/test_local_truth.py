@@ -91,6 +91,32 @@ def test_no_run_prints_and_writes_csv(profile4: Path, tmp_path: Path, capsys):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_keep_profile_keeps_what_the_pass_measured(profile4: Path, tmp_path: Path,
+                                                   monkeypatch, capsys):
+    """A pass that profiles the machine itself keeps that profile where ``--keep-profile``
+    says (here the profiling is stood in for by a copy of a shipped profile); the flag
+    without a pass that profiles is a usage error."""
+    import shutil
+
+    measured: list[Path] = []
+
+    def profile_machine_4(out: Path) -> Path:
+        shutil.copyfile(profile4, out)
+        measured.append(out)
+        return out
+
+    monkeypatch.setattr(lt, "profile_machine_4", profile_machine_4)
+    kept = tmp_path / "kept.yaml"
+    assert lt.main(["--confirm", "--no-run", "--models", "gpt", "--keep-profile",
+                    str(kept)]) == 0
+    assert len(measured) == 1 and kept.read_bytes() == profile4.read_bytes()
+    assert f"kept the profile: {kept}" in capsys.readouterr().out
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit) as exc:
+        lt.main(["--keep-profile", str(tmp_path / "other.yaml")])
+    assert exc.value.code == 2 and "--keep-profile goes with" in capsys.readouterr().err
+
+
 def test_live_bytes_counts_storages_at_their_current_size():
     """FSDP2 frees a layer's unsharded parameters by resizing their storages to 0 and
     gathers them again by resizing back, with no operator dispatched: the count follows
