@@ -82,10 +82,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import sys
-import shutil
 import tempfile
 import time
 import warnings
@@ -1208,14 +1208,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, default=None, help="with --confirm: write the rows here")
     ap.add_argument("--keep-profile", type=Path, default=None, metavar="PATH",
                     help="with --confirm or --plain: keep the profile the pass measures here "
-                         "(to price it again later; with --profile nothing is measured)")
+                         "(to price its runs again later; not with --profile)")
     ap.add_argument("--plain", action="store_true",
                     help=f"the confirm models' single-process step on {CONFIRM_WORLD} processes "
                          "at once against one device of the profile: the compute alone")
     args = ap.parse_args(argv)
-    if args.keep_profile is not None and not (args.confirm or args.plain):
-        ap.error("--keep-profile goes with --confirm or --plain (the passes that profile "
-                 "the 4-process machine)")
+    if args.keep_profile is not None:
+        if not (args.confirm or args.plain):
+            ap.error("--keep-profile goes with --confirm or --plain (the passes that profile "
+                     "the 4-process machine)")
+        if args.profile is not None:
+            ap.error("--keep-profile keeps the profile a pass measures; with --profile it "
+                     "measures none (drop one of the two)")
+        if not args.keep_profile.parent.is_dir():
+            ap.error(f"--keep-profile {args.keep_profile}: no directory "
+                     f"{args.keep_profile.parent} to write it in")
     if args.plain:
         return plain_main(args.profile, args.models, run=not args.no_run,
                           keep_profile=args.keep_profile)

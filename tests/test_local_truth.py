@@ -95,7 +95,8 @@ def test_keep_profile_keeps_what_the_pass_measured(profile4: Path, tmp_path: Pat
                                                    monkeypatch, capsys):
     """A pass that profiles the machine itself keeps that profile where ``--keep-profile``
     says (here the profiling is stood in for by a copy of a shipped profile); the flag
-    without a pass that profiles is a usage error."""
+    without a pass that profiles, beside --profile or into a missing directory is a usage
+    error (before any profiling)."""
     import shutil
 
     measured: list[Path] = []
@@ -112,9 +113,15 @@ def test_keep_profile_keeps_what_the_pass_measured(profile4: Path, tmp_path: Pat
     assert len(measured) == 1 and kept.read_bytes() == profile4.read_bytes()
     assert f"kept the profile: {kept}" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.tmp"))
-    with pytest.raises(SystemExit) as exc:
-        lt.main(["--keep-profile", str(tmp_path / "other.yaml")])
-    assert exc.value.code == 2 and "--keep-profile goes with" in capsys.readouterr().err
+    for argv, says in ((["--keep-profile", str(tmp_path / "other.yaml")], "goes with"),
+                       (["--confirm", "--profile", str(profile4), "--keep-profile",
+                         str(tmp_path / "other.yaml")], "measures none"),
+                       (["--plain", "--keep-profile", str(tmp_path / "no" / "p.yaml")],
+                        "no directory")):
+        with pytest.raises(SystemExit) as exc:
+            lt.main(argv)
+        assert exc.value.code == 2 and says in capsys.readouterr().err, argv
+    assert not measured[1:]   # none of them profiled anything
 
 
 def test_live_bytes_counts_storages_at_their_current_size():

@@ -961,7 +961,7 @@ class CostEngine:
             waits_priced = (host is not None and not host_runs_ahead(device)
                             and (host.tp_linear_forward_s > 0 or host.tp_linear_backward_s > 0))
             # and its host work that grows with the payload (OpOverhead.tp_collective_byte_s)
-            per_byte = host.tp_collective_byte_s if waits_priced else 0.0  # type: ignore[union-attr]
+            per_byte = host.tp_collective_byte_s if host is not None and waits_priced else 0.0
             for op, phase, nbytes in colls:
                 payload = nbytes * b * act_scale / cp
                 seconds = (self.collective_time(op, tp_group, payload,

@@ -523,9 +523,9 @@ def _measure_tp_byte_overhead(torch, dist, timed: Callable[[Callable[[], Any]], 
     linear (forward + backward) read 2.3, 2.7, 3.0, 3.3 and 3.7 ms at 4, 128, 256, 512
     and 1024 tokens of width 256 (0 to 1 MiB each way; the plain MLP's figure, 2.3 ms,
     is what the per-linear figure states), about 1.4 ms per MiB each way; this function
-    read 1.8-2.3 ms per MiB in four quick profiles, and the confirm pass priced with it put
-    the tensor-parallel layouts of one micro-batch of 8 sequences at -12% to -13%, which
-    had read -13% to -27% in the five passes before (2026-11-26)."""
+    read 1.6-2.3 ms per MiB in eight quick profiles, and the two confirm passes priced with
+    it put the tensor-parallel layouts of one micro-batch of 8 sequences at -9% and -12% on
+    average (-4% to -22% in the five passes before; 2026-11-26)."""
     small_tokens, small_h = 4, _OVERHEAD_WIDTH
     tokens, h = _TP_BYTES_SHAPE
     span = 4 * (tokens * h - small_tokens * small_h)   # fp32 bytes
