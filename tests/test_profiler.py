@@ -467,24 +467,32 @@ def test_p2p_partners():
         == [1, 1, 0, 0]
 
 
-def _tp_overhead_both_ways(rank: int, world: int) -> dict:
+def _slowest_mean(fn, calls: int, warmup: int) -> float:
+    """Seconds per call of ``fn``: the mean of ``calls`` after ``warmup``, the slowest
+    rank's (every rank of the default group calls it)."""
     import time
 
+    import torch
+    import torch.distributed as dist
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = torch.tensor([(time.perf_counter() - t0) / calls])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _tp_overhead_both_ways(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
     from autoplan.hardware.profiler import _measure_tp_overhead
 
-    def timed(fn) -> float:     # the mean of 20 calls after 3, the slowest rank's
-        for _ in range(3):
-            fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            fn()
-        t = torch.tensor([(time.perf_counter() - t0) / 20])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+    def timed(fn) -> float:
+        return _slowest_mean(fn, calls=20, warmup=3)
 
     # three rounds of scripted timings (plain forward, plain forward + backward, sharded
     # forward, sharded forward + backward, bare all-reduce): (forward, backward) per
@@ -530,23 +538,13 @@ def test_tp_overhead_on_one_rank_and_on_a_pair():
 
 
 def _tp_byte_overhead(rank: int, world: int) -> dict:
-    import time
-
     import torch
     import torch.distributed as dist
 
     from autoplan.hardware.profiler import _measure_tp_byte_overhead
 
-    def timed(fn) -> float:     # the mean of 5 calls after 2, the slowest rank's
-        for _ in range(2):
-            fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            fn()
-        t = torch.tensor([(time.perf_counter() - t0) / 5])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
+    def timed(fn) -> float:
+        return _slowest_mean(fn, calls=5, warmup=2)
 
     # one round, the large MLP then the tiny one, each timed as (local forward, local
     # forward + backward, sharded forward, sharded forward + backward, bare all-reduce):
