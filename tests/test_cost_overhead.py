@@ -272,9 +272,10 @@ def _shared(cores: int | None, world: int = 4):
 
 def test_ranks_sharing_cores_run_faster_in_the_pipeline_bubble(graph):
     """4 ranks on 2 cores, measured all busy at once: while pipeline ranks wait in the
-    bubble the others get their cores.  The pipeline's part of the step is the largest of
-    the critical path at a whole core's speed (2/4 of the measured time), the total work
-    over the 4 ranks' share of the cores, and the busiest rank's own work."""
+    bubble the others get their cores.  The pipeline's part of the step is the larger of
+    the critical path at a whole core's speed (2/4 of the measured time) and the busiest
+    rank's own work (which the total work over the 4 ranks, 8 x their mean, never
+    exceeds)."""
     from autoplan.cost import pipeline_time
     from autoplan.strategy import Schedule
 
@@ -284,8 +285,8 @@ def test_ranks_sharing_cores_run_faster_in_the_pipeline_bubble(graph):
     m = 8
     times = [st.forward_s + st.backward_s for st in alone.stages]
     t_pipe = pipeline_time(Schedule.ONE_F_ONE_B, times, m)
-    expected = max(t_pipe * 2 / 4, m * sum(times) / 4, m * max(times))
-    assert expected < t_pipe
+    expected = max(t_pipe * 2 / 4, m * max(times))
+    assert m * sum(times) / 4 <= m * max(times) and expected < t_pipe
     assert alone.step_time_s - shared.step_time_s == pytest.approx(t_pipe - expected, rel=1e-9)
     assert shared.breakdown["bubble_s"] >= 0
 
