@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import sys
@@ -892,14 +891,13 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def _keep(profile: Path, keep: Path | None) -> None:
-    """Copy the profile a pass measured to ``keep`` (a temporary name, then renamed)."""
-    if keep is None:
-        return
-    tmp = keep.with_name(keep.name + ".tmp")
-    shutil.copyfile(profile, tmp)
-    os.replace(tmp, keep)
-    print(f"kept the profile: {keep}")
+def _measure_profile(tmp: str, keep: Path | None) -> Path:
+    """Profile the machine (:func:`profile_machine_4`) into ``keep``, where given (autoplan
+    profile writes it under a temporary name, then renames it), else into ``tmp``."""
+    path = profile_machine_4(keep or Path(tmp) / "local-truth-4.yaml")
+    if keep is not None:
+        print(f"kept the profile: {keep}")
+    return path
 
 
 def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all: bool,
@@ -908,9 +906,7 @@ def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all:
     from autoplan.hardware import load_cluster
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if profile is None:
-            profile = profile_machine_4(Path(tmp) / "local-truth-4.yaml")
-            _keep(profile, keep_profile)
+        profile = profile or _measure_profile(tmp, keep_profile)
         cluster = load_cluster(str(profile))
     if cluster.num_devices != CONFIRM_WORLD:
         raise SystemExit(f"the profile has {cluster.num_devices} devices; --confirm needs "
@@ -1149,10 +1145,7 @@ def plain_main(profile: Path | None, models: list[str], *, run: bool,
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        path = profile
-        if path is None:
-            path = profile_machine_4(Path(tmp) / "local-truth-4.yaml")
-            _keep(path, keep_profile)
+        path = profile or _measure_profile(tmp, keep_profile)
         cluster = load_cluster(str(path), devices_per_node=1)
     print(f"\nthe single-process step, {CONFIRM_WORLD} processes at once, fp32, seq "
           f"{CONFIG.seq_len}; predicted on one device of the {CONFIRM_WORLD}-process profile")
