@@ -1388,14 +1388,13 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
                     + ("on two-rank groups, every pair at once (ranks share cores), less "
                        "one all-reduce of the same bytes each way, the median of "
-                       f"{_TP_PAIR_ROUNDS} rounds; per byte of a collective's payload: the "
-                       f"MLP at width {_TP_BYTES_SHAPE[1]} on {_TP_BYTES_SHAPE[0]} tokens less "
-                       "at the tiny width, each less the MLP a rank computes and one "
-                       "all-reduce, over the payloads' difference"
-                       if tp_in_pairs and "tp_collective_byte_s" in worst else
-                       "on two-rank groups, every pair at once (ranks share cores), less "
-                       "one all-reduce of the same bytes each way, the median of "
-                       f"{_TP_PAIR_ROUNDS} rounds" if tp_in_pairs else
+                       f"{_TP_PAIR_ROUNDS} rounds"
+                       + ("; per byte of a collective's payload: the MLP at width "
+                          f"{_TP_BYTES_SHAPE[1]} on {_TP_BYTES_SHAPE[0]} tokens less at the "
+                          "tiny width, each less the MLP a rank computes and one all-reduce, "
+                          "over the payloads' difference"
+                          if "tp_collective_byte_s" in worst else "")
+                       if tp_in_pairs else
                        "on a one-rank mesh, plus the functional all-reduce's own time once "
                        "each way")
                     + ("" if nproc > 1 else " (one rank: not measured, 0)")
