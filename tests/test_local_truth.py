@@ -222,6 +222,16 @@ def test_the_machine_speed_line(capsys):
     assert lt.speed_summary([dict(r, machine_speed=None) for r in rows]) is None
 
 
+def test_the_launch_spread_line():
+    rows = [{"launch_steps_s": "0.200;0.220;0.210"}, {"launch_steps_s": "0.100;0.130"},
+            {"launch_steps_s": "0.300"}, {"launch_steps_s": None}]
+    line = lt.launch_summary(rows)
+    # spreads +10% and +30%: median +20%, one beyond the 15% target; single launches skipped
+    assert "2 layouts" in line and "median +20.0%" in line and "largest +30.0%" in line
+    assert "1 spread more than 15%" in line
+    assert lt.launch_summary([{"launch_steps_s": "0.2"}]) is None
+
+
 def test_the_speed_probe_is_the_profiles_matmul_timing(monkeypatch):
     """The probe times the profile's cold fp32 matmul of PROBE_N through the profiler's own
     free-running timer (PROBE_WINDOWS windows), the ranks' figure agreed by an all-reduce."""
