@@ -58,10 +58,11 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
    reason; the others run each in its own launch of 4 fresh processes, as a user's job
    runs (``CONFIRM_LAYOUTS_PER_LAUNCH``; ``CONFIRM_WARMUP`` warm-up then ``CONFIRM_TIMED``
    timed steps each), over ``CONFIRM_ROUNDS`` rounds in alternating order, and a layout's
-   measured step is its fastest (the CSV's ``launch_steps_s``: each launch's); a layout that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S``
-   is reported.  Each launch first times the profile's 256^3 fp32 matmul on every rank at
-   once (``PROBE_N``): a layout's ``machine_speed`` says how fast the machine ran, against
-   the profile, at the launch of its fastest step;
+   measured step is its fastest (the CSV's ``launch_steps_s``: each launch's); a layout
+   that fails or passes ``CONFIRM_LAYOUT_TIMEOUT_S`` is reported.  Each launch first times
+   the profile's 256^3 fp32 matmul on every rank at once (``PROBE_N``): a layout's
+   ``machine_speed`` says how fast the machine ran, against the profile, at the launch of
+   its fastest step;
 4. the layouts that measured faster than the pick (``CONFIRM_CONTENDERS`` at most) run
    again, each side by side with the pick (adjacent launches, alternating which goes
    first) over ``CONFIRM_PAIRED_ROUNDS`` rounds: the fastest layouts lie within a few
