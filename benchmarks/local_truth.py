@@ -930,9 +930,8 @@ def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all:
         runnable = [i for i, r in enumerate(rows) if r["plan"] is not None and not r["status"]]
         print(f"{len(rows)} layouts, {len(runnable)} runnable")
         if run and runnable:
-            steps: dict[int, list[float]] = {i: [] for i in runnable}
-            launches: dict[int, list[float]] = {i: [] for i in runnable}  # each one's fastest
-            speed = {}   # the machine's speed at the launch of each layout's fastest step
+            # per layout, each launch's fastest step and the machine's speed at that launch
+            launches: dict[int, list[tuple[float, float | None]]] = {i: [] for i in runnable}
             reference = cluster.profile_of(0).device.matmul_time_s(2 * PROBE_N**3, "fp32")
             for k in range(CONFIRM_ROUNDS):   # alternate the order: drift hits all alike
                 order = runnable if k % 2 == 0 else runnable[::-1]
@@ -942,17 +941,15 @@ def confirm_main(profile: Path | None, models: list[str], *, run: bool, run_all:
                 for i, v in got.items():
                     if isinstance(v, str):
                         rows[i]["status"], rows[i]["reason"] = v.split(":", 1)[0], v
-                    else:
-                        if v and (not steps[i] or min(v) < min(steps[i])) and i in probes:
-                            speed[i] = reference / probes[i]
-                        steps[i] += v
-                        if v:
-                            launches[i].append(min(v))
+                    elif v:
+                        launches[i].append((min(v), reference / probes[i] if i in probes
+                                            else None))
             for i in runnable:
-                if not rows[i]["status"] and steps[i]:
-                    rows[i]["measured_s"] = min(steps[i])
-                    rows[i]["machine_speed"] = speed.get(i)
-                    rows[i]["launch_steps_s"] = ";".join(f"{t:.4f}" for t in launches[i])
+                if not rows[i]["status"] and launches[i]:
+                    # the fastest step of all, and the speed at its launch (the first, on ties)
+                    rows[i]["measured_s"], rows[i]["machine_speed"] = min(
+                        launches[i], key=lambda launch: launch[0])
+                    rows[i]["launch_steps_s"] = ";".join(f"{t:.4f}" for t, _ in launches[i])
             measured = [i for i in runnable if rows[i].get("measured_s")]
             for rank, i in enumerate(sorted(measured, key=lambda i: rows[i]["measured_s"])):
                 rows[i]["measured_rank"] = rank + 1

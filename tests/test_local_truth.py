@@ -222,6 +222,46 @@ def test_the_machine_speed_line(capsys):
     assert lt.speed_summary([dict(r, machine_speed=None) for r in rows]) is None
 
 
+def test_a_layouts_step_is_its_fastest_launch_with_that_launchs_speed(profile4: Path,
+                                                                      tmp_path: Path,
+                                                                      monkeypatch, capsys):
+    """The run path without real runs: each launch of a layout returns its steps and the
+    probe, and the row keeps the fastest step of all, the machine's speed at that launch and
+    every launch's fastest step (``launch_steps_s``)."""
+    reference = load_cluster(str(profile4)).profile_of(0).device.matmul_time_s(
+        2 * lt.PROBE_N**3, "fp32")
+    launch = {"n": 0}
+    # launch k of the rounds: layout i's steps scaled by (1.2, 1.0, 1.1)[k], probe (k + 1)
+    factors = (1.2, 1.0, 1.1)
+
+    def fake_measure_many(name, graph, jobs, probes=None):
+        k = launch["n"]
+        launch["n"] += 1
+        out = {}
+        for i, _ in jobs:
+            base = 0.1 * (1 + i)
+            out[i] = [base * factors[k % 3] * f for f in (1.05, 1.0, 1.02)]
+            if probes is not None:
+                probes[i] = reference * (k + 1)
+        return out
+
+    monkeypatch.setattr(lt, "measure_many", fake_measure_many)
+    monkeypatch.setattr(lt, "_pair_the_pick", lambda *a: None)
+    csv_path = tmp_path / "rows.csv"
+    assert lt.confirm_main(profile4, ["gpt"], run=True, run_all=False, csv_path=csv_path) == 0
+    with open(csv_path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["measured_s"]]
+    assert rows and launch["n"] == lt.CONFIRM_ROUNDS
+    for r in rows:
+        steps = [float(t) for t in r["launch_steps_s"].split(";")]
+        assert len(steps) == lt.CONFIRM_ROUNDS
+        assert float(r["measured_s"]) == pytest.approx(min(steps), abs=1e-4)
+        # the fastest launch is the second (factor 1.0), whose probe read 2x the reference
+        assert steps.index(min(steps)) == 1
+        assert float(r["machine_speed"]) == pytest.approx(0.5)
+    assert "one layout's launches" in capsys.readouterr().out
+
+
 def test_the_launch_spread_line():
     rows = [{"launch_steps_s": "0.200;0.220;0.210"}, {"launch_steps_s": "0.100;0.130"},
             {"launch_steps_s": "0.300"}, {"launch_steps_s": None}]
