@@ -24,7 +24,10 @@ and backward times of all its chunks:
 * **memory-bound operators** (norms, activations, softmax, residual adds,
   copies; the roofline of Williams et al. 2009): the bytes each captured node
   without FLOPs reads and writes, over the device's memory bandwidth, twice that
-  in the backward; sharded like the activations they touch.
+  in the backward; sharded like the activations they touch.  Kinds a profile timed
+  apart (``DeviceType.elementwise_rates``, CPU ranks: GELU, SiLU, softmax, layer
+  norm, masked_fill are arithmetic per byte there) move their bytes at their own
+  measured forward and backward speeds instead.
 * **recompute** (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): full
   recompute re-runs each block's forward (and its tensor-parallel collectives)
   before its backward; selective recompute re-runs only the attention core.
@@ -626,7 +629,8 @@ class CostEngine:
 
         Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
         each memory-bound node: the bytes it reads and writes over the device's memory
-        bandwidth, :data:`ELEMENTWISE_BACKWARD_FACTOR` times that in the backward.
+        bandwidth, :data:`ELEMENTWISE_BACKWARD_FACTOR` times that in the backward, or
+        at the device's measured speed for its kind (``elementwise_rates``).
         An expert bank's GEMMs run one expert at a time: the efficiency is that of one
         expert's GEMM, ``ep x tokens x top-k / experts`` rows (this rank's local
         experts take the tokens of its ``ep`` group), and under expert parallelism the
@@ -700,6 +704,23 @@ class CostEngine:
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
+        rates = device.elementwise_rates
+        if rates is not None:
+            # kinds the profile timed apart (a CPU's GELU, softmax...): at their own speed,
+            # in place of the copy bandwidth's
+            for kind, (k_rep, k_shd, k_quad) in self.summary.elementwise_kinds[template].items():
+                if fused:
+                    k_quad = 0.0
+                k_moved = (k_rep / (tp if sp else 1) + (k_shd + k_quad) / tp) * b / cp * act_scale
+                own = rates.seconds(kind, k_moved)
+                if own is None:
+                    continue
+                copy = k_moved / device.memory_bw_bytes_per_s
+                fwd += own[0] - copy
+                bwd += own[1] - ELEMENTWISE_BACKWARD_FACTOR * copy
+                if k_quad:   # the attention core's part
+                    q_moved = k_quad * b / (tp * cp) * act_scale
+                    core += rates.seconds(kind, q_moved)[0] - q_moved / device.memory_bw_bytes_per_s  # type: ignore[index]
         if autocast:
             # the weights cast down in the forward, their gradients up in the backward
             local = sum(_local_params(self._templates[template], tp, ep))

@@ -20,6 +20,7 @@ from itertools import accumulate
 from ..capture.probe import _attention_core
 from ..graph import TP_SHARDED_ROLES as _SHARDED_ROLES
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
+from ..hardware.profile_records import ELEMENTWISE_KINDS, elementwise_kind
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]
 
@@ -176,6 +177,11 @@ class GraphSummary:
         template's memory-bound operators (no FLOPs counted: norms, activations,
         softmax, residual adds, copies) read and write in the forward pass;
         ``quadratic`` is the attention core's ``s x s`` part.
+    ``elementwise_kinds``
+        ``{template: {kind: (replicated, tp_sharded, quadratic)}}``: the part of
+        ``elementwise`` that operators of each kind a profile may time apart move
+        (:data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS`: GELU, SiLU,
+        softmax, layer norm, masked_fill); kinds the template lacks are absent.
     ``activation_bytes``
         Bytes per element every floating captured tensor is counted at
         (:data:`ACTIVATION_UNIT_BYTES`, whatever dtype the model was built in); the
@@ -207,6 +213,7 @@ class GraphSummary:
         mb = graph.micro_batch
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
         self.elementwise: dict[str, tuple[float, float, float]] = {}
+        self.elementwise_kinds: dict[str, dict[str, tuple[float, float, float]]] = {}
         self.op_counts: dict[str, tuple[int, int]] = {}
         layers = []
         owners = _param_owners(graph)
@@ -220,6 +227,10 @@ class GraphSummary:
                 self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
                                                               graph.seq_len, mb, _in_bank(rec),
                                                               self.activation_bytes)
+                kinds = {kind: _elementwise(graph.templates[rec.template], graph.seq_len, mb,
+                                            _in_bank(rec), self.activation_bytes, kind=kind)
+                         for kind in ELEMENTWISE_KINDS}
+                self.elementwise_kinds[rec.template] = {k: v for k, v in kinds.items() if any(v)}
                 self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
@@ -465,8 +476,10 @@ def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, in
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
-                 mb: int, in_bank=None, activation_bytes: int = 0) -> tuple[float, float, float]:
-    """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``.
+                 mb: int, in_bank=None, activation_bytes: int = 0,
+                 kind: str | None = None) -> tuple[float, float, float]:
+    """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``;
+    with ``kind``, by those of that kind only (:func:`~autoplan.hardware.profile_records.elementwise_kind`).
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:
@@ -485,6 +498,8 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
         if n.fwd_flops or n.bwd_flops or not n.out_bytes:
             continue
         t = n.target
+        if kind is not None and elementwise_kind(t) != kind:
+            continue
         if any(op in t for op in _FREE_OPS) and not any(op in t for op in _MAYBE_COPY_OPS):
             continue
         if any(op in t for op in _MAYBE_COPY_OPS):

@@ -21,7 +21,7 @@ from ..errors import ConfigError, ProfileError
 from ..records import Record
 
 __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
-           "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
+           "EfficiencyTable", "OpOverhead", "ELEMENTWISE_KINDS", "ElementwiseRates", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
 
 #: Numeric formats a device may list a peak for.
@@ -281,6 +281,79 @@ class OpOverhead(Record):
         _require(_text(self.source), "source", "expected a non-empty source")
 
 
+#: Memory-bound operators a profile may time apart (:class:`ElementwiseRates`), each with
+#: the captured targets it prices (``aten.<op>.<overload>``, matched up to the overload).
+#: Their arithmetic per byte is far from a copy's on a CPU: erf-GELU's backward, SiLU's
+#: sigmoid, softmax's exponentials, layer norm's two reductions, masked_fill's mask.
+ELEMENTWISE_KINDS: dict[str, tuple[str, ...]] = {
+    "gelu": ("aten.gelu",),
+    "silu": ("aten.silu",),
+    "softmax": ("aten.softmax", "aten._softmax", "aten._safe_softmax"),
+    "layer_norm": ("aten.layer_norm", "aten.native_layer_norm"),
+    "masked_fill": ("aten.masked_fill",),
+}
+
+
+def elementwise_kind(target: str) -> str | None:
+    """The :data:`ELEMENTWISE_KINDS` kind a captured node's target is, or ``None``.
+
+    >>> elementwise_kind("aten.gelu.default"), elementwise_kind("aten.gelu_backward.default")
+    ('gelu', None)
+    """
+    op = target.rsplit(".", 1)[0] if target.count(".") >= 2 else target
+    for kind, ops in ELEMENTWISE_KINDS.items():
+        if op in ops:
+            return kind
+    return None
+
+
+@dataclass(frozen=True)
+class ElementwiseRates(Record):
+    """Measured speed of memory-bound operators of a kind (:data:`ELEMENTWISE_KINDS`), in
+    the bytes the cost model counts for them: a node's output plus its inputs in the
+    forward (:attr:`autoplan.cost.summary.GraphSummary.elementwise`), per second of its
+    forward and per second of its backward.  A kind without a figure moves at the
+    device's copy bandwidth, its backward ``ELEMENTWISE_BACKWARD_FACTOR`` times the
+    forward's bytes (:mod:`autoplan.cost.engine`).
+
+    Parameters
+    ----------
+    forward_bytes_per_s, backward_bytes_per_s : dict of str to float
+        Per kind, the forward's counted bytes over the forward's seconds and over the
+        backward's seconds.
+    source : str
+        How the figures were measured.
+    """
+
+    forward_bytes_per_s: dict[str, float]
+    backward_bytes_per_s: dict[str, float]
+    source: str
+
+    def __post_init__(self) -> None:
+        for field_name in ("forward_bytes_per_s", "backward_bytes_per_s"):
+            rates = getattr(self, field_name)
+            _require(isinstance(rates, dict), field_name,
+                     f"expected a mapping of operator kind to bytes per second, got {rates!r}")
+            for kind, value in rates.items():
+                _require(kind in ELEMENTWISE_KINDS, f"{field_name}.{kind}",
+                         f"unknown operator kind {kind!r}; expected one of "
+                         f"{list(ELEMENTWISE_KINDS)}")
+                _require(_finite_positive(value), f"{field_name}.{kind}",
+                         f"expected bytes per second > 0, got {value!r}")
+        _require(set(self.forward_bytes_per_s) == set(self.backward_bytes_per_s),
+                 "backward_bytes_per_s", "expected a backward figure for each forward one, "
+                 f"got {sorted(self.backward_bytes_per_s)} for {sorted(self.forward_bytes_per_s)}")
+        _require(_text(self.source), "source", "expected a non-empty source")
+
+    def seconds(self, kind: str, nbytes: float) -> tuple[float, float] | None:
+        """``(forward, backward)`` seconds of ``nbytes`` counted bytes of ``kind``, or
+        ``None`` without a figure for it."""
+        f = self.forward_bytes_per_s.get(kind)
+        if f is None:
+            return None
+        return nbytes / f, nbytes / self.backward_bytes_per_s[kind]
+
+
 @dataclass(frozen=True)
 class DeviceType(Record):
     """One accelerator (or CPU) kind.
@@ -313,6 +386,9 @@ class DeviceType(Record):
         The peaks and tables are measurements of this device (``autoplan profile``), not
         datasheet figures: the fitted figures of ``autoplan.cost.calibration``, which
         scale a datasheet peak, are not applied to it.
+    elementwise_rates : ElementwiseRates or None
+        Measured memory-bound operators by kind (``autoplan profile`` on CPU ranks);
+        ``None``: every memory-bound operator at ``memory_bw_bytes_per_s``.
     attention_efficiency : EfficiencyTable or None
         Measured fused attention (``autoplan profile`` on CUDA: causal SDPA, forward and
         backward): the fraction of the 16-bit peak at which the cost model's fused-
@@ -331,6 +407,7 @@ class DeviceType(Record):
     op_overhead: OpOverhead | None = None
     measured: bool = False
     attention_efficiency: EfficiencyTable | None = None
+    elementwise_rates: ElementwiseRates | None = None
 
     def __post_init__(self) -> None:
         _require(_text(self.name), "name", "expected a non-empty device name")
@@ -365,6 +442,9 @@ class DeviceType(Record):
                  or isinstance(self.attention_efficiency, EfficiencyTable),
                  "attention_efficiency",
                  f"expected an efficiency table or None, got {self.attention_efficiency!r}")
+        _require(self.elementwise_rates is None
+                 or isinstance(self.elementwise_rates, ElementwiseRates), "elementwise_rates",
+                 f"expected ElementwiseRates or None, got {self.elementwise_rates!r}")
 
     def resolve_dtype(self, dtype: str) -> str:
         """The dtype a matmul requested in ``dtype`` runs in on this device.

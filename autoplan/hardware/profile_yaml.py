@@ -14,7 +14,8 @@ from ..errors import ProfileError
 from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
                               IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
-                              NodeSpec, OpOverhead, Profile, SiteLink)
+                              NodeSpec, OpOverhead, Profile, SiteLink, ELEMENTWISE_KINDS,
+                              ElementwiseRates)
 
 __all__ = ["parse_profile", "profile_to_yaml"]
 
@@ -237,11 +238,34 @@ def _parse_device(sec: _Section) -> DeviceType:
     attention_sec = sec.mapping("attention_efficiency", "a measured fused-attention table",
                                 required=False)
     attention = _parse_efficiency_table(attention_sec) if attention_sec is not None else None
+    rates_sec = sec.mapping("elementwise_rates", "memory-bound operators' measured speed by kind",
+                            required=False)
+    rates = _parse_elementwise_rates(rates_sec) if rates_sec is not None else None
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
                   memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
                   architecture=architecture, op_overhead=overhead, measured=measured,
-                  attention_efficiency=attention)
+                  attention_efficiency=attention, elementwise_rates=rates)
+
+
+def _parse_elementwise_rates(sec: _Section) -> ElementwiseRates:
+    """``forward`` and ``backward``: bytes per second per operator kind
+    (:data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS`), and a ``source``."""
+    rates: dict[str, dict[str, float]] = {}
+    for direction in ("forward", "backward"):
+        part = sec.mapping(direction, f"{direction} bytes per second per operator kind")
+        assert part is not None
+        rates[direction] = {}
+        for kind in ELEMENTWISE_KINDS:
+            value = part.number(kind, f"{kind}'s {direction} bytes per second", _positive,
+                                "> 0", required=False)
+            if value is not None:
+                rates[direction][kind] = value
+        part.finish()
+    source = sec.text("source", "how the rates were measured")
+    sec.finish()
+    return _build(ElementwiseRates, sec, forward_bytes_per_s=rates["forward"],
+                  backward_bytes_per_s=rates["backward"], source=source)
 
 
 def _parse_op_overhead(sec: _Section) -> OpOverhead:
@@ -476,6 +500,11 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
         t = d.attention_efficiency
         device["attention_efficiency"] = {"points": [list(p) for p in t.points],
                                           "source": t.source}
+    if d.elementwise_rates is not None:
+        r = d.elementwise_rates
+        device["elementwise_rates"] = {"forward": dict(r.forward_bytes_per_s),
+                                       "backward": dict(r.backward_bytes_per_s),
+                                       "source": r.source}
     if d.op_overhead is not None:
         o = d.op_overhead
         device["op_overhead"] = {"forward_s": o.forward_s, "backward_s": o.backward_s,

@@ -104,6 +104,7 @@ from .profiles import (
     IntraNodeTopology,
     NodeSpec,
     OpOverhead,
+    ElementwiseRates,
     Profile,
     load_profile,
     profile_to_yaml,
@@ -689,6 +690,76 @@ def _cold_matmul(torch, n: int, dtype, device, cold_bytes: int) -> Callable[[], 
     return call
 
 
+#: Memory-bound operators of a kind (:data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS`)
+#: are timed on fp32 tensors of this many tokens x width (2 MiB, an activation of a small
+#: model's micro-batch), each call on the next of as many as span ``_COLD_BYTES / 2`` (with
+#: their output gradients), so none is in cache, as a step's activations are not.
+_ELEMENTWISE_SHAPE = (1024, 512)
+
+
+def _elementwise_calls(torch, kind: str, device, cold_bytes: int
+                       ) -> tuple[Callable[[], Any], Callable[[], Any], int]:
+    """``(forward, forward + backward, counted bytes)`` of one call of ``kind``'s operator
+    as a model calls it (GELU exact, softmax and layer norm over the last dimension,
+    masked_fill of a boolean mask); the bytes are the cost model's count for it, its output
+    plus its input (:func:`autoplan.cost.summary._elementwise`)."""
+    F = torch.nn.functional
+    tokens, width = _ELEMENTWISE_SHAPE
+    nbytes = tokens * width * 4
+    sets = max(2, -(-cold_bytes // (4 * nbytes)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    xs = [torch.randn(tokens, width, generator=gen, device=device).requires_grad_()
+          for _ in range(sets)]
+    grads = [torch.randn(tokens, width, generator=gen, device=device) for _ in range(sets)]
+    masks = [x.detach() > 1.0 for x in xs]
+    weight = torch.ones(width, device=device, requires_grad=True)
+    bias = torch.zeros(width, device=device, requires_grad=True)
+    ops: dict[str, Callable[[Any, int], Any]] = {
+        "gelu": lambda x, i: F.gelu(x),
+        "silu": lambda x, i: F.silu(x),
+        "softmax": lambda x, i: torch.softmax(x, dim=-1),
+        "layer_norm": lambda x, i: F.layer_norm(x, (width,), weight, bias),
+        "masked_fill": lambda x, i: x.masked_fill(masks[i], 0.0),
+    }
+    op = ops[kind]
+    state = [0]
+
+    def turn() -> int:
+        i = state[0]
+        state[0] = (i + 1) % sets
+        return i
+
+    def forward() -> None:
+        i = turn()
+        with torch.no_grad():
+            op(xs[i], i)
+
+    def both() -> None:   # the input's gradient returned, not accumulated
+        i = turn()
+        torch.autograd.grad(op(xs[i], i), xs[i], grads[i])
+
+    return forward, both, 2 * nbytes
+
+
+def _measure_elementwise(torch, timed: Callable[[Callable[[], Any]], float], device,
+                         cold_bytes: int) -> dict[str, list[float]]:
+    """``{kind: [forward seconds, backward seconds, counted bytes]}`` per call of each
+    :data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS` operator
+    (:func:`_elementwise_calls`; the backward is forward + backward less the forward).
+
+    On 4 CPU ranks sharing 2 cores a GPT's erf-GELU took ~4x and its backward ~10x what the
+    copy bandwidth prices for their bytes (torch.profiler over a data-parallel step,
+    2026-11-27): such operators are arithmetic per byte, not a copy."""
+    from .profile_records import ELEMENTWISE_KINDS
+    out: dict[str, list[float]] = {}
+    for kind in ELEMENTWISE_KINDS:
+        forward, both, nbytes = _elementwise_calls(torch, kind, device, cold_bytes)
+        fwd = timed(forward)
+        total = timed(both)
+        out[kind] = [fwd, max(total - fwd, fwd * 0.05), float(nbytes)]
+    return out
+
+
 def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, threads: int,
             plan: MeasurementPlan, result_dir: str, start: float) -> None:
     """One rank: measure compute, memory and collectives; rank 0 writes ``result.json``."""
@@ -1027,6 +1098,16 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
               else timed(lambda: dst.copy_(src), plan.copy_target_s, local=True))
     say(f"memory copy {_fmt_bytes(plan.copy_bytes)}: {2 * plan.copy_bytes / copy_s / 1e9:.2f} GB/s")
     del src, dst
+    # memory-bound operators of a kind, at their own speed (CPU: arithmetic per byte; on a
+    # GPU they stream at about the copy bandwidth, which prices them)
+    elementwise: dict[str, list[float]] = {}
+    if not cuda:
+        dist.barrier()
+        elementwise = _measure_elementwise(
+            torch, lambda fn: timed(fn, plan.copy_target_s, local=True), device, cold_bytes)
+        say("memory-bound operators: " + ", ".join(
+            f"{k} {v[2] / v[0] / 1e9:.1f}/{v[2] / v[1] / 1e9:.1f} GB/s" for k, v in elementwise.items())
+            + " (forward/backward, per counted byte)")
 
     attention: list[tuple[int, int, int, int, float]] = []
     if cuda:   # torch's fused attention (SDPA), as models call it, forward and backward
@@ -1193,7 +1274,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     else:
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
-            "cold_bytes": cold_bytes, "attention": attention}
+            "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -1419,10 +1500,11 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "each rank free-running, every rank busy, the fastest of a few windows "
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
     attention, attention_table = _attention_table(ranks, peaks, how)
+    elementwise_rates = _elementwise_rates(ranks, how, bool(raw.get("shares_cores")))
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
-        measured=True, attention_efficiency=attention_table,
+        measured=True, attention_efficiency=attention_table, elementwise_rates=elementwise_rates,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
@@ -1521,6 +1603,29 @@ def _attention_table(ranks: list[dict[str, Any]], peaks: dict[str, float], how: 
     return rows, table
 
 
+def _elementwise_rates(ranks: list[dict[str, Any]], how: str,
+                       shares_cores: bool) -> ElementwiseRates | None:
+    """The ranks' memory-bound operator timings (:func:`_measure_elementwise`) as rates,
+    the slowest rank's per figure (as for the matmuls); ``None`` where not measured (GPUs,
+    results of an older profiler)."""
+    measured = [r.get("elementwise") or {} for r in ranks]
+    kinds = [k for k in measured[0] if all(k in m for m in measured)]
+    if not kinds:
+        return None
+    forward = {k: min(m[k][2] / m[k][0] for m in measured) for k in kinds}
+    backward = {k: min(m[k][2] / m[k][1] for m in measured) for k in kinds}
+    rows, width = _ELEMENTWISE_SHAPE
+    return ElementwiseRates(
+        forward_bytes_per_s=forward, backward_bytes_per_s=backward,
+        source=(f"{how}: each operator as models call it (GELU exact, SiLU, softmax and "
+                f"layer norm over the last dimension, masked_fill of a boolean mask) on "
+                f"{rows} x {width} fp32 tensors, each call on the next of a rotation that "
+                "no cache holds; its output plus its input per second of its forward, and "
+                "per second of its backward (forward + backward less the forward)"
+                + ("; the ranks share cores: each rank free-running, every rank busy, the "
+                   "fastest of a few windows of the ranks' mean" if shares_cores else "")))
+
+
 def _one_device_node(copy_bytes_per_s: float, how: str, cuda: bool) -> NodeSpec:
     """The node of a one-device profile: no collective can run on it, so none was measured;
     its link figures are the device's own copy bandwidth (what a one-rank collective moves
@@ -1543,6 +1648,11 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
         f"  device   {d.name} x {n.devices_per_node}",
         f"  matmul   best GFLOP/s: {peaks}",
         f"  memory   {d.memory_bytes / 2**30:.2f} GiB per device, copy {d.memory_bw_bytes_per_s / 1e9:.2f} GB/s",
+        *([f"  memory-bound operators (forward/backward GB/s of their bytes): " + ", ".join(
+            f"{k} {d.elementwise_rates.forward_bytes_per_s[k] / 1e9:.1f}/"
+            f"{d.elementwise_rates.backward_bytes_per_s[k] / 1e9:.1f}"
+            for k in d.elementwise_rates.forward_bytes_per_s)]
+          if d.elementwise_rates is not None else []),
         *([f"  link     {n.bw_unidir_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, "
            f"{n.latency_s * 1e6:.1f} us per step",
            f"  collective efficiency: {effs}"] if n.devices_per_node > 1 else

@@ -43,7 +43,7 @@ from .profile_discovery import (HOME_ENV, PROFILES_ENV, available_profiles, find
 from .profile_records import (COLLECTIVE_OPS, DTYPE_FALLBACK, DTYPES, CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable, IntraNodeTopology,
                               MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
-                              Profile, SiteLink)
+                              ElementwiseRates, Profile, SiteLink)
 from .profile_yaml import parse_profile, profile_to_yaml
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "EfficiencyTable",
     "DeviceType",
     "OpOverhead",
+    "ElementwiseRates",
     "CollectiveEfficiency",
     "CollectiveLatency",
     "MeshLink",

@@ -1,0 +1,169 @@
+"""Memory-bound operators of a kind at their own measured speed (``DeviceType.elementwise_rates``).
+
+On a CPU, GELU, SiLU, softmax, layer norm and masked_fill are arithmetic per byte rather
+than a copy: ``autoplan profile`` times each (:func:`autoplan.hardware.profiler._measure_elementwise`)
+and the cost model prices the bytes the capture counts for each kind at that speed, in
+place of the copy bandwidth (forward) and twice the bytes at it (backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from autoplan import trace
+from autoplan.cost import CostOptions, estimate
+from autoplan.cost.engine import ELEMENTWISE_BACKWARD_FACTOR
+from autoplan.cost.summary import summarize
+from autoplan.errors import AutoplanError
+from autoplan.hardware import ElementwiseRates, NodeGroup, compose_cluster
+from autoplan.hardware.profile_records import ELEMENTWISE_KINDS, elementwise_kind
+from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+from autoplan.models import GPT, GPTConfig
+from autoplan.strategy import Strategy
+from runtime_cases import cpu_cluster
+
+CONFIG = GPTConfig(vocab_size=128, seq_len=16, hidden=32, heads=4, layers=2)
+OPTS = CostOptions(overlap_grad_reduce=False, overlap_param_gather=False,
+                   tp_comm_overlap=False, pp_comm_overlap=False, autocast=False,
+                   step_loss_all_reduce=False)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(GPT(CONFIG), seq_len=CONFIG.seq_len)
+
+
+def _cluster(rates: ElementwiseRates | None, world: int = 2):
+    p = next(iter(cpu_cluster(world).profiles.values()))
+    p = dataclasses.replace(p, device=dataclasses.replace(p.device, elementwise_rates=rates))
+    return compose_cluster([NodeGroup(p, 1)], name=f"ew-{id(rates)}")
+
+
+def _rates(forward: dict[str, float], backward: dict[str, float]) -> ElementwiseRates:
+    return ElementwiseRates(forward_bytes_per_s=forward, backward_bytes_per_s=backward,
+                            source="a test's figures")
+
+
+def test_kinds_are_matched_by_operator_not_by_prefix():
+    assert elementwise_kind("aten.gelu.default") == "gelu"
+    assert elementwise_kind("aten._softmax.default") == "softmax"
+    assert elementwise_kind("aten.native_layer_norm.default") == "layer_norm"
+    assert elementwise_kind("aten.gelu_backward.default") is None
+    assert elementwise_kind("aten.add.Tensor") is None
+
+
+def test_the_kinds_are_part_of_the_elementwise_bytes(graph):
+    """The GPT block's GELU (tensor-parallel sharded: the MLP's inner width), its two layer
+    norms (replicated), its softmax and causal mask (the attention's s x s scores) are each
+    a part of the block's memory-bound bytes; the GPT has no SiLU."""
+    s = summarize(graph)
+    block = next(t for t in s.elementwise if t.startswith("blocks"))
+    kinds = s.elementwise_kinds[block]
+    assert set(kinds) == {"gelu", "layer_norm", "softmax", "masked_fill"}
+    assert kinds["gelu"][0] == kinds["gelu"][2] == 0 and kinds["gelu"][1] > 0
+    assert kinds["layer_norm"][1:] == (0, 0) and kinds["layer_norm"][0] > 0
+    assert kinds["softmax"][:2] == (0, 0) and kinds["masked_fill"][:2] == (0, 0)
+    for part in range(3):
+        assert sum(v[part] for v in kinds.values()) <= s.elementwise[block][part]
+
+
+def test_rates_at_the_copy_speed_change_nothing(graph):
+    """A kind measured exactly as the copy bandwidth prices it (the forward's bytes at the
+    bandwidth, the backward's at half of it) costs what it cost without figures."""
+    bw = next(iter(cpu_cluster(2).profiles.values())).device.memory_bw_bytes_per_s
+    kinds = list(ELEMENTWISE_KINDS)
+    same = _rates({k: bw for k in kinds}, {k: bw / ELEMENTWISE_BACKWARD_FACTOR for k in kinds})
+    for s in (Strategy(dp=2, micro_batch=2, global_batch=8, precision="fp32"),
+              Strategy(tp=2, micro_batch=2, global_batch=8, precision="fp32",
+                       sequence_parallel=True)):
+        base = estimate(graph, _cluster(None), s, calibration=None, options=OPTS)
+        timed = estimate(graph, _cluster(same), s, calibration=None, options=OPTS)
+        assert timed.step_time_s == pytest.approx(base.step_time_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_slower_kind_costs_its_bytes_at_its_own_speed(graph, tp):
+    """GELU at a quarter of the copy bandwidth forward and a tenth backward: each micro-batch
+    of each block pays the GELU's counted bytes (its share on this tensor-parallel rank) at
+    those speeds instead of the copy's; nothing else moves."""
+    bw = next(iter(cpu_cluster(2).profiles.values())).device.memory_bw_bytes_per_s
+    s = Strategy(dp=2 // tp, tp=tp, micro_batch=2, global_batch=8, precision="fp32")
+    base = estimate(graph, _cluster(None), s, calibration=None, options=OPTS)
+    slow = estimate(graph, _cluster(_rates({"gelu": bw / 4}, {"gelu": bw / 10})), s,
+                    calibration=None, options=OPTS)
+    summary = summarize(graph)
+    scale = 4 / summary.activation_bytes          # fp32 bytes per counted unit
+    gelu = sum(summary.elementwise_kinds[l.template]["gelu"][1]
+               for l in summary.layers if "gelu" in summary.elementwise_kinds[l.template])
+    moved = gelu / tp * 2 * scale                 # per micro-batch of 2 sequences
+    micro_batches = 8 // (2 // tp) // 2
+    per_micro_batch = moved * (4 / bw - 1 / bw) + moved * (10 / bw - ELEMENTWISE_BACKWARD_FACTOR / bw)
+    added = slow.breakdown["compute_s"] - base.breakdown["compute_s"]
+    assert gelu > 0 and added == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
+    others = {k: v for k, v in slow.breakdown.items() if k != "compute_s"}
+    assert others == pytest.approx({k: v for k, v in base.breakdown.items() if k != "compute_s"})
+
+
+def test_rates_round_trip_and_bad_ones_are_named():
+    p = next(iter(_cluster(_rates({"gelu": 2e9, "softmax": 3e9},
+                                  {"gelu": 1e9, "softmax": 4e9})).profiles.values()))
+    text = profile_to_yaml(p)
+    back = parse_profile(yaml.safe_load(text)).device.elementwise_rates
+    assert back == p.device.elementwise_rates
+    assert back.seconds("gelu", 4e9) == (2.0, 4.0) and back.seconds("silu", 1.0) is None
+    # profiles without the section (GPUs, older CPU profiles) read None
+    plain = profile_to_yaml(next(iter(cpu_cluster(2).profiles.values())))
+    assert "elementwise_rates" not in plain
+    assert parse_profile(yaml.safe_load(plain)).device.elementwise_rates is None
+    for edit, match in ((lambda r: r["forward"].update(swish=1e9), "swish"),
+                        (lambda r: r["backward"].update(gelu=0), "gelu"),
+                        (lambda r: r["backward"].pop("softmax"), "backward"),
+                        (lambda r: r.pop("source"), "source")):
+        bad = yaml.safe_load(text)
+        edit(bad["device"]["elementwise_rates"])
+        with pytest.raises(AutoplanError, match=match):
+            parse_profile(bad)
+
+
+def test_the_profiler_turns_the_slowest_ranks_timings_into_rates():
+    """What each rank measured (forward seconds, backward seconds, counted bytes per call)
+    becomes bytes per second, the slowest rank's per figure."""
+    from autoplan.hardware.profiler import _build_profile
+    from runtime_cases import synthetic_measurements
+
+    raw = synthetic_measurements(2)
+    raw["ranks"][0]["elementwise"] = {"gelu": [1e-3, 4e-3, 2e6], "silu": [1e-3, 1e-3, 2e6]}
+    raw["ranks"][1]["elementwise"] = {"gelu": [2e-3, 2e-3, 2e6], "silu": [1e-3, 1e-3, 2e6]}
+    profile, _ = _build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
+                                quick=True, copy_bytes=2**20)
+    rates = profile.device.elementwise_rates
+    assert rates.forward_bytes_per_s == {"gelu": 1e9, "silu": 2e9}
+    assert rates.backward_bytes_per_s == {"gelu": 0.5e9, "silu": 2e9}
+    del raw["ranks"][0]["elementwise"]    # a rank (an older profiler) without them: none
+    profile, _ = _build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
+                                quick=True, copy_bytes=2**20)
+    assert profile.device.elementwise_rates is None
+
+
+def test_the_profiler_times_each_kind_forward_and_backward():
+    """The calls run the operators (a timer that runs each call twice and reads 1 ms a
+    forward, 3 ms forward + backward): 2 ms backward, on 2 MiB in and 2 MiB out."""
+    import torch
+
+    from autoplan.hardware.profiler import _measure_elementwise
+
+    calls = []
+
+    def timed(fn):
+        fn()
+        fn()
+        calls.append(fn)
+        return 1e-3 if len(calls) % 2 else 3e-3
+
+    out = _measure_elementwise(torch, timed, torch.device("cpu"), 16 * 2**20)
+    assert set(out) == set(ELEMENTWISE_KINDS)
+    for fwd, bwd, nbytes in out.values():
+        assert (fwd, bwd, nbytes) == pytest.approx((1e-3, 2e-3, 2 * 2 * 2**20))
