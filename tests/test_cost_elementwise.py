@@ -1,9 +1,10 @@
 """Memory-bound operators of a kind at their own measured speed (``DeviceType.elementwise_rates``).
 
 On a CPU, GELU, SiLU, softmax, layer norm and masked_fill are arithmetic per byte rather
-than a copy: ``autoplan profile`` times each (:func:`autoplan.hardware.profiler._measure_elementwise`)
-and the cost model prices the bytes the capture counts for each kind at that speed, in
-place of the copy bandwidth (forward) and twice the bytes at it (backward).
+than a copy: ``autoplan profile`` times each
+(:func:`autoplan.hardware.profiler._measure_elementwise`) and the cost model prices the
+bytes the capture counts for each kind at that speed, in place of the copy bandwidth
+(forward) and twice the bytes at it (backward).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def test_a_slower_kind_costs_its_bytes_at_its_own_speed(graph, tp):
                for l in summary.layers if "gelu" in summary.elementwise_kinds[l.template])
     moved = gelu / tp * 2 * scale                 # per micro-batch of 2 sequences
     micro_batches = 8 // (2 // tp) // 2
-    per_micro_batch = moved * (4 / bw - 1 / bw) + moved * (10 / bw - ELEMENTWISE_BACKWARD_FACTOR / bw)
+    per_micro_batch = (moved * (4 / bw - 1 / bw)
+                       + moved * (10 / bw - ELEMENTWISE_BACKWARD_FACTOR / bw))
     added = slow.breakdown["compute_s"] - base.breakdown["compute_s"]
     assert gelu > 0 and added == pytest.approx(micro_batches * per_micro_batch, rel=1e-9)
     others = {k: v for k, v in slow.breakdown.items() if k != "compute_s"}

@@ -720,7 +720,8 @@ class CostEngine:
                 bwd += own[1] - ELEMENTWISE_BACKWARD_FACTOR * copy
                 if k_quad:   # the attention core's part
                     q_moved = k_quad * b / (tp * cp) * act_scale
-                    core += rates.seconds(kind, q_moved)[0] - q_moved / device.memory_bw_bytes_per_s  # type: ignore[index]
+                    core += (q_moved / rates.forward_bytes_per_s[kind]
+                             - q_moved / device.memory_bw_bytes_per_s)
         if autocast:
             # the weights cast down in the forward, their gradients up in the backward
             local = sum(_local_params(self._templates[template], tp, ep))

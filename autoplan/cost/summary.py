@@ -479,7 +479,8 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
                  mb: int, in_bank=None, activation_bytes: int = 0,
                  kind: str | None = None) -> tuple[float, float, float]:
     """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``;
-    with ``kind``, by those of that kind only (:func:`~autoplan.hardware.profile_records.elementwise_kind`).
+    with ``kind``, by those of that kind only
+    (:func:`~autoplan.hardware.profile_records.elementwise_kind`).
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:

@@ -21,8 +21,9 @@ from ..errors import ConfigError, ProfileError
 from ..records import Record
 
 __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
-           "EfficiencyTable", "OpOverhead", "ELEMENTWISE_KINDS", "ElementwiseRates", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
-           "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile"]
+           "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
+           "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile",
+           "ELEMENTWISE_KINDS", "ElementwiseRates", "elementwise_kind"]
 
 #: Numeric formats a device may list a peak for.
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")

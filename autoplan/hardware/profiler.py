@@ -1106,8 +1106,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         elementwise = _measure_elementwise(
             torch, lambda fn: timed(fn, plan.copy_target_s, local=True), device, cold_bytes)
         say("memory-bound operators: " + ", ".join(
-            f"{k} {v[2] / v[0] / 1e9:.1f}/{v[2] / v[1] / 1e9:.1f} GB/s" for k, v in elementwise.items())
-            + " (forward/backward, per counted byte)")
+            f"{k} {v[2] / v[0] / 1e9:.1f}/{v[2] / v[1] / 1e9:.1f} GB/s"
+            for k, v in elementwise.items()) + " (forward/backward, per counted byte)")
 
     attention: list[tuple[int, int, int, int, float]] = []
     if cuda:   # torch's fused attention (SDPA), as models call it, forward and backward
