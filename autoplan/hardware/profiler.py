@@ -747,9 +747,12 @@ def _measure_elementwise(torch, timed: Callable[[Callable[[], Any]], float], dev
     :data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS` operator
     (:func:`_elementwise_calls`; the backward is forward + backward less the forward).
 
-    On 4 CPU ranks sharing 2 cores a GPT's erf-GELU took ~4x and its backward ~10x what the
-    copy bandwidth prices for their bytes (torch.profiler over a data-parallel step,
-    2026-11-27): such operators are arithmetic per byte, not a copy."""
+    Such operators are arithmetic per byte on a CPU, not a copy: on 4 ranks sharing 2 cores
+    (three quick profiles, 2026-11-27) erf-GELU ran at 0.6-0.7 of the speed the copy
+    bandwidth priced it at (the backward at twice the forward's bytes), masked_fill at a
+    quarter forward and 0.4 backward, layer norm at 1.2-1.7, softmax's backward at 1.4-1.8.
+    A backward that reads below 5% of its forward (timing noise on a fast one) is kept at
+    that."""
     from .profile_records import ELEMENTWISE_KINDS
     out: dict[str, list[float]] = {}
     for kind in ELEMENTWISE_KINDS:
