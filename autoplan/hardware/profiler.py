@@ -94,7 +94,7 @@ from typing import Any, Callable, Sequence
 
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
-from .profile_records import cuda_architecture
+from .profile_records import ELEMENTWISE_KINDS, cuda_architecture
 from .profiles import (
     COLLECTIVE_OPS,
     CollectiveEfficiency,
@@ -753,7 +753,6 @@ def _measure_elementwise(torch, timed: Callable[[Callable[[], Any]], float], dev
     quarter forward and 0.4 backward, layer norm at 1.2-1.7, softmax's backward at 1.4-1.8.
     A backward that reads below 5% of its forward (timing noise on a fast one) is kept at
     that."""
-    from .profile_records import ELEMENTWISE_KINDS
     out: dict[str, list[float]] = {}
     for kind in ELEMENTWISE_KINDS:
         forward, both, nbytes = _elementwise_calls(torch, kind, device, cold_bytes)
