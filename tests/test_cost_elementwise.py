@@ -17,10 +17,11 @@ import yaml
 from autoplan import trace
 from autoplan.cost import CostOptions, estimate
 from autoplan.cost.engine import ELEMENTWISE_BACKWARD_FACTOR
-from autoplan.cost.summary import summarize
+from autoplan.cost.summary import rate_kind, summarize
 from autoplan.errors import AutoplanError
 from autoplan.hardware import ElementwiseRates, NodeGroup, compose_cluster
-from autoplan.hardware.profile_records import ELEMENTWISE_KINDS, elementwise_kind
+from autoplan.hardware.profile_records import (ELEMENTWISE_KINDS, LAYOUT_KINDS, RATE_KINDS,
+                                               elementwise_kind)
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
 from autoplan.models import GPT, GPTConfig
 from autoplan.strategy import Strategy
@@ -58,12 +59,15 @@ def test_kinds_are_matched_by_operator_not_by_prefix():
 
 def test_the_kinds_are_part_of_the_elementwise_bytes(graph):
     """The GPT block's GELU (tensor-parallel sharded: the MLP's inner width), its two layer
-    norms (replicated), its softmax and causal mask (the attention's s x s scores) are each
-    a part of the block's memory-bound bytes; the GPT has no SiLU."""
+    norms (replicated), its softmax and causal mask (the attention's s x s scores) and the
+    copy of its heads' transposed output into the projection's layout (sharded) are each a
+    part of the block's memory-bound bytes; the GPT has no SiLU and no broadcast."""
     s = summarize(graph)
     block = next(t for t in s.elementwise if t.startswith("blocks"))
     kinds = s.elementwise_kinds[block]
-    assert set(kinds) == {"gelu", "layer_norm", "softmax", "masked_fill"}
+    assert set(kinds) == {"gelu", "layer_norm", "softmax", "masked_fill", "layout_copy"}
+    assert kinds["layout_copy"][0] == kinds["layout_copy"][2] == 0
+    assert kinds["layout_copy"][1] > 0
     assert kinds["gelu"][0] == kinds["gelu"][2] == 0 and kinds["gelu"][1] > 0
     assert kinds["layer_norm"][1:] == (0, 0) and kinds["layer_norm"][0] > 0
     assert kinds["softmax"][:2] == (0, 0) and kinds["masked_fill"][:2] == (0, 0)
@@ -75,7 +79,7 @@ def test_rates_at_the_copy_speed_change_nothing(graph):
     """A kind measured exactly as the copy bandwidth prices it (the forward's bytes at the
     bandwidth, the backward's at half of it) costs what it cost without figures."""
     bw = next(iter(cpu_cluster(2).profiles.values())).device.memory_bw_bytes_per_s
-    kinds = list(ELEMENTWISE_KINDS)
+    kinds = list(RATE_KINDS)
     same = _rates({k: bw for k in kinds}, {k: bw / ELEMENTWISE_BACKWARD_FACTOR for k in kinds})
     for s in (Strategy(dp=2, micro_batch=2, global_batch=8, precision="fp32"),
               Strategy(tp=2, micro_batch=2, global_batch=8, precision="fp32",
@@ -110,8 +114,9 @@ def test_a_slower_kind_costs_its_bytes_at_its_own_speed(graph, tp):
 
 
 def test_rates_round_trip_and_bad_ones_are_named():
-    p = next(iter(_cluster(_rates({"gelu": 2e9, "softmax": 3e9},
-                                  {"gelu": 1e9, "softmax": 4e9})).profiles.values()))
+    p = next(iter(_cluster(_rates({"gelu": 2e9, "softmax": 3e9, "broadcast": 5e9},
+                                  {"gelu": 1e9, "softmax": 4e9, "broadcast": 2e9})
+                           ).profiles.values()))
     text = profile_to_yaml(p)
     back = parse_profile(yaml.safe_load(text)).device.elementwise_rates
     assert back == p.device.elementwise_rates
@@ -128,6 +133,52 @@ def test_rates_round_trip_and_bad_ones_are_named():
         edit(bad["device"]["elementwise_rates"])
         with pytest.raises(AutoplanError, match=match):
             parse_profile(bad)
+
+
+def test_llama_blocks_broadcasts_and_layout_copies_are_their_own_kinds():
+    """A Hugging Face Llama block: RMSNorm's row scale and weight and the rotary
+    embeddings' products with cos and sin are broadcasts, the attention output made
+    contiguous is a layout copy; the residual additions, the rotation's concatenation,
+    the SiLU (its own kind) and the gate's product (same shapes) are not broadcasts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=16)
+    torch.manual_seed(0)
+    g = trace(LlamaForCausalLM(cfg), seq_len=16)
+    block = next(t for t in g.templates if "layers" in t)
+    nodes = {n.name: n for n in g.templates[block]}
+    kinds: dict[str, list[str]] = {}
+    for n in nodes.values():
+        if not (n.fwd_flops or n.bwd_flops):
+            kinds.setdefault(str(rate_kind(n, nodes)), []).append(n.target.split(".")[1])
+    # RMSNorm twice (x * rsqrt(mean), weight * x), rotary: q and k times cos and sin
+    assert sorted(kinds["broadcast"]) == ["mul"] * 8
+    # contiguous() then a reshape, or a reshape that copies (by transformers' version)
+    assert len(kinds["layout_copy"]) == 1 and kinds["layout_copy"][0] in ("contiguous",
+                                                                          "reshape")
+    assert kinds["silu"] == ["silu"]
+    assert "cat" in kinds["None"] and kinds["None"].count("add") >= 2
+    summary = summarize(g)
+    assert set(LAYOUT_KINDS) <= set(summary.elementwise_kinds[block])
+
+
+def test_a_slower_broadcast_costs_its_bytes_at_its_own_speed(graph):
+    """A layout kind is priced like an operator kind: the GPT's layout copy at a quarter of
+    the copy bandwidth both ways adds its counted bytes at that speed, nothing else."""
+    bw = next(iter(cpu_cluster(2).profiles.values())).device.memory_bw_bytes_per_s
+    s = Strategy(dp=2, micro_batch=2, global_batch=8, precision="fp32")
+    base = estimate(graph, _cluster(None), s, calibration=None, options=OPTS)
+    slow = estimate(graph, _cluster(_rates({"layout_copy": bw / 4}, {"layout_copy": bw / 4})),
+                    s, calibration=None, options=OPTS)
+    summary = summarize(graph)
+    moved = sum(sum(summary.elementwise_kinds[l.template].get("layout_copy", (0, 0, 0)))
+                for l in summary.layers) * 2 * 4 / summary.activation_bytes
+    added = slow.breakdown["compute_s"] - base.breakdown["compute_s"]
+    per_micro_batch = moved * (4 / bw - 1 / bw) + moved * (4 / bw - ELEMENTWISE_BACKWARD_FACTOR / bw)
+    assert moved > 0 and added == pytest.approx(2 * per_micro_batch, rel=1e-9)
 
 
 def test_the_profiler_turns_the_slowest_ranks_timings_into_rates():
@@ -169,3 +220,23 @@ def test_the_profiler_times_each_kind_forward_and_backward():
     assert set(out) == set(ELEMENTWISE_KINDS)
     for fwd, bwd, nbytes in out.values():
         assert (fwd, bwd, nbytes) == pytest.approx((1e-3, 2e-3, 2 * 2 * 2**20))
+
+
+def test_the_profiler_times_the_layout_kinds_as_a_gpu_would():
+    """The layout kinds' calls run (on the CPU here, as on a GPU): the broadcast is three
+    products (a row's scale, a weight, rotary cos of a transposed view), each counted at
+    its output and input, the row scale and cos tables too; the layout copy at its
+    output and input.  Their gradients flow (the timer runs forward + backward)."""
+    import torch
+
+    from autoplan.hardware.profiler import _elementwise_calls, _measure_elementwise
+
+    out = _measure_elementwise(torch, lambda fn: (fn(), fn(), 1e-3)[-1], torch.device("cpu"),
+                               2**20, LAYOUT_KINDS, (256, 128))
+    tensor = 256 * 128 * 4
+    assert out["layout_copy"][2] == 2 * tensor
+    assert out["broadcast"][2] == 3 * 2 * tensor + 256 * 4 + 256 * 64 * 4
+    forward, both, _ = _elementwise_calls(torch, "layout_copy", torch.device("cpu"), 2**20,
+                                          (256, 128))
+    forward()
+    both()

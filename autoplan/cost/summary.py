@@ -13,6 +13,7 @@ Prefix sums over the layers make any contiguous range's totals O(1).
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from itertools import accumulate
@@ -20,7 +21,7 @@ from itertools import accumulate
 from ..capture.probe import _attention_core
 from ..graph import TP_SHARDED_ROLES as _SHARDED_ROLES
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
-from ..hardware.profile_records import ELEMENTWISE_KINDS, elementwise_kind
+from ..hardware.profile_records import RATE_KINDS, elementwise_kind
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]
 
@@ -180,8 +181,9 @@ class GraphSummary:
     ``elementwise_kinds``
         ``{template: {kind: (replicated, tp_sharded, quadratic)}}``: the part of
         ``elementwise`` that operators of each kind a profile may time apart move
-        (:data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS`: GELU, SiLU,
-        softmax, layer norm, masked_fill); kinds the template lacks are absent.
+        (:data:`~autoplan.hardware.profile_records.RATE_KINDS`: GELU, SiLU, softmax,
+        layer norm, masked_fill by operator, then broadcasts and layout copies by their
+        operands, :func:`rate_kind`); kinds the template lacks are absent.
     ``activation_bytes``
         Bytes per element every floating captured tensor is counted at
         (:data:`ACTIVATION_UNIT_BYTES`, whatever dtype the model was built in); the
@@ -229,7 +231,7 @@ class GraphSummary:
                                                               self.activation_bytes)
                 kinds = {kind: _elementwise(graph.templates[rec.template], graph.seq_len, mb,
                                             _in_bank(rec), self.activation_bytes, kind=kind)
-                         for kind in ELEMENTWISE_KINDS}
+                         for kind in RATE_KINDS}
                 self.elementwise_kinds[rec.template] = {k: v for k, v in kinds.items() if any(v)}
                 self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
@@ -479,8 +481,7 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
                  mb: int, in_bank=None, activation_bytes: int = 0,
                  kind: str | None = None) -> tuple[float, float, float]:
     """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``;
-    with ``kind``, by those of that kind only
-    (:func:`~autoplan.hardware.profile_records.elementwise_kind`).
+    with ``kind``, by those of that kind only (:func:`rate_kind`).
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:
@@ -494,12 +495,13 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
 
     size = {n.name: nbytes(n) for n in nodes}
     target = {n.name: n.target for n in nodes}
+    by_name = {n.name: n for n in nodes}
     rep = shd = quad = 0.0
     for n in nodes:
         if n.fwd_flops or n.bwd_flops or not n.out_bytes:
             continue
         t = n.target
-        if kind is not None and elementwise_kind(t) != kind:
+        if kind is not None and rate_kind(n, by_name) != kind:
             continue
         if any(op in t for op in _FREE_OPS) and not any(op in t for op in _MAYBE_COPY_OPS):
             continue
@@ -515,6 +517,40 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
         else:
             rep += moved
     return rep / mb, shd / mb, quad / mb
+
+
+def rate_kind(n: NodeRecord, nodes: dict[str, NodeRecord]) -> str | None:
+    """The kind of memory-bound node ``n`` a profile may price at its own speed
+    (:data:`~autoplan.hardware.profile_records.RATE_KINDS`), or ``None``.
+
+    Its operator's kind first (:func:`~autoplan.hardware.profile_records.elementwise_kind`:
+    GELU, SiLU, softmax, layer norm, masked_fill), else by its operands (``nodes``: the
+    template's nodes by name; an input from outside the template is of unknown shape and
+    decides nothing):
+
+    * ``layout_copy``: a reshape, flatten, contiguous or clone of a transposed or permuted
+      view, which copies it into a new layout;
+    * ``broadcast``: an operand smaller than the output, an input of the template or a
+      parameter (``param_bytes``: a norm's weight), or an expanded view (not a
+      concatenation, whose inputs are each smaller than its output).
+    """
+    own = elementwise_kind(n.target)
+    if own is not None:
+        return own
+    srcs = [nodes[i] for i in n.inputs if i in nodes]
+    if any(op in n.target for op in (*_MAYBE_COPY_OPS, "contiguous", "clone")):
+        if srcs and any(op in srcs[0].target for op in ("transpose", "permute")):
+            return "layout_copy"
+        return None
+    if any(op in n.target for op in (*_FREE_OPS, "aten.cat", "aten.stack")):
+        return None     # a concatenation's inputs are smaller than its output, not broadcast
+    numel = math.prod(n.shape)
+    if 0 < n.param_bytes < n.out_bytes:
+        return "broadcast"
+    if len(n.inputs) >= 2 and any(math.prod(m.shape) < numel or "expand" in m.target
+                                  for m in srcs):
+        return "broadcast"
+    return None
 
 
 def _is_scores(shape: tuple[int, ...], seq_len: int | None, mb: int) -> bool:

@@ -23,7 +23,8 @@ from ..records import Record
 __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
            "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile",
-           "ELEMENTWISE_KINDS", "ElementwiseRates", "elementwise_kind"]
+           "ELEMENTWISE_KINDS", "LAYOUT_KINDS", "RATE_KINDS", "ElementwiseRates",
+           "elementwise_kind"]
 
 #: Numeric formats a device may list a peak for.
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
@@ -295,6 +296,19 @@ ELEMENTWISE_KINDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Memory-bound nodes a profile may time apart by the layout of their operands rather than
+#: by their operator: ``broadcast``, an operation with an operand smaller than its output (a
+#: norm's per-row scale or weight, rotary embeddings' cos and sin, an expanded mask), and
+#: ``layout_copy``, the copy that makes a transposed or permuted view contiguous.  torch's
+#: CUDA kernels take a non-vectorized path for both, whose speed is not the copy
+#: bandwidth's: on an H100 and an H200 (2026-11-26/27, Llama 3.2 1B shapes) they took
+#: 0.91-1.0 of each other's time where the vectorized kernels took the ratio of the two
+#: cards' copy bandwidths, 0.71 (``benchmarks/gpu_truth.py``).
+LAYOUT_KINDS: tuple[str, ...] = ("broadcast", "layout_copy")
+#: Every kind an :class:`ElementwiseRates` may price.
+RATE_KINDS: tuple[str, ...] = (*ELEMENTWISE_KINDS, *LAYOUT_KINDS)
+
+
 def elementwise_kind(target: str) -> str | None:
     """The :data:`ELEMENTWISE_KINDS` kind a captured node's target is, or ``None``.
 
@@ -310,7 +324,8 @@ def elementwise_kind(target: str) -> str | None:
 
 @dataclass(frozen=True)
 class ElementwiseRates(Record):
-    """Measured speed of memory-bound operators of a kind (:data:`ELEMENTWISE_KINDS`), in
+    """Measured speed of memory-bound operators of a kind (:data:`RATE_KINDS`: an operator of
+    :data:`ELEMENTWISE_KINDS` or a layout of :data:`LAYOUT_KINDS`), in
     the bytes the cost model counts for them: a node's output plus its inputs in the
     forward (:attr:`autoplan.cost.summary.GraphSummary.elementwise`), per second of its
     forward and per second of its backward.  A kind without a figure moves at the
@@ -336,9 +351,9 @@ class ElementwiseRates(Record):
             _require(isinstance(rates, dict), field_name,
                      f"expected a mapping of operator kind to bytes per second, got {rates!r}")
             for kind, value in rates.items():
-                _require(kind in ELEMENTWISE_KINDS, f"{field_name}.{kind}",
+                _require(kind in RATE_KINDS, f"{field_name}.{kind}",
                          f"unknown operator kind {kind!r}; expected one of "
-                         f"{list(ELEMENTWISE_KINDS)}")
+                         f"{list(RATE_KINDS)}")
                 _require(_finite_positive(value), f"{field_name}.{kind}",
                          f"expected bytes per second > 0, got {value!r}")
         _require(set(self.forward_bytes_per_s) == set(self.backward_bytes_per_s),

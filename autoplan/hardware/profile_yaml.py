@@ -14,7 +14,7 @@ from ..errors import ProfileError
 from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
                               IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
-                              NodeSpec, OpOverhead, Profile, SiteLink, ELEMENTWISE_KINDS,
+                              NodeSpec, OpOverhead, Profile, SiteLink, RATE_KINDS,
                               ElementwiseRates)
 
 __all__ = ["parse_profile", "profile_to_yaml"]
@@ -250,13 +250,13 @@ def _parse_device(sec: _Section) -> DeviceType:
 
 def _parse_elementwise_rates(sec: _Section) -> ElementwiseRates:
     """``forward`` and ``backward``: bytes per second per operator kind
-    (:data:`~autoplan.hardware.profile_records.ELEMENTWISE_KINDS`), and a ``source``."""
+    (:data:`~autoplan.hardware.profile_records.RATE_KINDS`), and a ``source``."""
     rates: dict[str, dict[str, float]] = {}
     for direction in ("forward", "backward"):
         part = sec.mapping(direction, f"{direction} bytes per second per operator kind")
         assert part is not None
         rates[direction] = {}
-        for kind in ELEMENTWISE_KINDS:
+        for kind in RATE_KINDS:
             value = part.number(kind, f"{kind}'s {direction} bytes per second", _positive,
                                 "> 0", required=False)
             if value is not None:
