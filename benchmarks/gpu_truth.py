@@ -20,9 +20,9 @@ report (the default; no GPU needed)
     For each measured case, the estimate of :func:`autoplan.estimate` for the same model
     (traced on the meta device) and ``Strategy``, on two clusters of one device:
 
-    * ``shipped``: the shipped datasheet profile of the GPU (``--shipped``, default
-      ``h100-sxm5-80gb``) with the published-run calibration, what a user gets who has
-      never profiled;
+    * ``shipped``: the shipped datasheet profile of the GPU (``--shipped``, default the
+      run's GPU's, :func:`shipped_profile`) with the published-run calibration, what a
+      user gets who has never profiled;
     * ``measured``: the profile measured in step 1 (its own matmul, copy and attention
       figures, and the host's time per operator, which the cost model sets against the
       device's per layer; ``DeviceType.measured``, so no calibration on top).
@@ -33,7 +33,7 @@ report (the default; no GPU needed)
     ``max_memory_allocated`` counts.
 
     python benchmarks/gpu_truth.py --run --out gpu-run           # on the GPU machine (~4 min)
-    python benchmarks/gpu_truth.py          # report the latest committed run (H100)
+    python benchmarks/gpu_truth.py          # report the committed runs (H100, H200)
     python benchmarks/gpu_truth.py --results benchmarks/gpu_truth/h100-2026-11-26
     python benchmarks/gpu_truth.py --run --device cpu --out /tmp/rehearsal   # tiny, on a CPU
     python benchmarks/gpu_truth.py --results /tmp/rehearsal
@@ -327,18 +327,50 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
     return rows
 
 
+#: A step the GPU bounds: its wall time within this factor of the GPU's busy time (the rest
+#: is host-bound: the host dispatches slower than the GPU computes)
+GPU_BOUND = 1.10
+
+
+def gpu_bound(row: dict) -> bool:
+    """Whether a reported case's wall step is within :data:`GPU_BOUND` of the GPU's busy
+    time."""
+    return bool(row["measured_s"] and row["gpu_busy_s"]
+                and row["measured_s"] <= GPU_BOUND * row["gpu_busy_s"])
+
+
 def _pct(pred: float | None, meas: float | None) -> str:
     if pred is None or not meas:
         return "   -  "
     return f"{(pred / meas - 1) * 100:+6.1f}%"
 
 
-#: The committed GPU runs: the one with every case (its profile beside it, device figures
-#: only), and the later one with the host's time per operator in its profile (under
-#: ``profiles/measured/``), reported by default
+#: The committed GPU runs: on an H100 the one with every case (its profile beside it,
+#: device figures only) and the later one with the host's time per operator in its
+#: profile (under ``profiles/measured/``); on an H200 every case (where the 3B fits at
+#: micro-batch 2), its profile beside it (host time, no memory-bound rates); and, on an
+#: H200 and an H100, runs whose profiles time memory-bound operators by kind on the GPU,
+#: broadcasts and layout copies too (``profiles/measured/``).  ``--results`` reports one;
+#: without it, :data:`REPORTED`.
 RUNS = REPO / "benchmarks" / "gpu_truth"
 FIRST = RUNS / "h100-2026-11-26"
 LATEST = RUNS / "h100-2026-11-26-host"
+H200 = RUNS / "h200-2026-11-27"
+LAYOUT = (RUNS / "h200-2026-11-27-layout", RUNS / "h100-2026-11-27-layout")
+REPORTED = (LATEST, H200, *LAYOUT)
+#: The shipped datasheet profile a run is compared with, by the GPU's name as torch gives
+#: it (first match; ``--shipped`` overrides)
+SHIPPED = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm5-80gb"), ("A100-SXM4-40GB", "a100-sxm4-40gb"),
+           ("A100", "a100-sxm4-80gb"), ("B200", "b200-sxm-180gb"), ("V100", "v100-sxm2-32gb"))
+
+
+def shipped_profile(gpu: str | None) -> str:
+    """The shipped profile of :data:`SHIPPED` for a GPU named ``gpu``
+    (``h100-sxm5-80gb`` for one it does not know)."""
+    for key, name in SHIPPED:
+        if key in (gpu or ""):
+            return name
+    return "h100-sxm5-80gb"
 
 
 def _measured_profile(results_dir: Path, results: dict) -> Path | None:
@@ -351,7 +383,7 @@ def _measured_profile(results_dir: Path, results: dict) -> Path | None:
     return REPO / named if named and (REPO / named).is_file() else None
 
 
-def report_main(results_dir: Path, shipped: str) -> int:
+def report_main(results_dir: Path, shipped: str | None) -> int:
     from autoplan.errors import AutoplanError
     path = results_dir / "results.json"
     if not path.is_file():
@@ -369,7 +401,7 @@ def report_main(results_dir: Path, shipped: str) -> int:
     clusters = {}
     try:
         if results.get("device") != "cpu":
-            clusters["shipped"] = _device_cluster(shipped)
+            clusters["shipped"] = _device_cluster(shipped or shipped_profile(results.get("gpu")))
         measured = _measured_profile(results_dir, results)
         if measured is not None:
             clusters["measured"] = _device_cluster(str(measured))
@@ -408,6 +440,12 @@ def report_main(results_dir: Path, shipped: str) -> int:
         t = [abs(r["pred_" + l + "_s"] / r["measured_s"] - 1) for r in rows if r["measured_s"]]
         m = [abs(r["pred_" + l + "_bytes"] / r["measured_bytes"] - 1) for r in rows if r["measured_bytes"]]
         g = [abs(r["pred_" + l + "_s"] / r["gpu_busy_s"] - 1) for r in rows if r["gpu_busy_s"]]
+        bound = [abs(r["pred_" + l + "_s"] / r["measured_s"] - 1) for r in rows
+                 if r["measured_s"] and r["gpu_busy_s"] and gpu_bound(r)]
+        if bound:
+            print(f"{l}, the {len(bound)} steps the GPU bounds (within {GPU_BOUND - 1:.0%} of "
+                  f"its busy time): mean |error| {statistics.fmean(bound) * 100:.1f}% "
+                  f"(worst {max(bound) * 100:.1f}%)")
         if t:
             print(f"{l}: step time mean |error| {statistics.fmean(t) * 100:.1f}% "
                   f"(worst {max(t) * 100:.1f}%)"
@@ -427,12 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="store_true", help="measure (needs CUDA unless --device cpu)")
     p.add_argument("--out", type=Path, default=_DEFAULT_OUT, help="--run's output folder")
     p.add_argument("--results", type=Path, default=None,
-                   help="a --run output folder to report (default: the committed run, "
-                        f"{LATEST.relative_to(REPO)})")
+                   help="a --run output folder to report (default: the committed runs, "
+                        + ", ".join(str(r.relative_to(REPO)) for r in REPORTED) + ")")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--model", action="append", default=[], help="only this model (repeatable)")
-    p.add_argument("--shipped", default="h100-sxm5-80gb",
-                   help="the shipped profile to compare with (default h100-sxm5-80gb)")
+    p.add_argument("--shipped", default=None,
+                   help="the shipped profile to compare with (default: the run's GPU's, "
+                        "h100-sxm5-80gb for an H100, h200-sxm-141gb for an H200...)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per step of --run")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
@@ -442,8 +481,14 @@ def main(argv: list[str] | None = None) -> int:
         return _model_worker(args.worker, zoo[args.worker], args.device, args.rows)
     if args.run:
         return run_main(args.out, args.device, args.model, args.timeout)
-    return report_main(args.results or (args.out if args.out != _DEFAULT_OUT else LATEST),
-                       args.shipped)
+    if args.results is None and args.out == _DEFAULT_OUT:
+        codes = []
+        for run in REPORTED:
+            print(f"== {run.relative_to(REPO)}")
+            codes.append(report_main(run, args.shipped))
+            print()
+        return max(codes)
+    return report_main(args.results or args.out, args.shipped)
 
 
 if __name__ == "__main__":

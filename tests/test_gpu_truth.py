@@ -1,5 +1,5 @@
-"""benchmarks/gpu_truth.py: the committed H100 run against the cost model, and the script's
-own paths (its measuring half rehearsed on the CPU; CI has no GPU)."""
+"""benchmarks/gpu_truth.py: the committed H100 and H200 runs against the cost model, and the
+script's own paths (its measuring half rehearsed on the CPU; CI has no GPU)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,32 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_truth  # noqa: E402
 
 
-def _report(run: Path):
+def _report(run: Path, profile: Path | None = None, **extra):
     results = json.loads((run / "results.json").read_text())
-    profile = gpu_truth._measured_profile(run, results)
+    profile = profile or gpu_truth._measured_profile(run, results)
     assert profile is not None and profile.is_file()
-    clusters = {"shipped": gpu_truth._device_cluster("h100-sxm5-80gb"),
-                "measured": gpu_truth._device_cluster(str(profile))}
+    clusters = {"shipped": gpu_truth._device_cluster(gpu_truth.shipped_profile(results["gpu"])),
+                "measured": gpu_truth._device_cluster(str(profile)), **extra}
     return results, gpu_truth.report_rows(results, clusters, gpu_truth.MODELS)
+
+
+def _without_layout_rates(profile: Path):
+    """The one-device cluster of ``profile`` with its layout kinds' rates dropped."""
+    import dataclasses
+
+    import yaml
+
+    from autoplan.hardware import ElementwiseRates, NodeGroup, compose_cluster
+    from autoplan.hardware.profile_records import ELEMENTWISE_KINDS
+    from autoplan.hardware.profiles import parse_profile
+
+    p = parse_profile(yaml.safe_load(profile.read_text()))
+    r = p.device.elementwise_rates
+    ops = ElementwiseRates({k: v for k, v in r.forward_bytes_per_s.items() if k in ELEMENTWISE_KINDS},
+                           {k: v for k, v in r.backward_bytes_per_s.items() if k in ELEMENTWISE_KINDS},
+                           r.source)
+    return compose_cluster([NodeGroup(dataclasses.replace(
+        p, device=dataclasses.replace(p.device, elementwise_rates=ops)), 1)], name="ops-only")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +95,66 @@ def test_peak_memory_is_predicted_within_10_percent(run, request):
         if r["measured_bytes"]:
             for label in ("shipped", "measured"):
                 assert r[f"pred_{label}_bytes"] == pytest.approx(r["measured_bytes"], rel=0.10), r
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return _report(gpu_truth.H200)
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["h200", "h100"])
+def layout(request):
+    run = gpu_truth.LAYOUT[request.param]
+    results = json.loads((run / "results.json").read_text())
+    profile = gpu_truth._measured_profile(run, results)
+    return _report(run, ops_only=_without_layout_rates(profile))
+
+
+def test_the_h200_holds_every_case_and_its_memory_is_predicted(h200):
+    """139 GiB hold the 3B at micro-batch 2 without full recompute (out of memory on the
+    H100's 80); every case's peak within 10%, on the shipped H200 profile and the
+    measured one."""
+    results, rows = h200
+    assert results["gpu"] == "NVIDIA H200" and len(rows) == 12
+    assert all(r["measured_s"] for r in rows)
+    for r in rows:
+        for label in ("shipped", "measured"):
+            assert r[f"pred_{label}_bytes"] == pytest.approx(r["measured_bytes"], rel=0.10), r
+
+
+def test_the_layout_kinds_price_the_gpu_bound_steps(layout):
+    """On an H200 and an H100 whose profiles time broadcasts and layout copies on the GPU,
+    every step the GPU bounds is priced within 7% of its wall time and within 10% of the
+    GPU's busy time, the Llamas' within 5% of it; without the layout kinds' rates (at the
+    copy bandwidth) the Llamas' are priced 4% or more below what they were with them."""
+    results, rows = layout
+    bound = [r for r in rows if gpu_truth.gpu_bound(r)]
+    assert len(bound) >= 4 and {r["model"] for r in bound} >= {"llama-1b", "gpt-1.3b"}
+    for r in bound:
+        assert r["pred_measured_s"] == pytest.approx(r["measured_s"], rel=0.07), r
+        assert r["pred_measured_s"] == pytest.approx(r["gpu_busy_s"], rel=0.10), r
+        if r["model"].startswith("llama"):
+            assert r["pred_measured_s"] == pytest.approx(r["gpu_busy_s"], rel=0.05), r
+            assert r["pred_ops_only_s"] < 0.96 * r["pred_measured_s"], r
+
+
+def test_the_layout_rates_carry_to_another_machines_run():
+    """The layout run's H200 profile, measured on another machine, prices the first H200
+    run's Llama steps that the GPU bounds within 5% of the GPU's busy time."""
+    results, rows = _report(gpu_truth.H200, gpu_truth._measured_profile(
+        gpu_truth.LAYOUT[0], json.loads((gpu_truth.LAYOUT[0] / "results.json").read_text())))
+    llama = [r for r in rows if r["model"].startswith("llama") and gpu_truth.gpu_bound(r)]
+    assert len(llama) >= 3
+    for r in llama:
+        assert r["pred_measured_s"] == pytest.approx(r["gpu_busy_s"], rel=0.05), r
+
+
+def test_the_shipped_profile_is_the_runs_gpus():
+    assert gpu_truth.shipped_profile("NVIDIA H200") == "h200-sxm-141gb"
+    assert gpu_truth.shipped_profile("NVIDIA H100 80GB HBM3") == "h100-sxm5-80gb"
+    assert gpu_truth.shipped_profile("NVIDIA A100-SXM4-40GB") == "a100-sxm4-40gb"
+    assert gpu_truth.shipped_profile("NVIDIA A100-SXM4-80GB") == "a100-sxm4-80gb"
+    assert gpu_truth.shipped_profile(None) == "h100-sxm5-80gb"
 
 
 def test_kernel_kinds():
