@@ -301,8 +301,8 @@ ELEMENTWISE_KINDS: dict[str, tuple[str, ...]] = {
 #: norm's per-row scale or weight, rotary embeddings' cos and sin, an expanded mask), and
 #: ``layout_copy``, the copy that makes a transposed or permuted view contiguous.  torch's
 #: CUDA kernels take a non-vectorized path for both, whose speed is not the copy
-#: bandwidth's: on an H100 and an H200 (2026-11-26/27, Llama 3.2 1B shapes) they took
-#: 0.91-1.0 of each other's time where the vectorized kernels took the ratio of the two
+#: bandwidth's: on an H200 (2026-11-27, Llama 3.2 1B shapes) they took 0.84-1.0 of their time
+#: on an H100 where the vectorized kernels took 0.70-0.80, most of them the ratio of the two
 #: cards' copy bandwidths, 0.71 (``benchmarks/gpu_truth.py``).
 LAYOUT_KINDS: tuple[str, ...] = ("broadcast", "layout_copy")
 #: Every kind an :class:`ElementwiseRates` may price.
