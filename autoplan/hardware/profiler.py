@@ -748,7 +748,7 @@ def _elementwise_calls(torch, kind: str, device, cold_bytes: int,
             return (grads[i], grads[i], transposed(grads[i]))
         counted = 3 * 2 * nbytes + small
     else:
-        masks = [x.detach() > 1.0 for x in xs]
+        masks = [x.detach() > 1.0 for x in xs] if kind == "masked_fill" else []
         weight = torch.ones(width, device=device, requires_grad=True)
         bias = torch.zeros(width, device=device, requires_grad=True)
         ops: dict[str, Callable[[Any, int], Any]] = {
@@ -793,7 +793,7 @@ def _elementwise_calls(torch, kind: str, device, cold_bytes: int,
 
 
 def _measure_elementwise(torch, timed: Callable[[Callable[[], Any]], float], device,
-                         cold_bytes: int, kinds=tuple(ELEMENTWISE_KINDS),
+                         cold_bytes: int, kinds: Sequence[str] = tuple(ELEMENTWISE_KINDS),
                          shape: tuple[int, int] = _ELEMENTWISE_SHAPE
                          ) -> dict[str, list[float]]:
     """``{kind: [forward seconds, backward seconds, counted bytes]}`` per call of each
