@@ -208,7 +208,9 @@ def _build_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="the mixed-precision recipe (default bf16; fp8: weight GEMMs at the "
+                        "device's FP8 peak, priced only: parallelize cannot run it)")
     p.add_argument("--memory-fraction", type=float, default=0.9)
     _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
@@ -264,13 +266,18 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=3, help="plans to rank (default 3)")
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="the mixed-precision recipe (default bf16; fp8: weight GEMMs at the "
+                        "device's FP8 peak, priced only: parallelize cannot run it)")
     _add_stack_arg(p)
     p.add_argument("--out", help="write the best plan's JSON here")
     p.add_argument("--explain", action="store_true",
                    help="add a legend of the layout terms (dp, tp, mb, zero, rc-, ...)")
     p.add_argument("--json", action="store_true")
 
+
+#: ``--precision`` of estimate and plan: :class:`autoplan.strategy.Precision`'s recipes
+PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 
 DEMO = dict(model="zoo:gpt3-175b", cluster="a100-sxm4-80gb", nodes=128, global_batch=1536)
 

@@ -206,12 +206,15 @@ def emit_script(plan: Plan, model_spec: str, model_args: dict[str, Any] | None =
     Raises
     ------
     ConfigError
-        When the plan has no sequence length (the script trains token models),
+        When the plan's precision is one the runtime cannot run (fp16, fp8), when the
+        plan has no sequence length (the script trains token models),
         the model has no ``config.vocab_size``, the cluster disagrees with the
         plan, or an elastic launch has no cluster to replan for.
     """
+    from .runtime.parallelize import check_runnable_precision
     from .zoo import build_model
 
+    check_runnable_precision(plan.precision)     # here, not in every rank after launch
     if plan.seq_len is None:
         raise ConfigError("emit writes training scripts for token models; this plan has no "
                           "sequence length")

@@ -122,3 +122,17 @@ def test_cli_emits_an_elastic_launch(tmp_path: Path):
     assert "CLUSTER_JSON = r" in (tmp_path / "train.py").read_text()
     bad = subprocess.run(cli + ["--nodes", "3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not for the cluster given" in bad.stderr, bad.stderr
+
+
+def test_recipes_the_runtime_cannot_run_are_named():
+    """fp16 (no loss scaling) and fp8 (no FP8 kernels) are priced but not run: parallelize
+    and emit refuse them with what to use instead; bf16 and fp32 pass."""
+    from autoplan.errors import ConfigError
+    from autoplan.runtime.parallelize import check_runnable_precision
+
+    for ok in ("bf16", "fp32"):
+        check_runnable_precision(ok)
+    with pytest.raises(ConfigError, match="loss scaling.*'bf16' or 'fp32'"):
+        check_runnable_precision("fp16")
+    with pytest.raises(ConfigError, match="no FP8 kernels.*'bf16'"):
+        check_runnable_precision("fp8")

@@ -502,17 +502,24 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     return pm
 
 
+def check_runnable_precision(precision: Precision | str) -> None:
+    """Raise :class:`ConfigError` for a recipe the runtime cannot run (fp16: no loss
+    scaling; fp8: no FP8 kernels), which the cost model still prices."""
+    precision = Precision(precision)
+    if precision is Precision.FP16:
+        raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
+                          "use 'bf16' or 'fp32'")
+    if precision is Precision.FP8:
+        raise ConfigError("precision='fp8' is priced by the cost model (FP8 GEMMs as "
+                          "Transformer Engine runs them) but the runtime has no FP8 kernels; "
+                          "run the plan with precision 'bf16'")
+
+
 def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int | None,
                    token_model: bool, loss_fn: Callable | None) -> list[ExpertBank]:
     """What the plan needs from this model beyond its layer names (no collective); returns
     the expert banks expert parallelism splits (none without it)."""
-    if plan.precision is Precision.FP16:
-        raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
-                          "use 'bf16' or 'fp32'")
-    if plan.precision is Precision.FP8:
-        raise ConfigError("precision='fp8' is priced by the cost model (FP8 GEMMs as "
-                          "Transformer Engine runs them) but the runtime has no FP8 kernels; "
-                          "run the plan with precision 'bf16'")
+    check_runnable_precision(plan.precision)
     if plan.cp > 1:
         if not token_model or loss_fn is not None:
             raise ConfigError(f"cp={plan.cp}: context parallelism trains token models with the "
