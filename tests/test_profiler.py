@@ -137,14 +137,19 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert o.selective_s == 0.0   # the per-captured-operator figure of older profiles
     assert "per autograd node" in o.source and "28 a block" in o.source
     assert "fused AdamW step autoplan.parallelize builds, over 32" in o.source
-    # tensor-parallel linears: on a one-rank mesh here; on pairs of ranks where they share cores
-    assert "on a one-rank mesh, plus the functional" in o.source
+    # tensor-parallel linears: on pairs of ranks wherever the ranks pair up, whether or not
+    # they share cores; on one-rank meshes where they do not (an odd number of ranks)
     shared, _ = _build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
                                               "shares_cores": True},
                                cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
                                copy_bytes=2**20)
-    assert "on two-rank groups, every pair at once" in shared.device.op_overhead.source
-    assert f"the median of {_TP_PAIR_ROUNDS} rounds" in shared.device.op_overhead.source
+    for p in (profile, shared):
+        assert "on two-rank groups, every pair at once" in p.device.op_overhead.source
+        assert f"the median of {_TP_PAIR_ROUNDS} rounds" in p.device.op_overhead.source
+    odd, _ = _build_profile("local-test", synthetic_measurements(3, overhead=per_rank * 2),
+                            cuda=False, nproc=3, threads=1, devices_per_node=3, quick=True,
+                            copy_bytes=2**20)
+    assert "on a one-rank mesh, plus the functional" in odd.device.op_overhead.source
     text = profile_to_yaml(profile)
     assert parse_profile(yaml.safe_load(text)) == profile
     # a profile written before the optimizer's figures were measured loads with 0 for them

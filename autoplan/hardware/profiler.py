@@ -399,21 +399,26 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     per call): a tiny MLP as ``ColwiseParallel`` + ``RowwiseParallel`` (what
     :mod:`autoplan.runtime.tp` builds) against the same MLP unsharded.
 
-    * On each rank's own one-rank group ``own`` (``pair`` None): no other rank to wait for
-      inside a call, so the figure does not carry the link's noise.  There DTensor runs
-      its sharding propagation and wrapping but skips the collectives, so the functional
-      collective's Python side is added once each way (``funcol.all_reduce`` + wait
-      against ``dist.all_reduce`` on the same group: the row linear's output all-reduce
-      in the forward, the column linear's input-gradient all-reduce in the backward).
-      On ranks with cores of their own the one-rank figure reads the 2-rank step within
-      5% (a pair overstated it by 15%).
-    * On a two-rank group ``pair`` (the caller passes one where ranks share cores: the
+    * On each rank's own one-rank group ``own`` (``pair`` None; the caller measures so
+      only where the ranks do not pair up, an odd number): no other rank to wait for
+      inside a call.  There DTensor runs its sharding propagation and wrapping but skips
+      the collectives, so the functional collective's Python side is added once each way
+      (``funcol.all_reduce`` + wait against ``dist.all_reduce`` on the same group: the
+      row linear's output all-reduce in the forward, the column linear's input-gradient
+      all-reduce in the backward).  It misses what DTensor does only around a real
+      collective (its redistribution, the wrapping of the in-flight result): on 2 ranks
+      with cores of their own (a fresh VM, 2026-11-27) it read 175 + 335 us per linear
+      where a pair in CPU time read 330-430 + 455-515 us and 0.5 ms per MiB of payload,
+      and ``benchmarks/local_truth.py``'s 2-rank TP step was priced 14-19% fast with it
+      (three runs), 3-10% with the pair's figures (an older VM had read it within 5%).
+    * On a two-rank group ``pair`` (the caller passes one wherever the ranks pair up: the
       ranks in pairs, every pair at once, as a run's tensor-parallel groups are): the
       sharded MLP runs its real collectives, and each direction is measured less the
       plain MLP and less one ``dist.all_reduce`` of the same bytes on the same group.
-      There the caller's ``timed`` reads the main thread's CPU time times the ranks over
-      the cores (:func:`_core_seconds`): the host work a rank's cores must find time for
-      while every rank is busy, the collective's wait left to the link model.  Its wall
+      There the caller's ``timed`` reads the main thread's CPU time, times the ranks over
+      the cores where they share them (:func:`_core_seconds`): the host work a rank's
+      cores must find time for while every rank is busy, the collective's wait left to
+      the link model.  Its wall
       time, the earlier figure, carried each call's hand-overs to gloo's thread and its
       wait for the peer: on 4 CPU ranks sharing 2 cores it read 1.4-3.6 ms per linear
       (forward + backward; median 2.1) in nine profiles of two days, and the confirm
@@ -834,11 +839,11 @@ def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, t
     os._exit(0)
 
 
-def _tp_in_pairs(shares_cores: bool, world: int) -> bool:
-    """Whether the tensor-parallel figure is measured on pairs of ranks (every pair at
-    once) rather than on each rank's one-rank mesh: where ranks share cores and pair up
+def _tp_in_pairs(world: int) -> bool:
+    """Whether the CPU ranks' tensor-parallel figure is measured on pairs of ranks (every
+    pair at once) rather than on each rank's one-rank mesh: wherever the ranks pair up
     (see :func:`_measure_tp_overhead`)."""
-    return shares_cores and world % 2 == 0
+    return world > 1 and world % 2 == 0
 
 
 def _shares_cores(cuda: bool, world: int, threads: int) -> bool:
@@ -1266,7 +1271,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     # where ranks share cores and pair up, this rank's pair (every pair at once), for the
     # arrival cost and the tensor-parallel figure (new_subgroups is collective: every rank)
     pair = (dist.new_subgroups(group_size=2)[0]
-            if world > 1 and _tp_in_pairs(shares_cores, world) else None)
+            if not cuda and _tp_in_pairs(world) else None)
     arrival = 0.0
     if shares_cores and world > 1:
         # a tiny all-reduce after compute, over every rank and over pairs of ranks (the
@@ -1302,8 +1307,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         share = max(1.0, world * threads / _usable_cores()) if shares_cores else 1.0
         overhead["tp_linear_forward_s"] = overhead["tp_linear_backward_s"] = 0.0
         if world > 1:
-            # where ranks share cores, measured on pairs of ranks in main-thread CPU time
-            # (times the share); elsewhere timed
+            # on pairs of ranks in main-thread CPU time (times the share where ranks share
+            # cores); on one-rank meshes, timed, where the ranks do not pair up
             tp_timed = (partial(_core_seconds, dist, agreed_mean, share)
                         if pair is not None else
                         (lambda fn: timed(fn, plan.overhead_target_s)))
@@ -1516,7 +1521,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     "The host runs ahead of the GPU: the cost model takes the larger of the "
                     "two per layer"))
     elif worst is not None:
-        tp_in_pairs = _tp_in_pairs(bool(raw.get("shares_cores")), nproc)
+        tp_in_pairs = _tp_in_pairs(nproc)
         op_overhead = OpOverhead(
             **worst,
             source=(f"{how}: {_OVERHEAD_BLOCKS} tiny transformer blocks (modules, width "
@@ -1530,8 +1535,8 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        if "zero_bubble_node_s" in worst else "")
                     + "tensor-parallel linears: a ColwiseParallel + "
                     "RowwiseParallel MLP less the same MLP unsharded, per linear: "
-                    + ("on two-rank groups, every pair at once (ranks share cores), less "
-                       "one all-reduce of the same bytes each way, the median of "
+                    + ("on two-rank groups, every pair at once, in the main thread's CPU "
+                       "time, less one all-reduce of the same bytes each way, the median of "
                        f"{_TP_PAIR_ROUNDS} rounds"
                        + ("; per byte of a collective's payload: the MLP at width "
                           f"{_TP_BYTES_SHAPE[1]} on {_TP_BYTES_SHAPE[0]} tokens less at the "
