@@ -1268,8 +1268,9 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         say("collectives " + _fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
 
-    # where ranks share cores and pair up, this rank's pair (every pair at once), for the
-    # arrival cost and the tensor-parallel figure (new_subgroups is collective: every rank)
+    # where the CPU ranks pair up, this rank's pair (every pair at once), for the
+    # tensor-parallel figure and, where ranks share cores, the arrival cost
+    # (new_subgroups is collective: every rank)
     pair = (dist.new_subgroups(group_size=2)[0]
             if not cuda and _tp_in_pairs(world) else None)
     arrival = 0.0
