@@ -360,8 +360,9 @@ LAYOUT = (RUNS / "h200-2026-11-27-layout", RUNS / "h100-2026-11-27-layout")
 REPORTED = (LATEST, H200, *LAYOUT)
 #: The shipped datasheet profile a run is compared with, by the GPU's name as torch gives
 #: it (first match; ``--shipped`` overrides)
-SHIPPED = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm5-80gb"), ("A100-SXM4-40GB", "a100-sxm4-40gb"),
-           ("A100", "a100-sxm4-80gb"), ("B200", "b200-sxm-180gb"), ("V100", "v100-sxm2-32gb"))
+SHIPPED = (("H200", "h200-sxm-141gb"), ("H100", "h100-sxm5-80gb"),
+           ("A100-SXM4-40GB", "a100-sxm4-40gb"), ("A100", "a100-sxm4-80gb"),
+           ("B200", "b200-sxm-180gb"), ("V100", "v100-sxm2-32gb"))
 
 
 def shipped_profile(gpu: str | None) -> str:
