@@ -25,8 +25,9 @@ and backward times of all its chunks:
   copies; the roofline of Williams et al. 2009): the bytes each captured node
   without FLOPs reads and writes, over the device's memory bandwidth, twice that
   in the backward; sharded like the activations they touch.  Kinds a profile timed
-  apart (``DeviceType.elementwise_rates``, CPU ranks: GELU, SiLU, softmax, layer
-  norm, masked_fill are arithmetic per byte there) move their bytes at their own
+  apart (``DeviceType.elementwise_rates``: on CPU ranks GELU, SiLU, softmax, layer
+  norm, masked_fill, arithmetic per byte there; on a GPU these and broadcasts and
+  layout copies, which run on a non-vectorized path) move their bytes at their own
   measured forward and backward speeds instead.
 * **recompute** (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): full
   recompute re-runs each block's forward (and its tensor-parallel collectives)
@@ -700,18 +701,23 @@ class CostEngine:
         autocast = self.options.autocast and dtype != "fp32"
         ew_bytes = Precision.FP32.bytes if autocast else Precision(dtype).bytes
         act_scale = ew_bytes / self.summary.activation_bytes
-        moved = (rep / (tp if sp else 1) + (shd + quad) / tp) * b / cp * act_scale
+
+        def rank_bytes(r: float, s: float, q: float) -> float:
+            """This rank's bytes of a micro-batch of (replicated, sharded, quadratic)."""
+            return (r / (tp if sp else 1) + (s + q) / tp) * b / cp * act_scale
+
+        moved = rank_bytes(rep, shd, quad)
         ew = moved / device.memory_bw_bytes_per_s
         fwd += ew
         bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
         rates = device.elementwise_rates
         if rates is not None:
-            # kinds the profile timed apart (a CPU's GELU, softmax...): at their own speed,
-            # in place of the copy bandwidth's
+            # kinds the profile timed apart (a CPU's GELU, a GPU's broadcasts...): at their
+            # own speed, in place of the copy bandwidth's
             for kind, (k_rep, k_shd, k_quad) in self.summary.elementwise_kinds[template].items():
                 if fused:
                     k_quad = 0.0
-                k_moved = (k_rep / (tp if sp else 1) + (k_shd + k_quad) / tp) * b / cp * act_scale
+                k_moved = rank_bytes(k_rep, k_shd, k_quad)
                 own = rates.seconds(kind, k_moved)
                 if own is None:
                     continue
@@ -719,7 +725,7 @@ class CostEngine:
                 fwd += own[0] - copy
                 bwd += own[1] - ELEMENTWISE_BACKWARD_FACTOR * copy
                 if k_quad:   # the attention core's part
-                    q_moved = k_quad * b / (tp * cp) * act_scale
+                    q_moved = rank_bytes(0.0, 0.0, k_quad)
                     core += (q_moved / rates.forward_bytes_per_s[kind]
                              - q_moved / device.memory_bw_bytes_per_s)
         if autocast:
@@ -731,7 +737,7 @@ class CostEngine:
             # FP8 scaling/quantization kernels: memory-bound, half in each direction
             fwd += cast / 2 / device.memory_bw_bytes_per_s
             bwd += cast / 2 / device.memory_bw_bytes_per_s
-        core += quad * b / (tp * cp) * act_scale / device.memory_bw_bytes_per_s  # softmax, mask
+        core += rank_bytes(0.0, 0.0, quad) / device.memory_bw_bytes_per_s  # softmax, mask
         overhead = device.op_overhead
         if overhead is not None and not host_runs_ahead(device):
             # the host's dispatch per operator, whatever the micro-batch (CPU devices)

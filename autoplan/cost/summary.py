@@ -21,7 +21,7 @@ from itertools import accumulate
 from ..capture.probe import _attention_core
 from ..graph import TP_SHARDED_ROLES as _SHARDED_ROLES
 from ..graph import LayerKind, LayerRecord, LinearRole, ModelGraph, NodeRecord
-from ..hardware.profile_records import RATE_KINDS, elementwise_kind
+from ..hardware.profile_records import elementwise_kind
 
 __all__ = ["MatmulNode", "LayerCost", "GraphSummary", "summarize", "ACTIVATION_UNIT_BYTES"]
 
@@ -226,13 +226,10 @@ class GraphSummary:
             if rec.template not in self.templates:
                 self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
                                                         graph.seq_len, mb)
-                self.elementwise[rec.template] = _elementwise(graph.templates[rec.template],
-                                                              graph.seq_len, mb, _in_bank(rec),
-                                                              self.activation_bytes)
-                kinds = {kind: _elementwise(graph.templates[rec.template], graph.seq_len, mb,
-                                            _in_bank(rec), self.activation_bytes, kind=kind)
-                         for kind in RATE_KINDS}
-                self.elementwise_kinds[rec.template] = {k: v for k, v in kinds.items() if any(v)}
+                (self.elementwise[rec.template],
+                 self.elementwise_kinds[rec.template]) = _elementwise(
+                    graph.templates[rec.template], graph.seq_len, mb, _in_bank(rec),
+                    self.activation_bytes)
                 self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
@@ -478,10 +475,11 @@ def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, in
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
-                 mb: int, in_bank=None, activation_bytes: int = 0,
-                 kind: str | None = None) -> tuple[float, float, float]:
-    """Forward bytes moved by the memory-bound nodes: ``(replicated, sharded, quadratic)``;
-    with ``kind``, by those of that kind only (:func:`rate_kind`).
+                 mb: int, in_bank=None, activation_bytes: int = 0
+                 ) -> tuple[tuple[float, float, float], dict[str, tuple[float, float, float]]]:
+    """Forward bytes moved by the memory-bound nodes, ``(replicated, sharded, quadratic)``,
+    and the part of them each kind a profile may time apart moves (:func:`rate_kind`;
+    kinds without a node are absent).
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:
@@ -494,29 +492,34 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
         return n.out_bytes * (_unit_scale(n.dtype, activation_bytes) if activation_bytes else 1.0)
 
     size = {n.name: nbytes(n) for n in nodes}
-    target = {n.name: n.target for n in nodes}
     by_name = {n.name: n for n in nodes}
-    rep = shd = quad = 0.0
+    total = [0.0, 0.0, 0.0]
+    kinds: dict[str, list[float]] = {}
     for n in nodes:
         if n.fwd_flops or n.bwd_flops or not n.out_bytes:
             continue
         t = n.target
-        if kind is not None and rate_kind(n, by_name) != kind:
-            continue
         if any(op in t for op in _FREE_OPS) and not any(op in t for op in _MAYBE_COPY_OPS):
             continue
         if any(op in t for op in _MAYBE_COPY_OPS):
-            src = target.get(n.inputs[0], "") if n.inputs else ""
+            src = by_name[n.inputs[0]].target if n.inputs and n.inputs[0] in by_name else ""
             if "transpose" not in src and "permute" not in src:
                 continue
         moved = size[n.name] + sum(size.get(i, size[n.name]) for i in n.inputs)
         if _is_scores(n.shape, seq_len, mb):
-            quad += moved
+            part = 2
         elif n.tp_region and not (in_bank is not None and in_bank(n.module)):
-            shd += moved
+            part = 1
         else:
-            rep += moved
-    return rep / mb, shd / mb, quad / mb
+            part = 0
+        total[part] += moved
+        kind = rate_kind(n, by_name)
+        if kind is not None:
+            kinds.setdefault(kind, [0.0, 0.0, 0.0])[part] += moved
+
+    def per_sequence(v: list[float]) -> tuple[float, float, float]:
+        return v[0] / mb, v[1] / mb, v[2] / mb
+    return per_sequence(total), {k: per_sequence(v) for k, v in kinds.items()}
 
 
 def rate_kind(n: NodeRecord, nodes: dict[str, NodeRecord]) -> str | None:

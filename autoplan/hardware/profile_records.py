@@ -403,7 +403,8 @@ class DeviceType(Record):
         datasheet figures: the fitted figures of ``autoplan.cost.calibration``, which
         scale a datasheet peak, are not applied to it.
     elementwise_rates : ElementwiseRates or None
-        Measured memory-bound operators by kind (``autoplan profile`` on CPU ranks);
+        Measured memory-bound operators by kind (``autoplan profile``: on CPU ranks the
+        operator kinds, on a GPU the layout kinds too);
         ``None``: every memory-bound operator at ``memory_bw_bytes_per_s``.
     attention_efficiency : EfficiencyTable or None
         Measured fused attention (``autoplan profile`` on CUDA: causal SDPA, forward and
