@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -219,11 +220,15 @@ def test_tp_plan_comes_from_the_captured_roles(gpt_graph):
     plan = tp_plan(block, model.blocks[0], sequence_parallel=False)
     assert {k: type(v) for k, v in plan.items()} == {
         "attn.qkv": ColwiseParallel, "attn.proj": RowwiseParallel,
-        "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
+        "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel,
+        # each region takes its input once (its column linears' input gradients are
+        # reduced by one all-reduce there)
+        "attn": PrepareModuleInput, "mlp": PrepareModuleInput}
+    assert plan["attn"].input_layouts == (Replicate(),)
     sp = tp_plan(block, model.blocks[0], sequence_parallel=True, first_block=True)
     assert {k: type(v) for k, v in sp.items() if k not in plan} == {
-        "ln_1": SequenceParallel, "ln_2": SequenceParallel, "attn": PrepareModuleInput,
-        "mlp": PrepareModuleInput, "": PrepareModuleInput}
+        "ln_1": SequenceParallel, "ln_2": SequenceParallel, "": PrepareModuleInput}
+    assert sp["attn"].input_layouts == (Shard(1),)
     post = tp_plan(gpt_graph.layer("post"), model, sequence_parallel=True)
     assert {k: type(v) for k, v in post.items()} == {"head": ColwiseParallel,
                                                       "ln_f": SequenceParallel}
@@ -244,6 +249,12 @@ def test_tp_plan_of_llama_gathers_attention_input_by_keyword(llama_graph):
     assert sorted(k for k, v in plan.items() if isinstance(v, SequenceParallel)) == [
         "input_layernorm", "post_attention_layernorm"]
     assert llama_graph.layer("model.layers.0").tp.sp_replicated_params == (32, 32)
+    # without sp too: q, k and v share one input, gate and up another (two input-gradient
+    # all-reduces in the backward, not five)
+    plain = tp_plan(llama_graph.layer("model.layers.0"), model.model.layers[0],
+                    sequence_parallel=False, region_kwargs=adapter_for(model).region_kwargs)
+    assert plain["self_attn"].input_kwarg_layouts == {"hidden_states": Replicate()}
+    assert plain["mlp"].input_layouts == (Replicate(),)
     assert tp_plan(llama_graph.layer("pre"), model, sequence_parallel=False).keys() == \
         {"model.embed_tokens"}
 

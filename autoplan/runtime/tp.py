@@ -92,22 +92,31 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             owners = [name for name, sub in module.named_modules() if name and _own_params(sub)]
             for name in layer.tp.sequence_parallel_modules(layer.kind, owners):
                 plan[name] = SequenceParallel()
-            for e in entries:
-                if not e:
-                    continue
-                kw = region_kwargs.get(e.rpartition(".")[2]) or region_kwargs.get(e)
-                if kw:
-                    plan[e] = PrepareModuleInput(input_kwarg_layouts={kw: Shard(1)},
-                                                 desired_input_kwarg_layouts={kw: Replicate()})
-                else:
-                    plan[e] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                 desired_input_layouts=(Replicate(),))
-            if first_block:
-                # the embedding output arrives replicated; from here on the residual
-                # stream is sharded on the sequence dimension
-                plan[""] = PrepareModuleInput(input_layouts=(Replicate(),),
-                                              desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
+        # the module that opens a region takes its input as one DTensor (gathered from the
+        # sequence shards under sp): the region's column linears share it, their input
+        # gradients add up as partial sums and are reduced once, by one all-reduce (one
+        # reduce-scatter under sp) where the region's input leaves it -- Megatron-LM's
+        # one backward collective per region, which the cost model prices.  Without it
+        # each column linear wraps its own input and reduces its own input gradient:
+        # q, k and v apart, gate and up apart (a Llama block: 5 all-reduces in the
+        # backward, not 2)
+        arriving = Shard(1) if sp else Replicate()
+        for e in entries:
+            if not e:
+                continue
+            kw = region_kwargs.get(e.rpartition(".")[2]) or region_kwargs.get(e)
+            if kw:
+                plan[e] = PrepareModuleInput(input_kwarg_layouts={kw: arriving},
+                                             desired_input_kwarg_layouts={kw: Replicate()})
+            else:
+                plan[e] = PrepareModuleInput(input_layouts=(arriving,),
+                                             desired_input_layouts=(Replicate(),))
+        if sp and first_block:
+            # the embedding output arrives replicated; from here on the residual
+            # stream is sharded on the sequence dimension
+            plan[""] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                          desired_input_layouts=(Shard(1),),
+                                          use_local_output=True)
         return plan
     for name, role in roles.items():
         if role is LinearRole.VOCAB_EMBEDDING and isinstance(module.get_submodule(name), nn.Embedding):
