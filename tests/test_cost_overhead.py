@@ -47,8 +47,57 @@ def test_operators_are_counted_per_layer(graph):
     linears and the vocabulary embedding and head."""
     counts = summarize(graph).op_counts
     blocks = [t for t in counts if t.startswith("blocks")]
-    assert blocks and all(counts[t] == (28, 4) for t in blocks)
-    assert counts["pre"] == (5, 1) and counts["post"] == (8, 1)
+    assert blocks and all(counts[t] == (28, 4, 0) for t in blocks)
+    assert counts["pre"] == (5, 1, 0) and counts["post"] == (8, 1, 0)
+
+
+SHARED = {"tp_shared_linear_forward_s": 50e-6, "tp_shared_linear_backward_s": 80e-6}
+
+
+@pytest.fixture(scope="module")
+def llama_graph():
+    from runtime_cases import make_llama
+    return trace(make_llama(0), seq_len=16)
+
+
+def test_column_linears_sharing_a_region_input_are_counted(llama_graph):
+    """A Llama block's q, k and v share the attention's input and gate and up the MLP's
+    (autoplan.runtime.tp takes each region's input once): 3 of its 7 tensor-parallel
+    linears share; the GPT's fused qkv and single MLP column share nothing (above)."""
+    counts = summarize(llama_graph).op_counts
+    blocks = [t for t in counts if t.startswith("model.layers")]
+    assert blocks and all(counts[t][1:] == (7, 3) for t in blocks)
+    assert counts["pre"][1:] == (1, 0) and counts["post"][1:] == (1, 0)
+
+
+def test_shared_column_linears_pay_their_own_figure(llama_graph):
+    """With the shared figures measured, a Llama block's 4 unshared tensor-parallel linears
+    pay the per-linear figure and its 3 shared ones the shared figure; without them
+    (a profile from before) all 7 pay the per-linear figure."""
+    s = Strategy(tp=2, micro_batch=2, global_batch=8, precision="fp32")
+    base = _step(llama_graph, s, OVERHEAD)
+    shared = _step(llama_graph, s, {**OVERHEAD, **SHARED})
+    micro_batches = 4
+    per_block = 3 * ((300e-6 + 700e-6) - (50e-6 + 80e-6))
+    saved = base.breakdown["compute_s"] - shared.breakdown["compute_s"]
+    assert saved == pytest.approx(micro_batches * 4 * per_block, rel=1e-9)
+
+
+def test_shared_figures_come_in_pairs_and_round_trip():
+    import yaml
+
+    from autoplan.errors import ProfileError
+    from autoplan.hardware import OpOverhead
+    from autoplan.hardware.profile_yaml import parse_profile, profile_to_yaml
+    with pytest.raises(ProfileError, match="both shared-linear figures"):
+        OpOverhead(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
+                   tp_linear_backward_s=0.0, source="x", tp_shared_linear_forward_s=1e-6)
+    p = next(iter(_with({**OVERHEAD, **SHARED}).profiles.values()))
+    o = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert (o.tp_shared_linear_forward_s, o.tp_shared_linear_backward_s) == (50e-6, 80e-6)
+    p = next(iter(_with(OVERHEAD).profiles.values()))
+    assert parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead \
+        .tp_shared_linear_forward_s is None
 
 
 @pytest.mark.parametrize("tp", [1, 2])

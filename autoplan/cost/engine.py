@@ -741,14 +741,17 @@ class CostEngine:
         overhead = device.op_overhead
         if overhead is not None and not host_runs_ahead(device):
             # the host's dispatch per operator, whatever the micro-batch (CPU devices)
-            ops, tp_linears = self.summary.op_counts[template]
+            ops, tp_linears, tp_shared = self.summary.op_counts[template]
             host_fwd, host_bwd = _host_s(overhead, self._templates[template], ops,
                                          self._host_counted)
             fwd += host_fwd
             bwd += host_bwd
             if tp > 1:
-                fwd += tp_linears * overhead.tp_linear_forward_s
-                bwd += tp_linears * overhead.tp_linear_backward_s
+                # a column linear sharing its region's input pays its own matmul's DTensor
+                # work, not the region's wrapping and gradient reduction (OpOverhead)
+                tp_fwd, tp_bwd = overhead.tp_linears_s(tp_linears, tp_shared)
+                fwd += tp_fwd
+                bwd += tp_bwd
         hit = LayerTime(fwd, bwd, core, wgrad)
         self._template_times[key] = hit
         return hit

@@ -199,10 +199,12 @@ class GraphSummary:
         is a token cross-entropy, else 0; ``loss_shifts``: the next-token shift slices
         them first (:func:`~autoplan.runtime.loss.token_cross_entropy`).
     ``op_counts``
-        ``{template: (operators, tensor-parallel linears)}``: the captured operators a
-        forward pass dispatches (nodes less ``getitem`` and export's guards) and the
-        linears tensor parallelism shards (column, row, vocabulary), which a device with
-        a host overhead per operator pays (:class:`~autoplan.hardware.OpOverhead`).
+        ``{template: (operators, tensor-parallel linears, shared column linears)}``: the
+        captured operators a forward pass dispatches (nodes less ``getitem`` and export's
+        guards), the linears tensor parallelism shards (column, row, vocabulary) and, of
+        them, the column linears that share their region's input with another (q, k, v:
+        two; gate, up: one), which a device with a host overhead per operator pays
+        (:class:`~autoplan.hardware.OpOverhead`).
     """
 
     def __init__(self, graph: ModelGraph) -> None:
@@ -216,7 +218,7 @@ class GraphSummary:
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
         self.elementwise: dict[str, tuple[float, float, float]] = {}
         self.elementwise_kinds: dict[str, dict[str, tuple[float, float, float]]] = {}
-        self.op_counts: dict[str, tuple[int, int]] = {}
+        self.op_counts: dict[str, tuple[int, int, int]] = {}
         layers = []
         owners = _param_owners(graph)
         # a layer's input and output (the residual stream) are in the dtype it was built in
@@ -468,10 +470,19 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
 _NOT_OPERATORS = ("getitem", "_guards")
 
 
-def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, int]:
-    """``(operators, tensor-parallel linears)`` of one layer's forward (``op_counts``)."""
+def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, int, int]:
+    """``(operators, tensor-parallel linears, shared column linears)`` of one layer's
+    forward (``op_counts``).  A block's region (:meth:`~autoplan.graph.LayerTP.region_entries`,
+    a module other than the block itself) takes its input once for all its column linears
+    (:mod:`autoplan.runtime.tp`): every one past the first shares it."""
     ops = sum(1 for n in nodes if not any(n.target.startswith(t) for t in _NOT_OPERATORS))
-    return ops, sum(1 for lin in rec.tp.linears if lin.role in _SHARDED_ROLES)
+    linears = sum(1 for lin in rec.tp.linears if lin.role in _SHARDED_ROLES)
+    shared = 0
+    if rec.kind is LayerKind.BLOCK:
+        columns = [n.rpartition(".")[0] for n, r in rec.tp.placed_roles().items()
+                   if r is LinearRole.COLUMN]
+        shared = sum(columns.count(e) - 1 for e in set(columns) if e)
+    return ops, linears, shared
 
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,

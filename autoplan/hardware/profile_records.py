@@ -211,6 +211,15 @@ class OpOverhead(Record):
         copy in, DTensor's wrapping of the result, the local shard's copies).  Where ranks
         share cores, seconds at every-rank-busy speed as above.  0 where not measured
         (ranks with cores of their own, GPUs, profiles measured before it).
+    tp_shared_linear_forward_s, tp_shared_linear_backward_s : float or None
+        Extra seconds of a column linear that shares its region's input with another (q, k
+        and v of one attention, gate and up of one MLP: :mod:`autoplan.runtime.tp` takes a
+        region's input once, and its column linears' input gradients are reduced together),
+        in the forward and in the backward: its DTensor matmul's host work, without the
+        region's input wrapping and gradient reduction that the per-linear figure above
+        carries.  Where ranks share cores, seconds at every-rank-busy speed as above.
+        ``None`` where not measured (ranks that do not pair up, GPUs, profiles measured
+        before it): such a linear is priced as any tensor-parallel linear.
     selective_dispatch_s : float
         Extra seconds per dispatched operator of a block under selective recompute
         (torch's selective checkpoint runs a Python dispatch mode over every operator the
@@ -270,6 +279,8 @@ class OpOverhead(Record):
     pipeline_message_s: float = 0.0
     zero_bubble_node_s: float = 0.0
     tp_collective_byte_s: float = 0.0
+    tp_shared_linear_forward_s: float | None = None
+    tp_shared_linear_backward_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
@@ -280,7 +291,26 @@ class OpOverhead(Record):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
+        for name in ("tp_shared_linear_forward_s", "tp_shared_linear_backward_s"):
+            value = getattr(self, name)
+            _require(value is None or _finite_nonnegative(value), name,
+                     f"expected seconds >= 0 or None, got {value!r}")
+        _require((self.tp_shared_linear_forward_s is None)
+                 == (self.tp_shared_linear_backward_s is None), "tp_shared_linear_forward_s",
+                 "expected both shared-linear figures or neither")
         _require(_text(self.source), "source", "expected a non-empty source")
+
+    def tp_linears_s(self, linears: int, shared: int) -> tuple[float, float]:
+        """Host seconds of ``linears`` tensor-parallel linears of a layer, ``shared`` of
+        them column linears that share their region's input with another, ``(forward,
+        backward)``: those at the shared figure where the profile has it, every other
+        at the per-linear figure."""
+        fwd, bwd = self.tp_linear_forward_s, self.tp_linear_backward_s
+        shared_fwd, shared_bwd = self.tp_shared_linear_forward_s, self.tp_shared_linear_backward_s
+        if shared_fwd is None or shared_bwd is None:
+            return linears * fwd, linears * bwd
+        own = linears - shared
+        return own * fwd + shared * shared_fwd, own * bwd + shared * shared_bwd
 
 
 #: Memory-bound operators a profile may time apart (:class:`ElementwiseRates`), each with

@@ -293,7 +293,11 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                       ("zero_bubble_node", "extra seconds per autograd node of a split "
                                            "backward"),
                       ("tp_collective_byte", "extra seconds per byte of a tensor-parallel "
-                                             "collective's payload")):
+                                             "collective's payload"),
+                      ("tp_shared_linear_forward", "extra seconds per column linear sharing "
+                                                   "its region's input, in the forward"),
+                      ("tp_shared_linear_backward", "extra seconds per column linear sharing "
+                                                    "its region's input, in the backward")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     source = sec.text("source", "how the overhead was measured")
@@ -524,6 +528,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                     if o.zero_bubble_node_s else {}),
                                  **({"tp_collective_byte_s": o.tp_collective_byte_s}
                                     if o.tp_collective_byte_s else {}),
+                                 **({"tp_shared_linear_forward_s": o.tp_shared_linear_forward_s,
+                                     "tp_shared_linear_backward_s": o.tp_shared_linear_backward_s}
+                                    if o.tp_shared_linear_forward_s is not None else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

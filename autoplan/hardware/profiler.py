@@ -476,6 +476,76 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
             statistics.median(b for _, b in readings))
 
 
+def _measure_tp_shared_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float],
+                                pair: Any, rounds: int = 1) -> tuple[float, float]:
+    """Extra seconds of a column linear that shares its region's input with the one before
+    it, ``(forward, backward)``: q, k and v of an attention, gate and up of a gated MLP.
+    :mod:`autoplan.runtime.tp` takes a region's input once, as one DTensor, where its
+    module opens (``PrepareModuleInput``); its column linears run their DTensor matmuls on
+    it and their input gradients add up as partial sums, reduced by one all-reduce where
+    the input leaves the region.  So a second column linear adds its DTensor matmul's
+    sharding propagation and wrapping, not the region's wrapping and collective that
+    :func:`_measure_tp_overhead`'s per-linear figure carries.
+
+    Measured on the two-rank group ``pair`` (every pair at once, ``timed`` as there): a
+    region of two column linears sharing its input (their outputs added) and a row linear,
+    against a region of one, each less the same modules unsharded; the difference, the
+    median of ``rounds``, at least 0.  Both run the same collectives (one all-reduce each
+    way), which cancel."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, parallelize_module)
+    import torch.distributed._functional_collectives as funcol
+    nn = torch.nn
+    h = _OVERHEAD_WIDTH
+
+    class Region(nn.Module):
+        def __init__(self, columns: int) -> None:
+            super().__init__()
+            self.cols = nn.ModuleList(nn.Linear(h, h) for _ in range(columns))
+
+        def forward(self, x):
+            y = self.cols[0](x)
+            for col in self.cols[1:]:
+                y = y + col(x)
+            return y
+
+    def mlp(columns: int, sharded: bool):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = nn.Sequential(Region(columns), nn.Linear(h, h))
+        if sharded:
+            plan = {"0": PrepareModuleInput(input_layouts=(Replicate(),),
+                                            desired_input_layouts=(Replicate(),)),
+                    "1": RowwiseParallel()}
+            plan.update({f"0.cols.{i}": ColwiseParallel() for i in range(columns)})
+            parallelize_module(m, DeviceMesh.from_group(pair, "cpu"), plan)
+        return m
+
+    x = torch.randn(1, 4, h).requires_grad_(True)
+
+    def forward(m):   # to the row linear's all-reduce's end (_measure_tp_overhead)
+        out = m(x)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+    def extra(columns: int) -> tuple[float, float]:
+        plain, sharded = mlp(columns, False), mlp(columns, True)
+        plain_fwd = timed(lambda: plain(x))
+        plain_both = timed(lambda: plain(x).sum().backward())
+        tp_fwd = timed(lambda: forward(sharded))
+        tp_both = timed(lambda: sharded(x).sum().backward())
+        return tp_fwd - plain_fwd, (tp_both - tp_fwd) - (plain_both - plain_fwd)
+
+    def once() -> tuple[float, float]:
+        one, two = extra(1), extra(2)
+        return two[0] - one[0], two[1] - one[1]
+
+    readings = [once() for _ in range(rounds)]
+    return (max(0.0, statistics.median(f for f, _ in readings)),
+            max(0.0, statistics.median(b for _, b in readings)))
+
+
 #: Tokens and width of the tensor-parallel MLP the per-byte figure is measured at, besides
 #: the tiny one: 512 KiB of fp32 payload each way, the activation of a micro-batch of a few
 #: sequences of a small model
@@ -1326,6 +1396,12 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                 overhead["tp_collective_byte_s"] = per_byte
                 say(f"tensor-parallel collective host work: {per_byte * 2**20 * 1e3:.2f} ms "
                     "per MiB of payload")
+                shared_fwd, shared_bwd = _measure_tp_shared_overhead(
+                    torch, dist, tp_timed, pair, _TP_PAIR_ROUNDS)
+                overhead.update(tp_shared_linear_forward_s=shared_fwd,
+                                tp_shared_linear_backward_s=shared_bwd)
+                say(f"a column linear sharing its region's input: {shared_fwd * 1e6:.1f} us "
+                    f"forward, {shared_bwd * 1e6:.1f} us backward")
         overhead["pipeline_action_s"] = overhead["pipeline_message_s"] = 0.0
         if world % 2 == 0:
             # a two-stage pipeline on pairs of ranks, every pair at once
@@ -1544,6 +1620,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                           "tiny width, each less the MLP a rank computes and one all-reduce, "
                           "over the payloads' difference"
                           if "tp_collective_byte_s" in worst else "")
+                       + ("; a column linear sharing its region's input (q, k, v): a region "
+                          "of two column linears and a row linear less a region of one, "
+                          "each less the same modules unsharded"
+                          if "tp_shared_linear_forward_s" in worst else "")
                        if tp_in_pairs else
                        "on a one-rank mesh, plus the functional all-reduce's own time once "
                        "each way")
@@ -1746,6 +1826,11 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"{d.op_overhead.tp_linear_backward_s * 1e6:.0f} us"
            + (f" + {d.op_overhead.tp_collective_byte_s * 2**20 * 1e3:.2f} ms per MiB of its "
               "collectives" if d.op_overhead.tp_collective_byte_s else "")
+           + (f", one sharing its region's input "
+              f"+{d.op_overhead.tp_shared_linear_forward_s * 1e6:.0f} + "
+              f"{d.op_overhead.tp_shared_linear_backward_s * 1e6:.0f} us"
+              if d.op_overhead.tp_shared_linear_forward_s is not None
+              and d.op_overhead.tp_shared_linear_backward_s is not None else "")
            + "; optimizer "
            f"{d.op_overhead.optimizer_param_s * 1e6:.0f} us per parameter tensor, "
            f"{d.op_overhead.optimizer_dtensor_param_s * 1e6:.0f} us per DTensor, "
