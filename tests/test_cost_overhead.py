@@ -84,6 +84,8 @@ def test_shared_column_linears_pay_their_own_figure(llama_graph):
 
 
 def test_shared_figures_come_in_pairs_and_round_trip():
+    """A profile states both shared-linear figures or neither (a clear ProfileError), and
+    they survive a YAML round trip; a profile without them writes none."""
     import yaml
 
     from autoplan.errors import ProfileError

@@ -492,11 +492,11 @@ def _measure_tp_shared_overhead(torch, dist, timed: Callable[[Callable[[], Any]]
     against a region of one, each less the same modules unsharded; the difference, the
     median of ``rounds``, at least 0.  Both run the same collectives (one all-reduce each
     way), which cancel."""
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, parallelize_module)
-    import torch.distributed._functional_collectives as funcol
     nn = torch.nn
     h = _OVERHEAD_WIDTH
 
