@@ -81,6 +81,7 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import socket
@@ -681,6 +682,19 @@ def _speed_probe(torch, dist) -> float:
         del call
 
 
+def _error_chain(exc: BaseException) -> str:
+    """``exc`` and the exceptions it was raised from, the innermost (the cause) first: a
+    pipeline stage wraps its forward's error as "[Stage 0] failed to run forward", whose
+    own message says nothing of why."""
+    chain, seen = [], set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        chain.append(f"{type(e).__name__}: {str(e).strip()}")
+        e = e.__cause__ or e.__context__
+    return " <- ".join(reversed(chain))
+
+
 def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
                     jobs: list[tuple[int, str]], outdir: str) -> None:
     """One rank of a launch: each job (index, plan JSON) in turn: lay the model out, warm-up
@@ -701,6 +715,10 @@ def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
     from autoplan.errors import ConfigError, PlanMismatchError, StrategyError
     from autoplan.plan import Plan
     from autoplan.runtime import parallelize
+    # a rank that dies in native code (no Python exception, so no error file) leaves its
+    # stack here for the parent's report
+    fault = open(Path(outdir, f"fault{rank}.txt"), "w")
+    faulthandler.enable(fault)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, CONFIG.vocab_size, (CONFIRM_BATCH, CONFIG.seq_len), generator=gen)
     probe = _speed_probe(torch, dist)
@@ -717,7 +735,7 @@ def _confirm_worker(rank: int, world: int, port: int, model_name: str, graph,
         try:
             times = _time_steps(pm, ids, CONFIRM_WARMUP, CONFIRM_TIMED)
         except BaseException as exc:
-            Path(outdir, f"error{i}_{rank}.txt").write_text(f"{type(exc).__name__}: {exc}")
+            Path(outdir, f"error{i}_{rank}.txt").write_text(_error_chain(exc))
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
@@ -806,7 +824,13 @@ def measure_many(model_name: str, graph, jobs: list[tuple[int, str]],
                 elif not blamed:   # the first job without a result is the one that failed
                     blamed = True
                     errs = sorted(Path(outdir).glob(f"error{i}_*.txt"))
-                    out[i] = ("failed: " + "; ".join(e.read_text()[:300] for e in errs) if errs
+                    # a rank that crashed in native code wrote its stack instead
+                    faults = [f"rank {f.stem[5:]} crashed: {text[:300]}"
+                              for f in sorted(Path(outdir).glob("fault*.txt"))
+                              if (text := f.read_text().strip())]
+                    out[i] = ("failed: " + "; ".join([*faults, *(e.read_text()[:300]
+                                                                  for e in errs)])
+                              if errs or faults
                               else f"failed: timed out after {CONFIRM_LAYOUT_TIMEOUT_S:.0f} s"
                               if timed_out else "failed: the ranks exited without a result")
                 else:

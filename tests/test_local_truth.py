@@ -304,3 +304,18 @@ def test_the_speed_probe_is_the_profiles_matmul_timing(monkeypatch):
     assert seen == {"target_s": lt.PROBE_WINDOWS * profiler._MIN_FREE_WINDOW_S,
                     "windows": lt.PROBE_WINDOWS, "mean": 0.5,
                     "shape": (lt.PROBE_N, lt.PROBE_N), "dtype": torch.float32}
+
+
+def test_a_failed_layout_reports_the_cause_first():
+    """A pipeline stage wraps its forward's error ("[Stage 0] failed to run forward"): the
+    report a failed layout gets leads with the cause, which the parent keeps when it cuts
+    each rank's report short."""
+    try:
+        try:
+            raise RuntimeError("Connection closed by peer")
+        except RuntimeError as cause:
+            raise RuntimeError("[Stage 0] failed to run forward") from cause
+    except RuntimeError as exc:
+        text = lt._error_chain(exc)
+    assert text == ("RuntimeError: Connection closed by peer <- "
+                    "RuntimeError: [Stage 0] failed to run forward")
