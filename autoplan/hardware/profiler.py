@@ -392,6 +392,31 @@ def _split_backward_extra(torch, stack: Any, x: Any,
     return max(0.0, timed(split) - timed(whole))
 
 
+def _sharded_extra(timed: Callable[[Callable[[], Any]], float], plain: Any, sharded: Any,
+                   x: Any) -> tuple[float, float]:
+    """Seconds ``sharded`` (a tensor-parallel module) takes beyond ``plain`` on ``x``,
+    ``(forward, backward)``: each timed forward, then forward + backward, plain first
+    (``timed(fn)`` is seconds per call).
+
+    The sharded forward is timed to its row linear's all-reduce's end: that all-reduce is a
+    functional collective whose output comes back in flight (an AsyncCollectiveTensor),
+    waited for at its first use, so a forward timed without that use ends before its
+    collective does (4 CPU ranks sharing 2 cores: 0.6-1.0 ms a call against 1.5-2.5 ms
+    waited, 2026-11-25), and the wait landed in the backward figure, the forward reading
+    0 in every profile."""
+    import torch.distributed._functional_collectives as funcol
+
+    def sharded_forward():
+        out = sharded(x)
+        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+    plain_fwd = timed(lambda: plain(x))
+    plain_both = timed(lambda: plain(x).sum().backward())
+    tp_fwd = timed(sharded_forward)
+    tp_both = timed(lambda: sharded(x).sum().backward())
+    return tp_fwd - plain_fwd, (tp_both - tp_fwd) - (plain_both - plain_fwd)
+
+
 def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float], own: Any,
                          pair: Any = None, rounds: int = 1) -> tuple[float, float]:
     """Extra seconds per tensor-parallel linear, ``(forward, backward)``, beyond its
@@ -446,30 +471,14 @@ def _measure_tp_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float
     x = torch.randn(1, 4, h).requires_grad_(True)
     flat = torch.randn(4 * h)    # the bytes of the MLP's output and of its input gradient
 
-    def sharded_forward():
-        # the row linear's all-reduce is a functional collective: its output comes back
-        # in flight (an AsyncCollectiveTensor) and is waited for at its first use, so a
-        # forward timed without that use ends before its collective does (4 CPU ranks
-        # sharing 2 cores: 0.6-1.0 ms a call against 1.5-2.5 ms waited, 2026-11-25), and
-        # the wait landed in the backward figure, the forward reading 0 in every profile
-        out = sharded(x)
-        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
     def once() -> tuple[float, float]:
-        plain_fwd = timed(lambda: plain(x))
-        plain_both = timed(lambda: plain(x).sum().backward())
-        tp_fwd = timed(sharded_forward)
-        tp_both = timed(lambda: sharded(x).sum().backward())
+        extra_fwd, extra_bwd = _sharded_extra(timed, plain, sharded, x)
         bare = timed(lambda: dist.all_reduce(flat, group=group))
         if pair is not None:
-            forward = max(0.0, tp_fwd - plain_fwd - bare) / 2
-            backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd) - bare) / 2
-            return forward, backward
+            return max(0.0, extra_fwd - bare) / 2, max(0.0, extra_bwd - bare) / 2
         wrapped = timed(lambda: funcol.all_reduce(flat, "sum", group).wait())
         wrapper = max(0.0, wrapped - bare)
-        forward = max(0.0, tp_fwd - plain_fwd) / 2 + wrapper / 2
-        backward = max(0.0, (tp_both - tp_fwd) - (plain_both - plain_fwd)) / 2 + wrapper / 2
-        return forward, backward
+        return max(0.0, extra_fwd) / 2 + wrapper / 2, max(0.0, extra_bwd) / 2 + wrapper / 2
 
     readings = [once() for _ in range(rounds)]
     return (statistics.median(f for f, _ in readings),
@@ -492,7 +501,6 @@ def _measure_tp_shared_overhead(torch, dist, timed: Callable[[Callable[[], Any]]
     against a region of one, each less the same modules unsharded; the difference, the
     median of ``rounds``, at least 0.  Both run the same collectives (one all-reduce each
     way), which cancel."""
-    import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
@@ -525,20 +533,8 @@ def _measure_tp_shared_overhead(torch, dist, timed: Callable[[Callable[[], Any]]
 
     x = torch.randn(1, 4, h).requires_grad_(True)
 
-    def forward(m):   # to the row linear's all-reduce's end (_measure_tp_overhead)
-        out = m(x)
-        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-    def extra(columns: int) -> tuple[float, float]:
-        plain, sharded = mlp(columns, False), mlp(columns, True)
-        plain_fwd = timed(lambda: plain(x))
-        plain_both = timed(lambda: plain(x).sum().backward())
-        tp_fwd = timed(lambda: forward(sharded))
-        tp_both = timed(lambda: sharded(x).sum().backward())
-        return tp_fwd - plain_fwd, (tp_both - tp_fwd) - (plain_both - plain_fwd)
-
     def once() -> tuple[float, float]:
-        one, two = extra(1), extra(2)
+        one, two = (_sharded_extra(timed, mlp(n, False), mlp(n, True), x) for n in (1, 2))
         return two[0] - one[0], two[1] - one[1]
 
     readings = [once() for _ in range(rounds)]
@@ -558,7 +554,6 @@ def _tp_mlp_extra(torch, dist, timed: Callable[[Callable[[], Any]], float], pair
     ``tokens`` tokens) on the two-rank group ``pair``, ``(forward, backward)``, beyond the
     arithmetic a rank does (the same MLP with its inner width halved, unsharded) and one
     bare ``dist.all_reduce`` of its ``tokens x h`` output each way."""
-    import torch.distributed._functional_collectives as funcol
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
@@ -572,17 +567,9 @@ def _tp_mlp_extra(torch, dist, timed: Callable[[Callable[[], Any]], float], pair
     parallelize_module(sharded, DeviceMesh.from_group(pair, "cpu"),
                        {"0": ColwiseParallel(), "1": RowwiseParallel()})
 
-    def sharded_forward():   # to the row linear's all-reduce's end (_measure_tp_overhead)
-        out = sharded(x)
-        return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-
-    local_fwd = timed(lambda: local(x))
-    local_both = timed(lambda: local(x).sum().backward())
-    tp_fwd = timed(sharded_forward)
-    tp_both = timed(lambda: sharded(x).sum().backward())
+    extra_fwd, extra_bwd = _sharded_extra(timed, local, sharded, x)
     bare = timed(lambda: dist.all_reduce(flat, group=pair))
-    return (tp_fwd - local_fwd - bare,
-            (tp_both - tp_fwd) - (local_both - local_fwd) - bare)
+    return extra_fwd - bare, extra_bwd - bare
 
 
 def _measure_tp_byte_overhead(torch, dist, timed: Callable[[Callable[[], Any]], float],
