@@ -479,9 +479,10 @@ def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, in
     linears = sum(1 for lin in rec.tp.linears if lin.role in _SHARDED_ROLES)
     shared = 0
     if rec.kind is LayerKind.BLOCK:
-        columns = [n.rpartition(".")[0] for n, r in rec.tp.placed_roles().items()
-                   if r is LinearRole.COLUMN]
-        shared = sum(columns.count(e) - 1 for e in set(columns) if e)
+        # column linears inside a region's module, less one per region (its first)
+        inside = sum(1 for n, r in rec.tp.placed_roles().items()
+                     if r is LinearRole.COLUMN and n.rpartition(".")[0])
+        shared = inside - sum(1 for e in rec.tp.region_entries() if e)
     return ops, linears, shared
 
 
