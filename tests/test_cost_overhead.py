@@ -572,3 +572,47 @@ def test_the_per_byte_figure_round_trips_and_older_profiles_read_zero():
     from autoplan.errors import AutoplanError
     with pytest.raises(AutoplanError, match="tp_collective_byte"):
         parse_profile(bad)
+
+
+SCALES = {"layer_forward_scale": 1.2, "layer_backward_scale": 1.1}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_layer_scales_multiply_a_layers_parts(graph, tp):
+    """A profile's layer scales (a reference stack timed whole over its parts as priced)
+    multiply each layer's compute and host time, forward and backward; the tensor-parallel
+    linears' DTensor work is measured apart and added unscaled."""
+    from autoplan.cost.engine import CostEngine
+    times = {}
+    for name, overhead in (("plain", OVERHEAD), ("scaled", {**OVERHEAD, **SCALES})):
+        engine = CostEngine(graph, cpu_cluster(2, overhead=overhead), calibration=None)
+        device = engine.device_of((0,))
+        times[name] = engine.template_time("blocks.0", 2, tp, 1, device, "fp32")
+    plain, scaled = times["plain"], times["scaled"]
+    tp_fwd, tp_bwd = (4 * 300e-6, 4 * 700e-6) if tp > 1 else (0.0, 0.0)
+    assert scaled.forward_s - tp_fwd == pytest.approx(1.2 * (plain.forward_s - tp_fwd), rel=1e-12)
+    assert scaled.backward_s - tp_bwd == pytest.approx(1.1 * (plain.backward_s - tp_bwd),
+                                                       rel=1e-12)
+    assert scaled.core_forward_s == pytest.approx(1.2 * plain.core_forward_s, rel=1e-12)
+
+
+def test_layer_scales_come_in_pairs_and_round_trip():
+    """Both layer scales or neither, each a positive ratio (clear ProfileErrors); they
+    survive a YAML round trip, and a profile without them writes none."""
+    import yaml
+
+    from autoplan.errors import ProfileError
+    from autoplan.hardware import OpOverhead
+    from autoplan.hardware.profile_yaml import parse_profile, profile_to_yaml
+    base = dict(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
+                tp_linear_backward_s=0.0, source="x")
+    with pytest.raises(ProfileError, match="both layer scales"):
+        OpOverhead(**base, layer_forward_scale=1.2)
+    with pytest.raises(ProfileError, match="layer_backward_scale"):
+        OpOverhead(**base, layer_forward_scale=1.2, layer_backward_scale=0.0)
+    p = next(iter(_with({**OVERHEAD, **SCALES}).profiles.values()))
+    o = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert (o.layer_forward_scale, o.layer_backward_scale) == (1.2, 1.1)
+    p = next(iter(_with(OVERHEAD).profiles.values()))
+    assert parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead \
+        .layer_forward_scale is None

@@ -16,7 +16,7 @@ from autoplan.errors import ProfileError
 from autoplan.hardware import EfficiencyTable
 from autoplan.hardware.profiler import (_ATTENTION_HEADS, _TP_PAIR_ROUNDS, _attention_call,
                                        _attention_table, _build_profile, _p2p_partner,
-                                       _qk_flops, fit_alpha_beta, main)
+                                       ProfilingFailed, _qk_flops, fit_alpha_beta, main)
 from runtime_cases import synthetic_measurements
 
 
@@ -171,6 +171,34 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     plain, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
                               threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
     assert plain.device.op_overhead is None
+
+
+def test_layer_scales_are_the_reference_blocks_measured_over_priced():
+    """The layer scales are the reference blocks' measured forward and backward over the
+    cost model's price for them from the profile's own figures: made-up measurements at
+    1.3 and 0.9 times that price give scales 1.3 and 0.9, the slowest rank's deciding;
+    a profile whose ranks did not time them has none."""
+    from autoplan.hardware.profiler import _reference_scales
+    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
+                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
+                "backward_node_s": 8e-6}
+    measured = synthetic_measurements(overhead=[overhead] * 2)
+    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    assert plain.device.op_overhead.layer_forward_scale is None
+    _, _, (fwd, bwd) = _reference_scales(plain.device, (1.0, 1.0))
+    assert fwd > 0 and bwd > 0
+    for i, r in enumerate(measured["ranks"]):
+        r["reference"] = [1.3 * fwd * (1 - 0.1 * i), 0.9 * bwd * (1 - 0.1 * i)]
+    scaled, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                               devices_per_node=2, quick=True, copy_bytes=2**20)
+    o = scaled.device.op_overhead
+    assert (o.layer_forward_scale, o.layer_backward_scale) == (pytest.approx(1.3),
+                                                              pytest.approx(0.9))
+    assert "layer scales: 2 such blocks at width 256 on 4 x 128 tokens" in o.source
+    assert parse_profile(yaml.safe_load(profile_to_yaml(scaled))) == scaled
+    with pytest.raises(ProfilingFailed, match="no layer scale"):
+        _reference_scales(plain.device, (0.0, 1.0))
 
 
 def test_optimizer_overhead_is_per_parameter_tensor_and_element():
@@ -714,6 +742,9 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 1e-8 < o.zero_bubble_node_s < 1e-3
     assert 1e-7 < o.pipeline_action_s < 0.05 and 0 <= o.pipeline_message_s < 0.05
     assert "two-stage 1F1B" in o.source
+    # the reference blocks timed whole against their parts as the profile prices them
+    assert 0.5 < o.layer_forward_scale < 2 and 0.5 < o.layer_backward_scale < 2
+    assert "layer scales" in o.source
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

@@ -29,6 +29,11 @@ and backward times of all its chunks:
   norm, masked_fill, arithmetic per byte there; on a GPU these and broadcasts and
   layout copies, which run on a non-vectorized path) move their bytes at their own
   measured forward and backward speeds instead.
+* **host and composition** (CPU devices, where the host is the device): the
+  host's dispatch per forward operator and backward autograd node
+  (``DeviceType.op_overhead``) adds to a layer's time, and a profile that timed a
+  reference stack of blocks whole scales the sum of these parts by what it found
+  (``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``).
 * **recompute** (Chen et al. 2016; Korthikanti et al. 2022, Sec. 5): full
   recompute re-runs each block's forward (and its tensor-parallel collectives)
   before its backward; selective recompute re-runs only the attention core.
@@ -746,6 +751,13 @@ class CostEngine:
                                          self._host_counted)
             fwd += host_fwd
             bwd += host_bwd
+            if overhead.layer_forward_scale is not None:
+                # the layer whole against its parts as priced, measured on a reference
+                # stack of blocks (OpOverhead.layer_forward_scale)
+                scale_fwd, scale_bwd = overhead.layer_forward_scale, overhead.layer_backward_scale
+                assert scale_bwd is not None
+                fwd, core, bwd, wgrad = (fwd * scale_fwd, core * scale_fwd, bwd * scale_bwd,
+                                         wgrad * scale_bwd)
             if tp > 1:
                 # a column linear sharing its region's input pays its own matmul's DTensor
                 # work, not the region's wrapping and gradient reduction (OpOverhead)

@@ -259,6 +259,19 @@ class OpOverhead(Record):
         where ranks share them, measured as core time and scaled by the ranks over the
         cores (:func:`autoplan.hardware.profiler._measure_pipeline_overhead`).  0 in
         profiles measured before them and on GPUs.
+    layer_forward_scale, layer_backward_scale : float or None
+        A transformer layer's measured time against the sum of its parts as this profile
+        prices them (matmuls by the efficiency table, memory-bound operators by their
+        rates and the copy bandwidth, the host per operator and autograd node), forward
+        and backward: a reference stack of transformer blocks timed whole, every rank busy,
+        over the cost model's price for the same blocks from this profile's other figures.
+        The parts are timed alone, each on operands of its own; in a layer they follow each
+        other through memory the others have just used, and a CPU's forward reads and
+        writes activations the previous step's backward left in memory (on 4 processes of
+        2 cores a block's forward ran 1.20-1.25 times its parts' sum, its backward 1.0-1.05,
+        2026-11-27).  The cost model multiplies each layer's compute by them where the host
+        is the device (CPUs).  ``None`` where not measured (GPU profiles, profiles measured
+        before them): no scaling.
     source : str
         How the figures were measured.
     """
@@ -281,6 +294,8 @@ class OpOverhead(Record):
     tp_collective_byte_s: float = 0.0
     tp_shared_linear_forward_s: float | None = None
     tp_shared_linear_backward_s: float | None = None
+    layer_forward_scale: float | None = None
+    layer_backward_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
@@ -298,6 +313,12 @@ class OpOverhead(Record):
         _require((self.tp_shared_linear_forward_s is None)
                  == (self.tp_shared_linear_backward_s is None), "tp_shared_linear_forward_s",
                  "expected both shared-linear figures or neither")
+        for name in ("layer_forward_scale", "layer_backward_scale"):
+            value = getattr(self, name)
+            _require(value is None or _finite_positive(value), name,
+                     f"expected a ratio > 0 or None, got {value!r}")
+        _require((self.layer_forward_scale is None) == (self.layer_backward_scale is None),
+                 "layer_forward_scale", "expected both layer scales or neither")
         _require(_text(self.source), "source", "expected a non-empty source")
 
     def tp_linears_s(self, linears: int, shared: int) -> tuple[float, float]:

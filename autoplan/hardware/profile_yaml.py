@@ -300,6 +300,12 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                                     "its region's input, in the backward")):
         if any(f"{key}_{unit}" in sec.data for unit in _LATENCY):   # older profiles lack some
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
+    for key, what in (("layer_forward_scale", "a layer's measured forward over its parts' sum"),
+                      ("layer_backward_scale", "a layer's measured backward over its parts' "
+                                               "sum")):
+        value = sec.number(key, what, _positive, "> 0", required=False)
+        if value is not None:
+            values[key] = value
     source = sec.text("source", "how the overhead was measured")
     sec.finish()
     return _build(OpOverhead, sec, **values, source=source)
@@ -531,6 +537,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  **({"tp_shared_linear_forward_s": o.tp_shared_linear_forward_s,
                                      "tp_shared_linear_backward_s": o.tp_shared_linear_backward_s}
                                     if o.tp_shared_linear_forward_s is not None else {}),
+                                 **({"layer_forward_scale": o.layer_forward_scale,
+                                     "layer_backward_scale": o.layer_backward_scale}
+                                    if o.layer_forward_scale is not None else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

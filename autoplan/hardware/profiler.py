@@ -87,7 +87,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -300,6 +300,75 @@ OVERHEAD_BLOCK_OPS = 28
 #: Blocks the forward and backward host time is measured over: the autograd engine's
 #: start and the loss spread over several layers, as in a model.
 _OVERHEAD_BLOCKS = 4
+
+
+#: The reference stack a CPU profile times whole against the cost model's price for it
+#: (``OpOverhead.layer_forward_scale``): :func:`_overhead_model` blocks at a transformer's
+#: width, ``(micro-batch, sequence, width)`` inputs.
+_REFERENCE_SHAPE = (4, 128, 256)
+_REFERENCE_BLOCKS = 2
+
+
+def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
+                              ) -> tuple[float, float]:
+    """Seconds of the forward and of the backward (forward + backward less the forward) of
+    :data:`_REFERENCE_BLOCKS` :func:`_overhead_model` blocks on :data:`_REFERENCE_SHAPE`
+    inputs (``timed(fn)`` is seconds per call), the gradients dropped before each call as
+    a step's first micro-batch finds them."""
+    b, seq, width = _REFERENCE_SHAPE
+    stack = _overhead_model(torch, width, _REFERENCE_BLOCKS)
+    x = torch.randn(b, seq, width, requires_grad=True)
+
+    def forward():
+        return stack(x).sum()
+
+    def both() -> None:
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        forward().backward()
+
+    fwd = timed(forward)
+    return fwd, max(0.0, timed(both) - fwd)
+
+
+def _reference_scales(device: DeviceType, measured: tuple[float, float]
+                      ) -> tuple[float, float, tuple[float, float]]:
+    """``(forward scale, backward scale, (priced forward, priced backward))``: the reference
+    stack's measured seconds (:func:`_measure_reference_layers`) over the cost model's price
+    for it on ``device`` (one device, fp32, without the scales), as
+    ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``.
+
+    Raises
+    ------
+    ProfilingFailed
+        When either price or measurement is not a positive time."""
+    import torch
+
+    from ..capture import trace
+    from ..cost.engine import CostEngine
+    from .cluster import NodeGroup, compose_cluster
+
+    b, seq, width = _REFERENCE_SHAPE
+    stack = _overhead_model(torch, width, _REFERENCE_BLOCKS)
+    graph = trace(stack, example_inputs=torch.randn(b, seq, width),
+                  loss_fn=lambda out, *_: out.sum(), title="reference blocks")
+    plain = device if device.op_overhead is None else replace(
+        device, op_overhead=replace(device.op_overhead, layer_forward_scale=None,
+                                    layer_backward_scale=None))
+    profile = Profile(name="reference", description="the reference blocks' device",
+                      device=plain, node=_one_device_node(plain.memory_bw_bytes_per_s,
+                                                          "reference", False), network=None)
+    engine = CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
+    one = engine.device_of((0,))
+    fwd = bwd = 0.0
+    for template, count in engine.layer_counts(0, len(engine.summary.layers)):
+        t = engine.template_time(template, b, 1, 1, one, "fp32")
+        fwd += count * t.forward_s
+        bwd += count * t.backward_s
+    if not (fwd > 0 and bwd > 0 and measured[0] > 0 and measured[1] > 0):
+        raise ProfilingFailed(f"the reference blocks priced {fwd!r} + {bwd!r} s and measured "
+                              f"{measured[0]!r} + {measured[1]!r} s: no layer scale from them")
+    return measured[0] / fwd, measured[1] / bwd, (fwd, bwd)
 
 
 def _p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
@@ -1260,6 +1329,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         f"operator forward, {overhead['backward_node_s'] * 1e6:.1f} us per autograd node "
         f"backward, {overhead['selective_dispatch_s'] * 1e6:.1f} us more per dispatched "
         "operator under selective recompute")
+    # a CPU's layers whole, against the sum of the parts the profile times (GPUs: the host
+    # runs ahead of the device, and the parts are priced as they are)
+    reference = None
+    if not cuda:
+        dist.barrier()
+        reference = _measure_reference_layers(
+            torch, lambda fn: timed(fn, plan.overhead_target_s, local=True))
+        say(f"reference blocks {'x'.join(map(str, _REFERENCE_SHAPE))}: "
+            f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -1406,6 +1484,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     else:
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
+            **({"reference": list(reference)} if reference is not None else {}),
             "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -1645,6 +1724,24 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
                 + "bandwidth is tensor-copy bytes (read + write) per second per device"))
+    reference = ([max(float(r["reference"][i]) for r in ranks) for i in range(2)]
+                 if op_overhead is not None and all(r.get("reference") for r in ranks) else None)
+    if reference is not None:
+        # the slowest rank's reference blocks against their price from the figures above
+        assert op_overhead is not None
+        scale_fwd, scale_bwd, priced = _reference_scales(device, (reference[0], reference[1]))
+        b, seq, width = _REFERENCE_SHAPE
+        op_overhead = replace(
+            op_overhead, layer_forward_scale=scale_fwd, layer_backward_scale=scale_bwd,
+            source=op_overhead.source + (
+                f"; layer scales: {_REFERENCE_BLOCKS} such blocks at width {width} on "
+                f"{b} x {seq} tokens timed whole ({reference[0] * 1e3:.2f} ms forward, "
+                f"{reference[1] * 1e3:.2f} ms backward"
+                + (", each rank free-running, every rank busy" if raw.get("shares_cores")
+                   else "")
+                + f") over the cost model's price for them from this profile's other figures "
+                f"({priced[0] * 1e3:.2f} + {priced[1] * 1e3:.2f} ms)"))
+        device = replace(device, op_overhead=op_overhead)
 
     backend = "NCCL" if cuda else "gloo"
     if nproc == 1:
@@ -1825,7 +1922,11 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            f"split backward +{d.op_overhead.zero_bubble_node_s * 1e6:.1f} us per autograd "
            f"node; pipeline "
            f"{d.op_overhead.pipeline_action_s * 1e6:.0f} us per stage action + "
-           f"{d.op_overhead.pipeline_message_s * 1e6:.0f} us per message end"]
+           f"{d.op_overhead.pipeline_message_s * 1e6:.0f} us per message end"
+           + (f"; layers x{d.op_overhead.layer_forward_scale:.2f} forward, "
+              f"x{d.op_overhead.layer_backward_scale:.2f} backward their parts' sum"
+              if d.op_overhead.layer_forward_scale is not None
+              and d.op_overhead.layer_backward_scale is not None else "")]
           if d.op_overhead else []),
     ])
 
