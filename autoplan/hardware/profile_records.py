@@ -267,10 +267,12 @@ class OpOverhead(Record):
         over the cost model's price for the same blocks from this profile's other figures.
         The parts are timed alone, each on operands of its own; in a layer they follow each
         other through memory the others have just used, and a CPU's forward reads and
-        writes activations the previous step's backward left in memory (on 4 processes of
-        2 cores a block's forward ran 1.20-1.25 times its parts' sum, its backward 1.0-1.05,
-        2026-11-27).  The cost model multiplies each layer's compute by them where the host
-        is the device (CPUs).  ``None`` where not measured (GPU profiles, profiles measured
+        writes activations the previous step's backward left in memory, and ranks that
+        share cores evict each other's caches at every time slice (2026-11-27: on 4
+        processes of 2 cores the reference read 1.12-1.25 forward and 0.96-1.09 backward in
+        four profiles and runs, the confirm models' blocks 1.1-1.3 forward; on 2 processes
+        with cores of their own 1.04 and 0.96).  The cost model multiplies each layer's
+        compute and host time by them where the host is the device (CPUs).  ``None`` where not measured (GPU profiles, profiles measured
         before them): no scaling.
     source : str
         How the figures were measured.
