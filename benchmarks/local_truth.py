@@ -1174,17 +1174,12 @@ def measure_plain(model_name: str, batch: int, procs: int,
 
 def plain_phases(graph, cluster, batch: int, optimizer_s: float) -> dict[str, float]:
     """The single-process step's predicted seconds per phase (:data:`PLAIN_PHASES`): the
-    forward and the backward summed over the layers (``CostEngine.template_time``: the
+    forward and the backward summed over the layers (``CostEngine.model_compute_s``: the
     estimate's compute, one device, one micro-batch of ``batch``) and ``optimizer_s``."""
     from autoplan.cost.engine import CostEngine
 
     engine = CostEngine(graph, cluster, options=GLOO_ON_CPU, calibration=None)
-    device = engine.device_of((0,))
-    fwd = bwd = 0.0
-    for template, count in engine.layer_counts(0, len(engine.summary.layers)):
-        t = engine.template_time(template, batch, 1, 1, device, "fp32")
-        fwd += count * t.forward_s
-        bwd += count * t.backward_s
+    fwd, bwd = engine.model_compute_s(batch)
     return {"forward": fwd, "backward": bwd, "optimizer": optimizer_s}
 
 

@@ -596,6 +596,18 @@ class CostEngine:
             self._template_counts[key] = c
         return c
 
+    def model_compute_s(self, b: int, dtype: str = "fp32") -> tuple[float, float]:
+        """Seconds of the whole model's forward and backward on one device (the first of
+        the cluster) for a micro-batch of ``b`` sequences in ``dtype``: every layer's
+        :meth:`template_time` without parallelism, recompute or communication."""
+        device = self.device_of((0,))
+        fwd = bwd = 0.0
+        for template, count in self.layer_counts(0, len(self.summary.layers)):
+            t = self.template_time(template, b, 1, 1, device, dtype)
+            fwd += count * t.forward_s
+            bwd += count * t.backward_s
+        return fwd, bwd
+
     def device_of(self, devices: tuple[int, ...]):
         """The :class:`~autoplan.hardware.DeviceType` that prices work spread over
         ``devices``: the slowest among them (lowest bf16-or-best peak, then least memory)."""

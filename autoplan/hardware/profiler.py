@@ -359,12 +359,7 @@ def _reference_scales(device: DeviceType, measured: tuple[float, float]
                       device=plain, node=_one_device_node(plain.memory_bw_bytes_per_s,
                                                           "reference", False), network=None)
     engine = CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
-    one = engine.device_of((0,))
-    fwd = bwd = 0.0
-    for template, count in engine.layer_counts(0, len(engine.summary.layers)):
-        t = engine.template_time(template, b, 1, 1, one, "fp32")
-        fwd += count * t.forward_s
-        bwd += count * t.backward_s
+    fwd, bwd = engine.model_compute_s(b)
     if not (fwd > 0 and bwd > 0 and measured[0] > 0 and measured[1] > 0):
         raise ProfilingFailed(f"the reference blocks priced {fwd!r} + {bwd!r} s and measured "
                               f"{measured[0]!r} + {measured[1]!r} s: no layer scale from them")
