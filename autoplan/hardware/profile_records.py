@@ -272,8 +272,8 @@ class OpOverhead(Record):
         processes of 2 cores the reference read 1.12-1.25 forward and 0.96-1.09 backward in
         four profiles and runs, the confirm models' blocks 1.1-1.3 forward; on 2 processes
         with cores of their own 1.04 and 0.96).  The cost model multiplies each layer's
-        compute and host time by them where the host is the device (CPUs).  ``None`` where not measured (GPU profiles, profiles measured
-        before them): no scaling.
+        compute and host time by them where the host is the device (CPUs).  ``None``
+        where not measured (GPU profiles, profiles measured before them): no scaling.
     source : str
         How the figures were measured.
     """
