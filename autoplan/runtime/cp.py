@@ -249,7 +249,9 @@ class CPContext:
     positions : LongTensor ``(seq_len/cp,)``
         Global positions of the local tokens (:func:`cp_positions`).
     key_order : LongTensor ``(seq_len,)``
-        Where position ``p`` sits in the rank-major concatenation the all-gather returns.
+        Where position ``p`` sits in the rank-major concatenation of every rank's tokens.
+    key_rank, key_slot : LongTensor ``(seq_len,)``
+        The rank that holds position ``p`` and its index among that rank's local tokens.
     allowed : BoolTensor ``(seq_len/cp, seq_len)``
         Causal mask of the local queries over all keys in position order (True: attend).
     """
@@ -261,6 +263,8 @@ class CPContext:
     device: torch.device = torch.device("cpu")
     positions: torch.Tensor = field(init=False, repr=False)
     key_order: torch.Tensor = field(init=False, repr=False)
+    key_rank: torch.Tensor = field(init=False, repr=False)
+    key_slot: torch.Tensor = field(init=False, repr=False)
     allowed: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -269,7 +273,10 @@ class CPContext:
         pos = cp_positions(self.seq_len, self.cp, self.rank)
         allowed = torch.arange(self.seq_len).unsqueeze(0) <= pos.unsqueeze(1)
         object.__setattr__(self, "positions", pos.to(self.device))
-        object.__setattr__(self, "key_order", torch.argsort(held).to(self.device))
+        order = torch.argsort(held)
+        object.__setattr__(self, "key_order", order.to(self.device))
+        object.__setattr__(self, "key_rank", (order // self.local_len).to(self.device))
+        object.__setattr__(self, "key_slot", (order % self.local_len).to(self.device))
         object.__setattr__(self, "allowed", allowed.to(self.device))
 
     @property
@@ -302,33 +309,40 @@ def _group_of(group_or_mesh: Any):
 
 # ---------------------------------------------------------------------- the all-gather
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dimension 0 over ``group``; backward: reduce-scatter of the
-    gradient (sum over the ranks that used the gathered tensor)."""
+    """All-gather over ``group``, every rank's ``x`` stacked along a new leading dimension
+    (``(world, *x.shape)``); backward: reduce-scatter of the gradient (sum over the ranks
+    that used the gathered tensor)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any, world: int) -> torch.Tensor:
-        ctx.group, ctx.world = group, world
+        ctx.group = group
+        # the concatenation along dimension 0 (what gloo takes) is the stack's memory
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
         dist.all_gather_single(out, x.contiguous(), group=group)
-        return out
+        return out.view(world, *x.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty((grad.shape[0] // ctx.world, *grad.shape[1:]))
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(out, grad.contiguous().flatten(0, 1), group=ctx.group)
         return out, None, None
 
 
 def gather_sequence(x: torch.Tensor, ctx: CPContext, dim: int) -> torch.Tensor:
     """The whole sequence of ``x`` (this rank's tokens along ``dim``), in position order,
     gathered from every rank of the group; differentiable (the gradient goes back to the
-    owners by a reduce-scatter)."""
+    owners by a reduce-scatter).
+
+    The ranks' tensors arrive stacked, each whole; one indexed copy picks every position
+    from its rank and slot into a new tensor laid out as ``x`` (the attention's matmuls
+    then take its keys and values without copying them again)."""
     if x.shape[dim] != ctx.local_len:
         raise ConfigError(f"gather_sequence: dimension {dim} of a {tuple(x.shape)} tensor is not "
                           f"this rank's {ctx.local_len} tokens (seq_len={ctx.seq_len}, cp={ctx.cp})")
-    flat = x.movedim(dim, 0)
-    whole = _GatherSequence.apply(flat, ctx.group, ctx.cp)
-    return whole.index_select(0, ctx.key_order.to(x.device)).movedim(0, dim)
+    dim = dim % x.dim()
+    whole = _GatherSequence.apply(x, ctx.group, ctx.cp).movedim(0, dim)  # (.., cp, local, ..)
+    at = (slice(None),) * dim
+    return whole[(*at, ctx.key_rank.to(x.device), ctx.key_slot.to(x.device))]
 
 
 def _gather_kv(k: torch.Tensor, v: torch.Tensor, ctx: CPContext,
