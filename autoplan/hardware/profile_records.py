@@ -308,19 +308,18 @@ class OpOverhead(Record):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
-        for name in ("tp_shared_linear_forward_s", "tp_shared_linear_backward_s"):
-            value = getattr(self, name)
-            _require(value is None or _finite_nonnegative(value), name,
-                     f"expected seconds >= 0 or None, got {value!r}")
-        _require((self.tp_shared_linear_forward_s is None)
-                 == (self.tp_shared_linear_backward_s is None), "tp_shared_linear_forward_s",
-                 "expected both shared-linear figures or neither")
-        for name in ("layer_forward_scale", "layer_backward_scale"):
-            value = getattr(self, name)
-            _require(value is None or _finite_positive(value), name,
-                     f"expected a ratio > 0 or None, got {value!r}")
-        _require((self.layer_forward_scale is None) == (self.layer_backward_scale is None),
-                 "layer_forward_scale", "expected both layer scales or neither")
+        # figures measured in pairs (forward, backward): both or neither
+        for names, check, expected, pair in (
+                (("tp_shared_linear_forward_s", "tp_shared_linear_backward_s"),
+                 _finite_nonnegative, "seconds >= 0", "shared-linear figures"),
+                (("layer_forward_scale", "layer_backward_scale"),
+                 _finite_positive, "a ratio > 0", "layer scales")):
+            values = [getattr(self, name) for name in names]
+            for name, value in zip(names, values):
+                _require(value is None or check(value), name,
+                         f"expected {expected} or None, got {value!r}")
+            _require((values[0] is None) == (values[1] is None), names[0],
+                     f"expected both {pair} or neither")
         _require(_text(self.source), "source", "expected a non-empty source")
 
     def tp_linears_s(self, linears: int, shared: int) -> tuple[float, float]:

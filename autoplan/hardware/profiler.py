@@ -309,15 +309,20 @@ _REFERENCE_SHAPE = (4, 128, 256)
 _REFERENCE_BLOCKS = 2
 
 
+def _reference_stack(torch) -> tuple[Any, Any]:
+    """The reference stack, :data:`_REFERENCE_BLOCKS` :func:`_overhead_model` blocks, and
+    an input of :data:`_REFERENCE_SHAPE`."""
+    b, seq, width = _REFERENCE_SHAPE
+    return _overhead_model(torch, width, _REFERENCE_BLOCKS), torch.randn(b, seq, width)
+
+
 def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
                               ) -> tuple[float, float]:
     """Seconds of the forward and of the backward (forward + backward less the forward) of
-    :data:`_REFERENCE_BLOCKS` :func:`_overhead_model` blocks on :data:`_REFERENCE_SHAPE`
-    inputs (``timed(fn)`` is seconds per call), the gradients dropped before each call as
-    a step's first micro-batch finds them."""
-    b, seq, width = _REFERENCE_SHAPE
-    stack = _overhead_model(torch, width, _REFERENCE_BLOCKS)
-    x = torch.randn(b, seq, width, requires_grad=True)
+    the reference stack (:func:`_reference_stack`; ``timed(fn)`` is seconds per call), the
+    gradients dropped before each call as a step's first micro-batch finds them."""
+    stack, x = _reference_stack(torch)
+    x.requires_grad_(True)
 
     def forward():
         return stack(x).sum()
@@ -348,10 +353,9 @@ def _reference_scales(device: DeviceType, measured: tuple[float, float]
     from ..cost.engine import CostEngine
     from .cluster import NodeGroup, compose_cluster
 
-    b, seq, width = _REFERENCE_SHAPE
-    stack = _overhead_model(torch, width, _REFERENCE_BLOCKS)
-    graph = trace(stack, example_inputs=torch.randn(b, seq, width),
-                  loss_fn=lambda out, *_: out.sum(), title="reference blocks")
+    stack, x = _reference_stack(torch)
+    graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum(),
+                  title="reference blocks")
     plain = device if device.op_overhead is None else replace(
         device, op_overhead=replace(device.op_overhead, layer_forward_scale=None,
                                     layer_backward_scale=None))
@@ -359,7 +363,7 @@ def _reference_scales(device: DeviceType, measured: tuple[float, float]
                       device=plain, node=_one_device_node(plain.memory_bw_bytes_per_s,
                                                           "reference", False), network=None)
     engine = CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
-    fwd, bwd = engine.model_compute_s(b)
+    fwd, bwd = engine.model_compute_s(_REFERENCE_SHAPE[0])
     if not (fwd > 0 and bwd > 0 and measured[0] > 0 and measured[1] > 0):
         raise ProfilingFailed(f"the reference blocks priced {fwd!r} + {bwd!r} s and measured "
                               f"{measured[0]!r} + {measured[1]!r} s: no layer scale from them")
