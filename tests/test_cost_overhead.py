@@ -300,6 +300,29 @@ def test_selective_recompute_pays_the_dispatch_mode_per_operator(graph):
         assert added == pytest.approx(micro_batches * 4 * per_block, rel=1e-9)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_selective_recompute_pays_per_activation_byte(graph, tp):
+    """``selective_byte_s`` per byte each block saves without recompute on its device
+    (activation_bytes at the layout's tp, times the micro-batch, in fp32), on top of the
+    per-operator figure; none for full recompute or no recompute."""
+    from autoplan.cost.memory import activation_bytes
+    from autoplan.cost.summary import summarize
+    summary = summarize(graph)
+    blocks = [l for l in summary.layers if l.is_block]
+    # fp32 bytes: the summary's per-sequence bytes are in its own activation dtype
+    nbytes = sum(activation_bytes(l, tp=tp) for l in blocks) * 2 * 4 / summary.activation_bytes
+    base = {**OVERHEAD, "selective_dispatch_s": 150e-6}
+    per_byte = {**base, "selective_byte_s": 1e-9}
+    for recompute, expected in (("selective", 1e-9 * nbytes), ("full", 0.0), ("none", 0.0)):
+        s = Strategy(dp=2 // tp, tp=tp, micro_batch=2, global_batch=16, recompute=recompute,
+                     precision="fp32")
+        micro_batches = 16 // (2 // tp) // 2
+        added = (_step(graph, s, per_byte).breakdown["recompute_s"]
+                 - _step(graph, s, base).breakdown["recompute_s"])
+        assert added == pytest.approx(micro_batches * expected, rel=1e-9), recompute
+    assert nbytes > 0
+
+
 def test_overhead_does_not_grow_with_the_micro_batch(graph):
     """Twice the sequences per micro-batch, half the micro-batches: half the overhead."""
     def added(mb):

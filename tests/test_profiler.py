@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,8 @@ from autoplan.errors import ProfileError
 from autoplan.hardware import EfficiencyTable
 from autoplan.hardware.profiler import (_ATTENTION_HEADS, _TP_PAIR_ROUNDS, _attention_call,
                                        _attention_table, _build_profile, _p2p_partner,
-                                       ProfilingFailed, _qk_flops, fit_alpha_beta, main)
+                                       _summary, ProfilingFailed, _qk_flops, fit_alpha_beta,
+                                       main)
 from runtime_cases import synthetic_measurements
 
 
@@ -197,8 +199,44 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
                                                               pytest.approx(0.9))
     assert "layer scales: 2 such blocks at width 256 on 4 x 128 tokens" in o.source
     assert parse_profile(yaml.safe_load(profile_to_yaml(scaled))) == scaled
+    assert o.selective_byte_s == 0.0 and "selective recompute per" not in o.source
     with pytest.raises(ProfilingFailed, match="no layer scale"):
         _reference_scales(plain.device, (0.0, 1.0))
+
+
+def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byte():
+    """``selective_byte_s``: the reference blocks' extra under a selective checkpoint that
+    recomputes nothing, less their dispatched operators at ``selective_dispatch_s``, over
+    the bytes they save without recompute; the slowest rank's extra decides; never below
+    0; in the YAML and the profile's summary."""
+    from autoplan.hardware.profiler import (_REFERENCE_SHAPE, _reference_engine,
+                                            _reference_selective_byte_s, _reference_scales)
+    from autoplan.strategy import Recompute
+    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
+                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
+                "backward_node_s": 8e-6, "selective_dispatch_s": 100e-6}
+    measured = synthetic_measurements(overhead=[overhead] * 2)
+    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    engine = _reference_engine(plain.device)
+    blocks = [l for l in engine.summary.layers if l.is_block]
+    ops = sum(l.dispatched_ops for l in blocks)
+    nbytes = sum(engine.activation_bytes(l, 1, False, Recompute.NONE, 1)
+                 for l in blocks) * _REFERENCE_SHAPE[0] * 4 / engine.summary.activation_bytes
+    assert ops > 0 and nbytes > 0
+    _, _, (fwd, bwd) = _reference_scales(plain.device, (1.0, 1.0), engine)
+    extra = ops * 100e-6 + 2e-9 * nbytes
+    for i, r in enumerate(measured["ranks"]):
+        r["reference"] = [fwd, bwd, extra * (1 - 0.2 * i)]
+    profile, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                                devices_per_node=2, quick=True, copy_bytes=2**20)
+    o = profile.device.op_overhead
+    assert o.selective_byte_s == pytest.approx(2e-9)
+    assert "recomputing nothing" in o.source
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    assert "+2.00 ns per activation byte" in _summary(profile, Path("p.yaml"), 1.0)
+    # less than the operators' own figure: 0
+    assert _reference_selective_byte_s(plain.device, ops * 50e-6, engine)[0] == 0.0
 
 
 def test_optimizer_overhead_is_per_parameter_tensor_and_element():
@@ -745,6 +783,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     # the reference blocks timed whole against their parts as the profile prices them
     assert 0.5 < o.layer_forward_scale < 2 and 0.5 < o.layer_backward_scale < 2
     assert "layer scales" in o.source
+    # selective checkpointing's cost per activation byte (a few ns: copy-bandwidth scale)
+    assert 0 <= o.selective_byte_s < 1e-7 and "recomputing nothing" in o.source
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

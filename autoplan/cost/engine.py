@@ -363,17 +363,22 @@ def _local_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
             expert / ep)
 
 
-def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int) -> float:
+def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int,
+                          activation_bytes: float = 0.0) -> float:
     """Host seconds torch's selective checkpoint adds to one micro-batch of a block: its
     Python dispatch mode runs for every operator the forward and the recompute dispatch,
     so ``OpOverhead.selective_dispatch_s`` per operator the block dispatches
-    (``layer.dispatched_ops``).  A profile measured before it states ``selective_s`` per
+    (``layer.dispatched_ops``), and ``OpOverhead.selective_byte_s`` per byte of the
+    ``activation_bytes`` the block saves without recompute on this device for the
+    micro-batch (its outputs held to the forward's end, fresh tensors in the recompute).
+    A profile measured before it states ``selective_s`` per
     captured operator, and a graph captured before it has no dispatched count: those
     are priced per captured operator (a block dispatches 1.4-1.8 per captured one, so
     a new profile on an old graph prices low)."""
+    per_byte = overhead.selective_byte_s * activation_bytes
     if overhead.selective_dispatch_s and layer.dispatched_ops:
-        return layer.dispatched_ops * overhead.selective_dispatch_s
-    return captured_ops * (overhead.selective_s or overhead.selective_dispatch_s)
+        return layer.dispatched_ops * overhead.selective_dispatch_s + per_byte
+    return captured_ops * (overhead.selective_s or overhead.selective_dispatch_s) + per_byte
 
 
 class LayerTime(NamedTuple):
@@ -984,13 +989,18 @@ class CostEngine:
         recompute = 0.0
         overhead = device.op_overhead
         ahead = overhead is not None and host_runs_ahead(device)
+        selective = (seg.recompute is Recompute.SELECTIVE and layer.is_block
+                     and not opts.fused_attention)
+        # the bytes the block saves without recompute, for selective checkpointing's host
+        unselected = (self.activation_bytes(layer, t, seg.sequence_parallel, Recompute.NONE, cp)
+                      * b * act_scale if selective and overhead is not None else 0.0)
         if seg.recompute is Recompute.FULL and layer.is_block:
             recompute = forward
-        elif seg.recompute is Recompute.SELECTIVE and layer.is_block and not opts.fused_attention:
+        elif selective:
             recompute = core
             if overhead is not None and not ahead:
                 recompute += _selective_dispatch_s(overhead, layer,
-                                                   s.op_counts[layer.template][0])
+                                                   s.op_counts[layer.template][0], unselected)
         if ahead:
             # a GPU's host dispatches ahead of it: each direction takes the longer of the
             # device's work and the host's (recompute and selective checkpointing's Python
@@ -999,9 +1009,8 @@ class CostEngine:
             host_fwd, host_bwd = _host_s(overhead, layer, ops, self._host_counted)
             if seg.recompute is Recompute.FULL and layer.is_block:
                 host_bwd += host_fwd
-            elif (seg.recompute is Recompute.SELECTIVE and layer.is_block
-                  and not opts.fused_attention):
-                host_bwd += _selective_dispatch_s(overhead, layer, ops)
+            elif selective:
+                host_bwd += _selective_dispatch_s(overhead, layer, ops, unselected)
             forward = max(forward, host_fwd)
             recompute = max(backward + recompute, host_bwd) - backward
         # tensor-parallel collectives of one layer

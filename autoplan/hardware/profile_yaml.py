@@ -280,6 +280,8 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                     "recompute"),
                       ("selective_dispatch", "extra seconds per dispatched operator under "
                                              "selective recompute"),
+                      ("selective_byte", "extra seconds per activation byte of a block under "
+                                         "selective recompute"),
                       ("optimizer_param", "seconds per plain parameter tensor of an "
                                            "optimizer step"),
                       ("optimizer_dtensor_param", "seconds per DTensor parameter of an "
@@ -527,6 +529,8 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  "forward_dispatch_s": o.forward_dispatch_s,
                                  "backward_node_s": o.backward_node_s,
                                  "optimizer_element_s": o.optimizer_element_s,
+                                 **({"selective_byte_s": o.selective_byte_s}
+                                    if o.selective_byte_s else {}),
                                  **({"pipeline_action_s": o.pipeline_action_s,
                                      "pipeline_message_s": o.pipeline_message_s}
                                     if o.pipeline_action_s or o.pipeline_message_s else {}),

@@ -307,6 +307,11 @@ _OVERHEAD_BLOCKS = 4
 #: width, ``(micro-batch, sequence, width)`` inputs.
 _REFERENCE_SHAPE = (4, 128, 256)
 _REFERENCE_BLOCKS = 2
+#: Seconds each of its timings takes at least (windows of ~100 ms calls): its selective
+#: checkpoint's extra is the difference of two of them, ~25% of either; at the quick
+#: profile's 0.45 s (three windows of four calls) three profiles read 20-30 ms for it
+#: (2026-11-27)
+_REFERENCE_TARGET_S = 1.2
 
 
 def _reference_stack(torch) -> tuple[Any, Any]:
@@ -317,36 +322,42 @@ def _reference_stack(torch) -> tuple[Any, Any]:
 
 
 def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
-                              ) -> tuple[float, float]:
+                              ) -> tuple[float, float, float]:
     """Seconds of the forward and of the backward (forward + backward less the forward) of
     the reference stack (:func:`_reference_stack`; ``timed(fn)`` is seconds per call), the
-    gradients dropped before each call as a step's first micro-batch finds them."""
+    gradients dropped before each call as a step's first micro-batch finds them; and the
+    seconds its forward + backward takes more with each block wrapped as
+    :func:`autoplan.parallelize` wraps a block under selective recompute, with an empty
+    attention core (nothing recomputed: the checkpoint's own cost, as
+    ``OpOverhead.selective_byte_s`` prices it beyond its per-operator figure)."""
+    from ..graph import AttentionCore
+    from ..runtime.ac import apply_ac
+    from ..strategy import Recompute
+
     stack, x = _reference_stack(torch)
     x.requires_grad_(True)
+    nothing = AttentionCore(nodes=(), ops=(), calls={})
+    selective = torch.nn.Sequential(*(apply_ac(block, Recompute.SELECTIVE, core=nothing)
+                                      for block in _reference_stack(torch)[0]))
 
     def forward():
         return stack(x).sum()
 
-    def both() -> None:
-        stack.zero_grad(set_to_none=True)
-        x.grad = None
-        forward().backward()
+    def both(model) -> Callable[[], None]:
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            x.grad = None
+            model(x).sum().backward()
+        return run
 
     fwd = timed(forward)
-    return fwd, max(0.0, timed(both) - fwd)
+    whole = timed(both(stack))
+    return fwd, max(0.0, whole - fwd), max(0.0, timed(both(selective)) - whole)
 
 
-def _reference_scales(device: DeviceType, measured: tuple[float, float]
-                      ) -> tuple[float, float, tuple[float, float]]:
-    """``(forward scale, backward scale, (priced forward, priced backward))``: the reference
-    stack's measured seconds (:func:`_measure_reference_layers`) over the cost model's price
-    for it on ``device`` (one device, fp32, without the scales), as
-    ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``.
-
-    Raises
-    ------
-    ProfilingFailed
-        When either price or measurement is not a positive time."""
+def _reference_engine(device: DeviceType):
+    """The cost model of the reference stack (:func:`_reference_stack`, traced) on one
+    ``device``, without its layer scales."""
     import torch
 
     from ..capture import trace
@@ -362,12 +373,50 @@ def _reference_scales(device: DeviceType, measured: tuple[float, float]
     profile = Profile(name="reference", description="the reference blocks' device",
                       device=plain, node=_one_device_node(plain.memory_bw_bytes_per_s,
                                                           "reference", False), network=None)
-    engine = CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
+    return CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
+
+
+def _reference_scales(device: DeviceType, measured: tuple[float, float], engine=None
+                      ) -> tuple[float, float, tuple[float, float]]:
+    """``(forward scale, backward scale, (priced forward, priced backward))``: the reference
+    stack's measured seconds (:func:`_measure_reference_layers`) over the cost model's price
+    for it on ``device`` (one device, fp32, without the scales; ``engine``: its
+    :func:`_reference_engine`, made here if not given), as
+    ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``.
+
+    Raises
+    ------
+    ProfilingFailed
+        When either price or measurement is not a positive time."""
+    engine = engine or _reference_engine(device)
     fwd, bwd = engine.model_compute_s(_REFERENCE_SHAPE[0])
     if not (fwd > 0 and bwd > 0 and measured[0] > 0 and measured[1] > 0):
         raise ProfilingFailed(f"the reference blocks priced {fwd!r} + {bwd!r} s and measured "
                               f"{measured[0]!r} + {measured[1]!r} s: no layer scale from them")
     return measured[0] / fwd, measured[1] / bwd, (fwd, bwd)
+
+
+def _reference_selective_byte_s(device: DeviceType, extra_s: float, engine=None
+                                ) -> tuple[float, float, float]:
+    """``(OpOverhead.selective_byte_s, per-operator seconds, activation bytes)``: the
+    reference stack's measured extra under a selective checkpoint that recomputes nothing
+    (:func:`_measure_reference_layers`) less its blocks' dispatched operators at the
+    profile's ``selective_dispatch_s``, over the bytes its blocks save for the backward
+    without recompute (:func:`autoplan.cost.memory.activation_bytes`), never below 0."""
+    from ..strategy import Precision, Recompute
+
+    engine = engine or _reference_engine(device)
+    b = _REFERENCE_SHAPE[0]
+    per_op = device.op_overhead.selective_dispatch_s if device.op_overhead else 0.0
+    blocks = [layer for layer in engine.summary.layers if layer.is_block]
+    ops_s = sum(layer.dispatched_ops for layer in blocks) * per_op
+    scale = engine.precision_costs(Precision.FP32).activation_scale   # fp32 as it ran
+    nbytes = sum(engine.activation_bytes(layer, 1, False, Recompute.NONE, 1)
+                 for layer in blocks) * b * scale
+    if nbytes <= 0:
+        raise ProfilingFailed("the reference blocks save no activations as captured: "
+                              "no selective recompute figure per byte from them")
+    return max(0.0, extra_s - ops_s) / nbytes, ops_s, nbytes
 
 
 def _p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
@@ -1334,9 +1383,11 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     if not cuda:
         dist.barrier()
         reference = _measure_reference_layers(
-            torch, lambda fn: timed(fn, plan.overhead_target_s, local=True))
+            torch, lambda fn: timed(fn, max(plan.overhead_target_s, _REFERENCE_TARGET_S),
+                                    local=True))
         say(f"reference blocks {'x'.join(map(str, _REFERENCE_SHAPE))}: "
-            f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward")
+            f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward, "
+            f"{reference[2] * 1e3:.2f} ms more under selective checkpoints")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -1723,13 +1774,25 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
                 + "bandwidth is tensor-copy bytes (read + write) per second per device"))
-    reference = ([max(float(r["reference"][i]) for r in ranks) for i in range(2)]
+    reference = ([max(float(r["reference"][i]) for r in ranks)
+                  for i in range(min(len(r["reference"]) for r in ranks))]
                  if op_overhead is not None and all(r.get("reference") for r in ranks) else None)
     if reference is not None:
         # the slowest rank's reference blocks against their price from the figures above
         assert op_overhead is not None
-        scale_fwd, scale_bwd, priced = _reference_scales(device, (reference[0], reference[1]))
+        engine = _reference_engine(device)
+        scale_fwd, scale_bwd, priced = _reference_scales(device, (reference[0], reference[1]),
+                                                         engine)
         b, seq, width = _REFERENCE_SHAPE
+        selective = ""
+        if len(reference) > 2:      # measurements taken before it have two figures
+            per_byte, ops_s, nbytes = _reference_selective_byte_s(device, reference[2], engine)
+            op_overhead = replace(op_overhead, selective_byte_s=per_byte)
+            selective = (f"; selective recompute per activation byte: the same blocks, each "
+                         f"under a selective checkpoint recomputing nothing, "
+                         f"{reference[2] * 1e3:.2f} ms more forward + backward, less "
+                         f"{ops_s * 1e3:.2f} ms for their operators at the per-operator figure, "
+                         f"over the {nbytes / 2**20:.1f} MiB they save without recompute")
         op_overhead = replace(
             op_overhead, layer_forward_scale=scale_fwd, layer_backward_scale=scale_bwd,
             source=op_overhead.source + (
@@ -1739,7 +1802,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                 + (", each rank free-running, every rank busy" if raw.get("shares_cores")
                    else "")
                 + f") over the cost model's price for them from this profile's other figures "
-                f"({priced[0] * 1e3:.2f} + {priced[1] * 1e3:.2f} ms)"))
+                f"({priced[0] * 1e3:.2f} + {priced[1] * 1e3:.2f} ms)" + selective))
         device = replace(device, op_overhead=op_overhead)
 
     backend = "NCCL" if cuda else "gloo"
@@ -1925,7 +1988,9 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            + (f"; layers x{d.op_overhead.layer_forward_scale:.2f} forward, "
               f"x{d.op_overhead.layer_backward_scale:.2f} backward their parts' sum"
               if d.op_overhead.layer_forward_scale is not None
-              and d.op_overhead.layer_backward_scale is not None else "")]
+              and d.op_overhead.layer_backward_scale is not None else "")
+           + (f"; selective recompute +{d.op_overhead.selective_byte_s * 1e9:.2f} ns per "
+              "activation byte" if d.op_overhead.selective_byte_s else "")]
           if d.op_overhead else []),
     ])
 
