@@ -51,7 +51,10 @@ and backward times of all its chunks:
   gathered bytes) and reduce-scatters their gradients in the backward (again
   under full recompute, whose forward gathers again).  The attention core
   waits for the gather and the input gradient for the reduce-scatter, so both
-  are exposed, not overlapped.
+  are exposed, not overlapped; so are the runtime's memory-bound copies around
+  them at the device's copy bandwidth (2 x local + 2 x gathered bytes forward,
+  5 x gathered backward: the stack, the indexed copy into position order, its
+  gradient and that gradient's layout for the reduce-scatter).
 * **expert parallelism** (mixture-of-experts layers; Lepikhin et al. 2021, GShard;
   Megatron-Core and torchtitan carve the ``ep`` ranks out of ``dp x cp``):
   the ``ep`` consecutive ranks of the flattened ``dp x cp`` index (same ``tp`` index,
@@ -1052,8 +1055,15 @@ class CostEngine:
         cp_forward = cp_backward = cp_exposed = 0.0
         if cp > 1 and core > 0 and layer.is_block:
             kv_bytes = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
-            cp_forward = self.collective_time("all_gather", groups.cp, kv_bytes)
-            cp_backward = self.collective_time("reduce_scatter", groups.cp, kv_bytes)
+            # and the runtime's copies around them (autoplan.runtime.cp.gather_sequence),
+            # memory-bound, read + write: forward, the local keys and values stacked and the
+            # gathered ones put in position order; backward, the indexed copy's gradient
+            # (zeros, then the gradient put in place) and its layout for the reduce-scatter
+            bw = device.memory_bw_bytes_per_s
+            cp_forward = (self.collective_time("all_gather", groups.cp, kv_bytes)
+                          + (2 * kv_bytes / cp + 2 * kv_bytes) / bw)
+            cp_backward = (self.collective_time("reduce_scatter", groups.cp, kv_bytes)
+                           + 5 * kv_bytes / bw)
             if seg.recompute is Recompute.FULL:
                 cp_backward += cp_forward   # the recomputed forward gathers again
             cp_exposed = cp_forward + cp_backward
