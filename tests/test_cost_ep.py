@@ -94,7 +94,7 @@ BEFORE = {
     ("gpt", 1): (3.1435406000000004e-05, 1074109214.8),   # + torch's per-micro-batch
                                                           # pipeline receive buffers
     ("gpt", 2): (4.432358400000001e-05, 1073996984.5),
-    ("gpt", 3): (3.0722952e-05, 1074445412.2),
+    ("gpt", 3): (3.0673800000000004e-05, 1074445412.2),
 }
 LAYOUTS = [dict(dp=8, global_batch=16, zero=1),
            dict(dp=2, tp=2, pp=2, global_batch=16, zero=2, schedule="zero_bubble", virtual_stages=2),

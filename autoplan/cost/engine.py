@@ -53,8 +53,8 @@ and backward times of all its chunks:
   waits for the gather and the input gradient for the reduce-scatter, so both
   are exposed, not overlapped; so are the runtime's memory-bound copies around
   them at the device's copy bandwidth (2 x local + 2 x gathered bytes forward,
-  5 x gathered backward: the stack, the indexed copy into position order, its
-  gradient and that gradient's layout for the reduce-scatter).
+  4 x gathered backward: the stack of keys and values and the copy into position
+  order, each way).
 * **expert parallelism** (mixture-of-experts layers; Lepikhin et al. 2021, GShard;
   Megatron-Core and torchtitan carve the ``ep`` ranks out of ``dp x cp``):
   the ``ep`` consecutive ranks of the flattened ``dp x cp`` index (same ``tp`` index,
@@ -1057,13 +1057,13 @@ class CostEngine:
             kv_bytes = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
             # and the runtime's copies around them (autoplan.runtime.cp.gather_sequence),
             # memory-bound, read + write: forward, the local keys and values stacked and the
-            # gathered ones put in position order; backward, the indexed copy's gradient
-            # (zeros, then the gradient put in place) and its layout for the reduce-scatter
+            # gathered ones put in position order; backward, the gradients of keys and
+            # values stacked and put back in the gathered layout for the reduce-scatter
             bw = device.memory_bw_bytes_per_s
             cp_forward = (self.collective_time("all_gather", groups.cp, kv_bytes)
                           + (2 * kv_bytes / cp + 2 * kv_bytes) / bw)
             cp_backward = (self.collective_time("reduce_scatter", groups.cp, kv_bytes)
-                           + 5 * kv_bytes / bw)
+                           + 4 * kv_bytes / bw)
             if seg.recompute is Recompute.FULL:
                 cp_backward += cp_forward   # the recomputed forward gathers again
             cp_exposed = cp_forward + cp_backward
