@@ -22,7 +22,10 @@ training):
   of a tensor-parallel (DTensor) linear over a plain one (on real pairs of ranks where
   ranks share cores), an AdamW step's time per parameter tensor, plain and DTensor
   (added once per step), and a pipeline's host work per stage action and per message
-  end (a two-stage 1F1B on pairs of ranks, :func:`_measure_pipeline_overhead`); every
+  end (a two-stage 1F1B on pairs of ranks, :func:`_measure_pipeline_overhead`); and a
+  reference stack of blocks at a transformer's width timed whole, against the cost
+  model's price for it (the layer scales), and under selective checkpoints that
+  recompute nothing (the checkpoint's cost per activation byte); every
   repeat is timed on all ranks at once, from the first rank's start to the last rank's
   end, except where ranks share cores: there each
   rank times its own work in free-running windows with every rank busy
