@@ -250,11 +250,9 @@ class CPContext:
         Global positions of the local tokens (:func:`cp_positions`).
     key_order : LongTensor ``(seq_len,)``
         Where position ``p`` sits in the rank-major concatenation of every rank's tokens.
-    key_rank, key_slot : LongTensor ``(seq_len,)``
-        The rank that holds position ``p`` and its index among that rank's local tokens.
     runs : tuple of (position, rank, slot, length)
-        The same as runs of consecutive positions held by one rank in consecutive slots,
-        in position order (two a rank under :func:`cp_positions`' balanced split).
+        Runs of consecutive positions that one rank holds in consecutive slots, in
+        position order (two a rank under :func:`cp_positions`' balanced split).
     allowed : BoolTensor ``(seq_len/cp, seq_len)``
         Causal mask of the local queries over all keys in position order (True: attend).
     """
@@ -266,8 +264,6 @@ class CPContext:
     device: torch.device = torch.device("cpu")
     positions: torch.Tensor = field(init=False, repr=False)
     key_order: torch.Tensor = field(init=False, repr=False)
-    key_rank: torch.Tensor = field(init=False, repr=False)
-    key_slot: torch.Tensor = field(init=False, repr=False)
     runs: tuple = field(init=False, repr=False)
     allowed: torch.Tensor = field(init=False, repr=False)
 
@@ -279,8 +275,6 @@ class CPContext:
         object.__setattr__(self, "positions", pos.to(self.device))
         order = torch.argsort(held)
         object.__setattr__(self, "key_order", order.to(self.device))
-        object.__setattr__(self, "key_rank", (order // self.local_len).to(self.device))
-        object.__setattr__(self, "key_slot", (order % self.local_len).to(self.device))
         object.__setattr__(self, "runs", _runs((order // self.local_len).tolist(),
                                                (order % self.local_len).tolist()))
         object.__setattr__(self, "allowed", allowed.to(self.device))
