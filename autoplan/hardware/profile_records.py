@@ -236,8 +236,8 @@ class OpOverhead(Record):
         (2026-11-27, 4 processes on 2 cores: 0.35-0.52 ns per byte in four profiles; the
         confirm models' blocks measured 9-19 ms more per micro-batch under selective
         recompute against 7-15 priced at the per-operator figure and the core's compute
-        alone).  0 in GPU
-        profiles (the device's own memory) and in profiles measured before it.
+        alone).  0 in GPU profiles (the device's own memory) and in profiles measured
+        before it.
     selective_s : float
         The same per *captured* operator, as profiles measured before
         ``selective_dispatch_s`` state it (a block dispatches 1.4-1.8 operators per captured
@@ -316,8 +316,8 @@ class OpOverhead(Record):
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "tp_collective_byte_s", "selective_s", "selective_dispatch_s",
-                     "selective_byte_s", "optimizer_param_s", "optimizer_dtensor_param_s", "forward_dispatch_s",
-                     "backward_node_s", "optimizer_element_s", "pipeline_action_s",
+                     "selective_byte_s", "optimizer_param_s", "optimizer_dtensor_param_s",
+                     "forward_dispatch_s", "backward_node_s", "optimizer_element_s", "pipeline_action_s",
                      "pipeline_message_s", "zero_bubble_node_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,

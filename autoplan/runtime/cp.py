@@ -248,8 +248,6 @@ class CPContext:
         Tokens per whole sequence.
     positions : LongTensor ``(seq_len/cp,)``
         Global positions of the local tokens (:func:`cp_positions`).
-    key_order : LongTensor ``(seq_len,)``
-        Where position ``p`` sits in the rank-major concatenation of every rank's tokens.
     runs : tuple of (position, rank, slot, length)
         Runs of consecutive positions that one rank holds in consecutive slots, in
         position order (two a rank under :func:`cp_positions`' balanced split).
@@ -263,7 +261,6 @@ class CPContext:
     seq_len: int
     device: torch.device = torch.device("cpu")
     positions: torch.Tensor = field(init=False, repr=False)
-    key_order: torch.Tensor = field(init=False, repr=False)
     runs: tuple = field(init=False, repr=False)
     allowed: torch.Tensor = field(init=False, repr=False)
 
@@ -273,8 +270,7 @@ class CPContext:
         pos = cp_positions(self.seq_len, self.cp, self.rank)
         allowed = torch.arange(self.seq_len).unsqueeze(0) <= pos.unsqueeze(1)
         object.__setattr__(self, "positions", pos.to(self.device))
-        order = torch.argsort(held)
-        object.__setattr__(self, "key_order", order.to(self.device))
+        order = torch.argsort(held)   # where each position sits in the rank-major tokens
         object.__setattr__(self, "runs", _runs((order // self.local_len).tolist(),
                                                (order % self.local_len).tolist()))
         object.__setattr__(self, "allowed", allowed.to(self.device))
@@ -371,11 +367,10 @@ def gather_sequence(x: torch.Tensor, ctx: CPContext, dim: int) -> torch.Tensor:
     gathered from every rank of the group; differentiable (the gradient goes back to the
     owners by a reduce-scatter).
 
-    The ranks' tensors arrive stacked, each whole; one indexed copy picks every position
-    from its rank and slot into a new tensor laid out as ``x`` (the attention's matmuls
-    then take its keys and values without copying them again), and one copies the
-    gradient back into the stack's layout (:class:`_PositionOrder`, by runs of
-    consecutive positions)."""
+    The ranks' tensors arrive stacked, each whole; one copy concatenates the runs of
+    consecutive positions from their ranks into a new tensor laid out as ``x`` (the
+    attention's matmuls then take its keys and values without copying them again), and
+    one copies the gradient back into the stack's layout (:class:`_PositionOrder`)."""
     if x.shape[dim] != ctx.local_len:
         raise ConfigError(f"gather_sequence: dimension {dim} of a {tuple(x.shape)} tensor is not "
                           f"this rank's {ctx.local_len} tokens (seq_len={ctx.seq_len}, cp={ctx.cp})")
