@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -342,6 +343,18 @@ def test_yaml_syntax_and_duplicate_keys(tmp_path):
     assert "duplicate key 'kind'" in str(err)
     err = _error(tmp_path, "- just\n- a list\n")
     assert "expected a mapping" in str(err)
+
+
+def test_a_file_that_is_not_a_profile_is_named_not_quoted_whole(tmp_path):
+    """A CSV (or any text YAML reads as one string) given for a profile: the error says
+    what it got and how it begins, not the whole file."""
+    text = "model,label,measured_s\n" + "gpt,dp2 tp1 pp2 mb4x1 gpipe,0.133\n" * 200
+    err = _error(tmp_path, text)
+    message = str(err)
+    assert "expected a mapping (a profile)" in message
+    assert re.search(r"got str of \d{4} characters beginning 'model,label,measured_s gpt,",
+                     message), message
+    assert len(message) < 300
 
 
 def test_yaml_reads_exponent_floats(tmp_path):

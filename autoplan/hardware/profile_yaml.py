@@ -154,12 +154,18 @@ class _Section:
                                          f"expected keys {sorted(set(self.allowed))}")
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, limit: int = 60) -> str:
+    """``value`` for an error message: its type for a mapping or list, its repr cut to
+    ``limit`` characters otherwise (a whole file read as one string is not quoted whole)."""
     if value is None:
         return "nothing (null)"
     if isinstance(value, (dict, list)):
         return f"a {type(value).__name__}"
-    return f"{value!r}"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" of {len(value)} characters" if isinstance(value, str) else ""
+    return f"{type(value).__name__}{size} beginning {text[:limit]}..."
 
 
 def _positive(x: float) -> bool:
