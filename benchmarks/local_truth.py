@@ -76,6 +76,15 @@ and 2 key/value heads, random init) on 4 CPU processes, global batch 8, fp32:
 
     python benchmarks/local_truth.py --confirm --csv rows.csv  # (~16-20 min on 2 cores)
     python benchmarks/local_truth.py --confirm --no-run --profile p.yaml   # enumeration only
+
+Re-pricing (``--reprice CSV PROFILE``, repeatable): a pass kept with ``--csv`` and
+``--keep-profile`` priced again with the code as it is now, each layout on the pass's own
+profile: per pass, how many layouts lie within 15% and its misses; over several passes,
+the layouts whose error averages beyond ``SYSTEMATIC``.  A change to the cost model is
+judged on several passes of the machine at once (a layout's step moves a few percent
+between passes), without running anything (seconds).
+
+    python benchmarks/local_truth.py --reprice a/rows.csv a/prof.yaml --reprice b/rows.csv b/prof.yaml
 """
 
 from __future__ import annotations
@@ -1183,6 +1192,124 @@ def plain_phases(graph, cluster, batch: int, optimizer_s: float) -> dict[str, fl
     return {"forward": fwd, "backward": bwd, "optimizer": optimizer_s}
 
 
+#: Re-pricing stored passes (``--reprice``): a layout whose error averages beyond this over
+#: the passes is listed as systematic (a layout's error moves about 4% between passes of
+#: the machine, so one this far out misses the 15% target in about half of them).
+SYSTEMATIC = 0.10
+
+
+def _read_pass(csv_path: Path) -> list[dict]:
+    """A confirm pass's measured rows (``--csv``): model, label and measured step.
+
+    Raises
+    ------
+    ConfigError
+        When the file cannot be read or is not a confirm CSV (:data:`CSV_FIELDS`)."""
+    import csv
+
+    from autoplan.errors import ConfigError
+    try:
+        with open(csv_path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"model", "label", "measured_s"} - set(reader.fieldnames or ())
+            if missing:
+                raise ConfigError(f"{csv_path}: not a confirm pass's CSV (no column "
+                                  f"{', '.join(sorted(missing))}); write one with "
+                                  "`local_truth.py --confirm --csv PATH`")
+            rows = list(reader)
+    except OSError as exc:
+        raise ConfigError(f"{csv_path}: cannot read it ({exc.strerror or exc})") from None
+    out = []
+    for i, r in enumerate(rows, start=2):
+        if not r["measured_s"]:
+            continue                     # not runnable or failed in that pass
+        try:
+            measured = float(r["measured_s"])
+        except ValueError:
+            raise ConfigError(f"{csv_path}, line {i}: measured_s {r['measured_s']!r} is not "
+                              "a number") from None
+        if r["model"] not in CONFIRM_MODELS or not measured > 0:
+            raise ConfigError(f"{csv_path}, line {i}: model {r['model']!r} with measured_s "
+                              f"{measured!r}; expected one of {CONFIRM_MODELS} and a positive "
+                              "step")
+        out.append({"model": r["model"], "label": r["label"], "measured_s": measured})
+    return out
+
+
+def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | None = None
+            ) -> list[dict]:
+    """Price every measured layout of stored confirm passes again with this code.
+
+    ``passes``: ``(csv, profile)`` pairs, each pass's rows (``--csv``) and the profile it
+    measured (``--keep-profile``); ``graphs``: the traced confirm models by name (traced
+    here if not given).  Each layout is priced as the pass priced it
+    (:func:`confirm_layouts` on the pass's profile, every ranked layout), so a change to
+    the cost model can be judged on several passes of the machine rather than one.  One
+    dict per pass: ``csv``, ``rows`` (``model``, ``label``, ``measured_s``, ``predicted_s``
+    and ``error``, or ``predicted_s`` ``None`` where the search no longer ranks the layout).
+
+    Raises
+    ------
+    ConfigError, ProfileError
+        A pass whose CSV or profile cannot be read."""
+    from autoplan import load_cluster, trace
+    graphs = dict(graphs or {})
+    out = []
+    for csv_path, profile in passes:
+        rows = [r for r in _read_pass(csv_path) if r["model"] in models]
+        cluster = load_cluster(str(profile))
+        for name in sorted({r["model"] for r in rows}):
+            if name not in graphs:
+                graphs[name] = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
+            priced = {r["label"]: r["predicted_s"]
+                      for r in confirm_layouts(graphs[name], cluster, run_all=True)
+                      if r.get("predicted_s") is not None}
+            for r in rows:
+                if r["model"] == name:
+                    p = priced.get(r["label"])
+                    r["predicted_s"] = p
+                    r["error"] = None if p is None else p / r["measured_s"] - 1
+        out.append({"csv": csv_path, "rows": rows})
+    return out
+
+
+def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
+    """``--reprice``: each pass's count within :data:`TIME_TARGET` priced with this code,
+    per model its median error, its misses; then the layouts whose error averages beyond
+    :data:`SYSTEMATIC` over the passes."""
+    t0 = time.perf_counter()
+    results = reprice(passes, models)
+    by_layout: dict[tuple[str, str], list[float]] = {}
+    for res in results:
+        priced = [r for r in res["rows"] if r["error"] is not None]
+        within = sum(abs(r["error"]) <= TIME_TARGET for r in priced)
+        parts = []
+        for name in models:
+            errs = [r["error"] for r in priced if r["model"] == name]
+            if errs:
+                parts.append(f"{name} {sum(abs(e) <= TIME_TARGET for e in errs)}/{len(errs)} "
+                             f"median {statistics.median(errs):+.1%}")
+        unpriced = len(res["rows"]) - len(priced)
+        print(f"{res['csv']}: {within} of {len(priced)} within {TIME_TARGET:.0%} priced with "
+              f"this code ({'; '.join(parts) or 'no measured rows'})"
+              + (f"; {unpriced} no longer ranked by the search" if unpriced else ""))
+        for r in sorted(priced, key=lambda r: r["error"]):
+            if abs(r["error"]) > TIME_TARGET:
+                print(f"    miss: {r['model']} {r['label']} {r['error']:+.1%}")
+            by_layout.setdefault((r["model"], r["label"]), []).append(r["error"])
+    if len(results) > 1:
+        far = sorted(((statistics.mean(e), k, e) for k, e in by_layout.items()
+                      if len(e) >= 2 and abs(statistics.mean(e)) > SYSTEMATIC),
+                     key=lambda t: t[0])
+        print(f"\nover the {len(results)} passes, layouts measured in two or more whose "
+              f"error averages beyond {SYSTEMATIC:.0%}: {len(far) or 'none'}")
+        for mean, (name, label), errs in far:
+            print(f"    {name} {label}: mean {mean:+.1%} over {len(errs)} "
+                  f"({min(errs):+.1%} to {max(errs):+.1%})")
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def plain_main(profile: Path | None, models: list[str], *, run: bool,
                keep_profile: Path | None = None) -> int:
     """The compute alone, without parallelism: the confirm models' single-process training
@@ -1251,6 +1378,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-profile", type=Path, default=None, metavar="PATH",
                     help="with --confirm or --plain: keep the profile the pass measures here "
                          "(to price its runs again later; not with --profile)")
+    ap.add_argument("--reprice", nargs=2, action="append", metavar=("CSV", "PROFILE"),
+                    type=Path, default=None,
+                    help="price a stored confirm pass again with this code: its rows (--csv) "
+                         "and the profile it measured (--keep-profile); repeat for several "
+                         "passes")
     ap.add_argument("--plain", action="store_true",
                     help=f"the confirm models' single-process step on {CONFIRM_WORLD} processes "
                          "at once against one device of the profile: the compute alone")
@@ -1265,6 +1397,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_profile.parent.is_dir():
             ap.error(f"--keep-profile {args.keep_profile}: no directory "
                      f"{args.keep_profile.parent} to write it in")
+    if args.reprice:
+        if args.confirm or args.plain or args.memory is not None or args.profile is not None:
+            ap.error("--reprice prices stored passes with their own profiles: not with "
+                     "--confirm, --plain, --memory or --profile")
+        from autoplan.errors import AutoplanError
+        try:
+            return reprice_main([tuple(p) for p in args.reprice], args.models)
+        except AutoplanError as exc:
+            print(f"local_truth.py: error: {exc}", file=sys.stderr)
+            return 2
     if args.plain:
         return plain_main(args.profile, args.models, run=not args.no_run,
                           keep_profile=args.keep_profile)

@@ -319,3 +319,70 @@ def test_a_failed_layout_reports_the_cause_first():
         text = lt._error_chain(exc)
     assert text == ("RuntimeError: Connection closed by peer <- "
                     "RuntimeError: [Stage 0] failed to run forward")
+
+
+def _stored_pass(path: Path, rows: list[tuple[str, str, object]]) -> Path:
+    """A confirm pass's CSV as ``--csv`` writes it, with ``(model, label, measured_s)``."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=lt.CSV_FIELDS)
+        w.writeheader()
+        for model, label, measured in rows:
+            w.writerow({"model": model, "label": label, "measured_s": measured})
+    return path
+
+
+def test_reprice_prices_a_stored_pass_with_its_profile(gpt_rows, profile4: Path,
+                                                       tmp_path: Path, capsys):
+    """``--reprice CSV PROFILE``: each measured layout priced again on the pass's profile,
+    its error against the stored measurement; misses listed; over several passes, the
+    layouts whose error averages beyond SYSTEMATIC; a layout the search no longer ranks
+    is counted apart, and a row the pass could not run is skipped."""
+    graph, rows = gpt_rows
+    a, b, c = rows[0], rows[1], rows[2]
+    stored = _stored_pass(tmp_path / "pass.csv", [
+        ("gpt", a["label"], a["predicted_s"] / 1.2),      # priced 20% slow
+        ("gpt", b["label"], b["predicted_s"]),            # exact
+        ("gpt", c["label"], c["predicted_s"] / 0.95),     # 5% fast
+        ("gpt", "dp9 tp1 pp1 mb1x1", 0.5),                # not a layout it ranks
+        ("gpt", "dp1 tp4 pp1 mb8x1", ""),                 # failed in that pass
+    ])
+    (res,) = lt.reprice([(stored, profile4)], ["gpt"], graphs={"gpt": graph})
+    errors = {r["label"]: r["error"] for r in res["rows"]}
+    assert errors[a["label"]] == pytest.approx(0.2)
+    assert errors[b["label"]] == pytest.approx(0.0, abs=1e-12)
+    assert errors[c["label"]] == pytest.approx(-0.05)
+    assert errors["dp9 tp1 pp1 mb1x1"] is None and len(errors) == 4
+
+    assert lt.main(["--reprice", str(stored), str(profile4),
+                    "--reprice", str(stored), str(profile4), "--models", "gpt"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("2 of 3 within 15% priced with this code (gpt 2/3 median +0.0%); "
+                     "1 no longer ranked by the search") == 2
+    assert out.count(f"miss: gpt {a['label']} +20.0%") == 2
+    assert "layouts measured in two or more whose error averages beyond 10%: 1" in out
+    assert f"gpt {a['label']}: mean +20.0% over 2 (+20.0% to +20.0%)" in out
+
+
+def test_reprice_says_what_is_wrong_with_its_input(profile4: Path, tmp_path: Path, capsys):
+    """No traceback for a missing file, a CSV that is not a pass's, files given the wrong
+    way round or a bad measurement; --reprice beside a pass that runs is a usage error."""
+    good = _stored_pass(tmp_path / "pass.csv", [("gpt", "dp4 tp1 pp1 mb2x1", 0.15)])
+
+    def error(*argv: str) -> str:
+        assert lt.main(["--reprice", *argv]) == 2
+        return capsys.readouterr().err
+
+    assert "cannot read it" in error(str(tmp_path / "missing.csv"), str(profile4))
+    assert "no such profile file" in error(str(good), str(tmp_path / "missing.yaml"))
+    not_a_pass = tmp_path / "other.csv"
+    not_a_pass.write_text("layout,step\ndp4,0.15\n")
+    assert "not a confirm pass's CSV (no column label, measured_s, model)" in error(
+        str(not_a_pass), str(profile4))
+    assert "expected a mapping (a profile)" in error(str(good), str(good))
+    bad = _stored_pass(tmp_path / "bad.csv", [("gpt", "dp4 tp1 pp1 mb2x1", "fast")])
+    assert "measured_s 'fast' is not a number" in error(str(bad), str(profile4))
+    odd = _stored_pass(tmp_path / "odd.csv", [("bert", "dp4 tp1 pp1 mb2x1", 0.1)])
+    assert "model 'bert'" in error(str(odd), str(profile4))
+    with pytest.raises(SystemExit):
+        lt.main(["--reprice", str(good), str(profile4), "--confirm"])
+    assert "not with --confirm" in capsys.readouterr().err
