@@ -84,7 +84,7 @@ the layouts whose error averages beyond ``SYSTEMATIC``.  A change to the cost mo
 judged on several passes of the machine at once (a layout's step moves a few percent
 between passes), without running anything (seconds).
 
-    python benchmarks/local_truth.py --reprice a/rows.csv a/prof.yaml --reprice b/rows.csv b/prof.yaml
+    python benchmarks/local_truth.py --reprice a.csv a.yaml --reprice b.csv b.yaml   # seconds
 """
 
 from __future__ import annotations
