@@ -82,7 +82,8 @@ Re-pricing (``--reprice CSV PROFILE``, repeatable): a pass kept with ``--csv`` a
 profile: per pass, how many layouts lie within 15% and its misses; over several passes,
 the layouts whose error averages beyond ``SYSTEMATIC``.  A change to the cost model is
 judged on several passes of the machine at once (a layout's step moves a few percent
-between passes), without running anything (seconds).
+between passes), without running anything (seconds).  This VM's passes are kept in
+``benchmarks/confirm_passes/`` (its README says which code each ran).
 
     python benchmarks/local_truth.py --reprice a.csv a.yaml --reprice b.csv b.yaml   # seconds
 """
