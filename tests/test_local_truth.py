@@ -388,7 +388,7 @@ def test_reprice_says_what_is_wrong_with_its_input(profile4: Path, tmp_path: Pat
     assert "not with --confirm" in capsys.readouterr().err
 
 
-def test_the_stored_passes_still_load_and_price():
+def test_the_stored_passes_still_load_and_price(gpt_rows):
     """``benchmarks/confirm_passes``: every kept pass's profile still loads (older ones
     lack later fields) and its measured layouts are priced by the current code (no figure
     asserted: that is what the passes judge, not what a test fixes)."""
@@ -396,7 +396,7 @@ def test_the_stored_passes_still_load_and_price():
     passes = sorted(p for p in (REPO / "benchmarks" / "confirm_passes").iterdir() if p.is_dir())
     assert len(passes) >= 6
     results = lt.reprice([(p / "rows.csv", p / "profile.yaml") for p in passes],
-                         list(lt.CONFIRM_MODELS))
+                         list(lt.CONFIRM_MODELS), graphs={"gpt": gpt_rows[0]})
     for p, res in zip(passes, results):
         priced = [r for r in res["rows"] if r["error"] is not None]
         assert {r["model"] for r in priced} == set(lt.CONFIRM_MODELS), p.name

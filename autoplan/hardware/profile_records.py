@@ -317,8 +317,8 @@ class OpOverhead(Record):
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
                      "tp_collective_byte_s", "selective_s", "selective_dispatch_s",
                      "selective_byte_s", "optimizer_param_s", "optimizer_dtensor_param_s",
-                     "forward_dispatch_s", "backward_node_s", "optimizer_element_s", "pipeline_action_s",
-                     "pipeline_message_s", "zero_bubble_node_s"):
+                     "forward_dispatch_s", "backward_node_s", "optimizer_element_s",
+                     "pipeline_action_s", "pipeline_message_s", "zero_bubble_node_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
