@@ -11,9 +11,11 @@ and once per step the optimizer's per parameter tensor, plain or DTensor.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from autoplan import trace
+from autoplan import load_cluster, trace
 from autoplan.cost import CostOptions, estimate
 from autoplan.cost.summary import summarize
 from autoplan.models import GPT, GPTConfig
@@ -639,3 +641,48 @@ def test_layer_scales_come_in_pairs_and_round_trip():
     p = next(iter(_with(OVERHEAD).profiles.values()))
     assert parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead \
         .layer_forward_scale is None
+
+
+def test_a_cpu_ranks_sends_cost_their_measured_host_work_not_a_transfer(graph):
+    """Where the profile measured a pipeline message's host work on CPU ranks (gloo's
+    transport threads, ``pipeline_message_s``), a send costs that and no transfer time:
+    gloo's isend returns at once.  Without the figure (and on a GPU) a send is priced as
+    the point-to-point link's time."""
+    s = Strategy(pp=2, micro_batch=1, global_batch=8, schedule="1f1b", precision="fp32")
+    base = estimate(graph, _with(OVERHEAD), s, calibration=None, options=NO_AUTOCAST)
+    piped = estimate(graph, _with(PIPELINE), s, calibration=None, options=NO_AUTOCAST)
+    assert base.breakdown["pp_comm_s"] > 0
+    assert piped.breakdown["pp_comm_s"] == piped.comm_total["pp_comm_s"] == 0.0
+    # each stage's micro-batch gained the host work (a forward and a backward action, each
+    # across one boundary) less the one send it no longer pays for
+    host = 2 * (1e-3 + 2e-3)
+    assert piped.breakdown["compute_s"] - base.breakdown["compute_s"] == pytest.approx(
+        8 * host, rel=1e-9)
+    send = base.breakdown["pp_comm_s"] / 8
+    for b, p in zip(base.stages, piped.stages):
+        assert p.forward_s + p.backward_s == pytest.approx(
+            b.forward_s + b.backward_s + host - send, rel=1e-9)
+    gpu = estimate(graph, load_cluster("a100-sxm4-80gb"), dataclasses.replace(s, dp=4),
+                   calibration=None, options=NO_AUTOCAST)
+    assert gpu.breakdown["pp_comm_s"] > 0
+
+
+def test_a_reduction_hidden_under_another_stages_backward_still_takes_its_cores(graph):
+    """4 ranks on 2 cores, 2 stages x 2 replicas: the last stage finishes its backward
+    first and reduces its gradients while the first stage's backward runs.  That is
+    hidden from the step's critical path, not from the cores: the first stage computes at
+    the every-rank-busy speed instead of a whole core each for as long as the reduction
+    runs, so the step pays the hidden seconds times 1 - 2/4 (in ``dp_comm_s``).  On ranks
+    that do not share cores it is free."""
+    s = Strategy(dp=2, pp=2, micro_batch=4, global_batch=8, schedule="gpipe",
+                 precision="fp32")
+    opts = dataclasses.replace(NO_AUTOCAST, step_loss_all_reduce=False)
+    alone = estimate(graph, _with(OVERHEAD, world=4), s, calibration=None, options=opts)
+    shared = estimate(graph, _with(OVERHEAD, world=4, cores=2), s, calibration=None,
+                      options=opts)
+    first, last = shared.stages
+    hidden = min(last.dp_comm_exposed_s, first.backward_s)
+    assert hidden > 0
+    assert (shared.breakdown["dp_comm_s"] - alone.breakdown["dp_comm_s"]
+            == pytest.approx(hidden * (1 - 2 / 4), rel=1e-9))
+    assert sum(shared.breakdown.values()) == pytest.approx(shared.step_time_s, rel=1e-9)

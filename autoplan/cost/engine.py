@@ -888,17 +888,27 @@ class CostEngine:
                 ranks_on_node, cores = shared
                 t_pipe = max(t_pipe * cores / ranks_on_node, m * max(times))
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
-            tail, slack, tail_rank = 0.0, 0.0, 0
+            tail, slack, tail_rank, hidden = 0.0, 0.0, 0, 0.0
             for p, rk in enumerate(ranks):
                 t = max(0.0, rk.dp_step_exposed - slack) + rk.optimizer
                 if t > tail:
                     tail, tail_rank = t, p
+                hidden += min(rk.dp_step_exposed, slack)
                 slack += rk.bwd
-            step = t_pipe + tail
+            shared_cost = 0.0
+            if shared is not None:
+                # ranks sharing fewer cores: a later stage's reduction under an earlier
+                # stage's backward is hidden from the step but not from the cores.  While
+                # it runs, the earlier stage's ranks compute at the every-rank-busy speed
+                # rather than at a whole core's each (the pipeline bound above), so the
+                # step pays its seconds times the share of the speed they lose
+                ranks_on_node, cores = shared
+                shared_cost = hidden * (1 - cores / ranks_on_node)
+            step = t_pipe + tail + shared_cost
             if best is None or step > best[0]:
-                best = (step, m, ranks, crit, t_pipe, tail_rank, slack)
+                best = (step, m, ranks, crit, t_pipe, tail_rank, shared_cost)
         assert best is not None
-        step, m, ranks, crit, t_pipe, tail_rank, _ = best
+        step, m, ranks, crit, t_pipe, tail_rank, shared_cost = best
         loss_reduce = self._loss_reduce_s(lay) if opts.step_loss_all_reduce else 0.0
         step += loss_reduce
 
@@ -934,7 +944,7 @@ class CostEngine:
             "tp_comm_s": m * c.tp_exposed + tp_step_exp,
             "cp_comm_s": m * c.cp_exposed,
             "ep_comm_s": m * c.ep_exposed,
-            "dp_comm_s": m * c.zero_exposed + dp_step_exp + loss_reduce,
+            "dp_comm_s": m * c.zero_exposed + dp_step_exp + shared_cost + loss_reduce,
             "pp_comm_s": m * c.p2p,
             "bubble_s": t_pipe - m * c.per_micro_batch,
             "optimizer_s": tr.optimizer,
@@ -1491,6 +1501,12 @@ class CostEngine:
         ev.ep_total, ev.ep_exposed = ep_total, ep_exposed
         ev.zero_total, ev.zero_exposed = zero_total, zero_exposed
         ev.fwd, ev.bwd = forward, backward
+        if (pp > 1 and overhead is not None and not host_runs_ahead(device)
+                and overhead.pipeline_message_s > 0):
+            # a CPU rank's send is its transport's core time per message end (the host
+            # work above); gloo's isend returns at once and the receiver's wait is the
+            # schedule's own dependency, so no transfer time is added to the stage
+            p2p_fwd = p2p_bwd = 0.0
         if not opts.pp_comm_overlap:
             ev.p2p = p2p_fwd + p2p_bwd
             ev.fwd += p2p_fwd
