@@ -94,6 +94,7 @@ import argparse
 import faulthandler
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -1244,10 +1245,12 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     ``passes``: ``(csv, profile)`` pairs, each pass's rows (``--csv``) and the profile it
     measured (``--keep-profile``); ``graphs``: the traced confirm models by name (traced
     here if not given).  Each layout is priced as the pass priced it
-    (:func:`confirm_layouts` on the pass's profile, every ranked layout), so a change to
-    the cost model can be judged on several passes of the machine rather than one.  One
-    dict per pass: ``csv``, ``rows`` (``model``, ``label``, ``measured_s``, ``predicted_s``
-    and ``error``, or ``predicted_s`` ``None`` where the search no longer ranks the layout).
+    (:func:`confirm_layouts` on the pass's profile, every ranked layout; the profile's
+    layer scales re-derived with this code from the reference timing it states,
+    :func:`_rescaled`), so a change to the cost model can be judged on several passes of
+    the machine rather than one.  One dict per pass: ``csv``, ``rows`` (``model``,
+    ``label``, ``measured_s``, ``predicted_s`` and ``error``, or ``predicted_s`` ``None``
+    where the search no longer ranks the layout) and ``scales`` (:func:`_rescaled`).
 
     Raises
     ------
@@ -1259,6 +1262,7 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     for csv_path, profile in passes:
         rows = [r for r in _read_pass(csv_path) if r["model"] in models]
         cluster = load_cluster(str(profile))
+        cluster, scales = _rescaled(cluster)
         for name in sorted({r["model"] for r in rows}):
             if name not in graphs:
                 graphs[name] = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
@@ -1270,13 +1274,50 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
                     p = priced.get(r["label"])
                     r["predicted_s"] = p
                     r["error"] = None if p is None else p / r["measured_s"] - 1
-        out.append({"csv": csv_path, "rows": rows})
+        out.append({"csv": csv_path, "rows": rows, "scales": scales})
     return out
 
 
+#: How a CPU profile's source states the reference timing its layer scales came from
+#: (:mod:`autoplan.hardware.profiler`: "... timed whole (X ms forward, Y ms backward").
+_REFERENCE_TIMING = re.compile(r"timed whole \(([\d.]+) ms forward, ([\d.]+) ms backward")
+
+
+def _rescaled(cluster):
+    """``(cluster, scales)``: a stored pass's one-profile ``cluster`` with its layer scales
+    (``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``: the reference blocks
+    timed whole over their price from the profile's other figures) re-derived with this
+    code's price from the reference timing its source states, as a profile measured now
+    would have them; ``scales`` ``((stored forward, backward), (re-derived ...))``, or the
+    cluster as it is and ``None`` when the profile has no layer scales or states no
+    timing."""
+    import dataclasses
+
+    from autoplan import load_cluster
+    from autoplan.hardware.profiler import _reference_scales
+    from autoplan.hardware.profiles import profile_to_yaml
+    profile = cluster.profile_of(0)
+    overhead = profile.device.op_overhead
+    if overhead is None or overhead.layer_forward_scale is None:
+        return cluster, None
+    timing = _REFERENCE_TIMING.search(" ".join(overhead.source.split()))
+    if timing is None:
+        return cluster, None
+    fwd, bwd, _ = _reference_scales(profile.device, (float(timing.group(1)) / 1e3,
+                                                     float(timing.group(2)) / 1e3))
+    device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
+        overhead, layer_forward_scale=fwd, layer_backward_scale=bwd))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.yaml"
+        path.write_text(profile_to_yaml(dataclasses.replace(profile, device=device)))
+        rescaled = load_cluster(str(path))
+    return rescaled, ((overhead.layer_forward_scale, overhead.layer_backward_scale), (fwd, bwd))
+
+
 def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
-    """``--reprice``: each pass's count within :data:`TIME_TARGET` priced with this code,
-    per model its median error, its misses; then the layouts whose error averages beyond
+    """``--reprice``: each pass's count within :data:`TIME_TARGET` priced with this code
+    (its profile's layer scales re-derived with it, :func:`_rescaled`), per model its
+    median error, its misses; then the layouts whose error averages beyond
     :data:`SYSTEMATIC` over the passes."""
     t0 = time.perf_counter()
     results = reprice(passes, models)
@@ -1294,6 +1335,10 @@ def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
         print(f"{res['csv']}: {within} of {len(priced)} within {TIME_TARGET:.0%} priced with "
               f"this code ({'; '.join(parts) or 'no measured rows'})"
               + (f"; {unpriced} no longer ranked by the search" if unpriced else ""))
+        if res["scales"] is not None:
+            (f0, b0), (f1, b1) = res["scales"]
+            print(f"    layer scales re-derived from its reference timing: x{f0:.3f} forward, "
+                  f"x{b0:.3f} backward as stored -> x{f1:.3f}, x{b1:.3f}")
         for r in sorted(priced, key=lambda r: r["error"]):
             if abs(r["error"]) > TIME_TARGET:
                 print(f"    miss: {r['model']} {r['label']} {r['error']:+.1%}")

@@ -404,3 +404,28 @@ def test_the_stored_passes_still_load_and_price(gpt_rows):
         assert {r["model"] for r in priced} == set(lt.CONFIRM_MODELS), p.name
         assert len(priced) >= 0.9 * len(res["rows"]) and all(math.isfinite(r["error"])
                                                              for r in priced), p.name
+
+
+def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(profile4: Path):
+    """A stored pass's layer scales are its reference blocks timed whole over their price
+    with the code of its day; re-priced, they are re-derived with this code's price from
+    the timing the profile's source states (what a profile measured now would hold), and
+    re-deriving them again changes nothing.  A profile without them is used as it is."""
+    from autoplan import load_cluster
+    from autoplan.hardware.profiler import _REFERENCE_SHAPE, _reference_engine
+    path = sorted((REPO / "benchmarks" / "confirm_passes").glob("*/profile.yaml"))[-1]
+    cluster, scales = lt._rescaled(load_cluster(str(path)))
+    (f0, b0), (f1, b1) = scales
+    overhead = load_cluster(str(path)).profile_of(0).device.op_overhead
+    assert (f0, b0) == (overhead.layer_forward_scale, overhead.layer_backward_scale)
+    timing = lt._REFERENCE_TIMING.search(" ".join(overhead.source.split()))
+    device = cluster.profile_of(0).device
+    priced_fwd, priced_bwd = _reference_engine(device).model_compute_s(_REFERENCE_SHAPE[0])
+    assert f1 * priced_fwd == pytest.approx(float(timing.group(1)) / 1e3, rel=1e-9)
+    assert b1 * priced_bwd == pytest.approx(float(timing.group(2)) / 1e3, rel=1e-9)
+    assert (device.op_overhead.layer_forward_scale,
+            device.op_overhead.layer_backward_scale) == (f1, b1)
+    _, again = lt._rescaled(cluster)
+    assert again[1] == pytest.approx((f1, b1), rel=1e-12)
+    plain = load_cluster(str(profile4))      # a GPU profile: no layer scales
+    assert lt._rescaled(plain) == (plain, None)
