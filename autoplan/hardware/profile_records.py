@@ -396,8 +396,7 @@ class ElementwiseRates(Record):
     forward (:attr:`autoplan.cost.summary.GraphSummary.elementwise`), per second of its
     forward and per second of its backward.  A kind without a figure moves at the
     device's copy bandwidth, its backward ``ELEMENTWISE_BACKWARD_FACTOR`` times the
-    forward's bytes (:mod:`autoplan.cost.engine`; other operators' backward: the bytes
-    their derivative moves, :func:`autoplan.cost.summary.backward_traffic`).
+    forward's bytes (:mod:`autoplan.cost.engine`).
 
     Parameters
     ----------
