@@ -83,6 +83,9 @@ and backward times of all its chunks:
   pays for the sends it makes (the first and last stage one per micro-batch, a
   middle stage two); with tensor parallelism each rank sends ``1/tp`` of it when
   the stack scatters (Narayanan et al. 2021, Sec. 4.1), the whole tensor otherwise.
+  A CPU rank whose profile measured the host work per message end
+  (``OpOverhead.pipeline_message_s``: gloo's transport threads) pays that instead
+  of the link's time: gloo's isend returns at once.
 
 The ranks combine through the schedule (:mod:`autoplan.cost.schedules`).  After
 the last backward, each rank reduces its gradients over its data-parallel (x
@@ -97,7 +100,9 @@ and, for an all-reduce, its result back out (DDP's buckets, FSDP2's
 ``replicate``); the shard into the all-gather's input and its output into the
 parameters.  With ``overlap_grad_reduce`` the reduction runs under the last
 backward; rank ``p`` also finishes its backward ``sum_{q<p} B_q`` before rank 0
-does, which hides more.  Tied embeddings split over the first and last stages
+does, which hides more.  Where ranks share fewer cores (``NodeSpec.shared_cores``),
+what that hides still takes the cores: the step pays the hidden seconds times
+``1 - cores / ranks``.  Tied embeddings split over the first and last stages
 all-reduce their gradient between the two (Shoeybi et al. 2019).  The
 **optimizer** step is memory-bound: ``local params * bytes accessed per param /
 memory bandwidth``; on a device whose host is the device (a CPU's ``op_overhead``) it
