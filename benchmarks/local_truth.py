@@ -1293,9 +1293,8 @@ def _rescaled(cluster):
     timing."""
     import dataclasses
 
-    from autoplan import load_cluster
+    from autoplan.hardware import NodeGroup, compose_cluster
     from autoplan.hardware.profiler import _reference_scales
-    from autoplan.hardware.profiles import profile_to_yaml
     profile = cluster.profile_of(0)
     overhead = profile.device.op_overhead
     if overhead is None or overhead.layer_forward_scale is None:
@@ -1307,10 +1306,9 @@ def _rescaled(cluster):
                                                      float(timing.group(2)) / 1e3))
     device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
         overhead, layer_forward_scale=fwd, layer_backward_scale=bwd))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "profile.yaml"
-        path.write_text(profile_to_yaml(dataclasses.replace(profile, device=device)))
-        rescaled = load_cluster(str(path))
+    # as load_cluster makes the cluster of a node profile
+    rescaled = compose_cluster([NodeGroup(dataclasses.replace(profile, device=device),
+                                          len(cluster.nodes))], name=cluster.name)
     return rescaled, ((overhead.layer_forward_scale, overhead.layer_backward_scale), (fwd, bwd))
 
 

@@ -1374,15 +1374,25 @@ class CostEngine:
         mine = self._stages_of(lay.stage_ranks)[rank]
         chunks = [lay.chunks[k] for k in mine]
 
+        overhead = device.op_overhead
+        # a CPU rank's send is its transport's core time per message end (the pipeline's
+        # host work below); gloo's isend returns at once and the receiver's wait is the
+        # schedule's own dependency, so no transfer time is added to the stage
+        sends_on_host = (pp > 1 and overhead is not None and not host_runs_ahead(device)
+                         and overhead.pipeline_message_s > 0)
+
         def send(to: int, whole: float, scattered: float) -> float:
             """Seconds of one send to virtual stage ``to``'s rank: the ``whole`` tensor from
             every tp rank, or its ``scattered`` share where the stack scatters it over the
-            tp ranks (every pair sends at once); 0 when that stage is on this device."""
+            tp ranks (every pair sends at once); 0 when that stage is on this device, or
+            where the send is the host's work (``sends_on_host``), counted as a message."""
             pair = (devices[0], self._replica_devices(lay, lay.stage_ranks[to], replica)[0])
             if pair[0] == pair[1]:
                 return 0.0
             nonlocal messages
             messages += 1
+            if sends_on_host:
+                return 0.0
             return self.collective_time("p2p", pair,
                                         scattered if opts.pp_scatter_gather else whole)
         messages = 0                            # message ends of one forward (and backward)
@@ -1467,7 +1477,6 @@ class CostEngine:
             if k < pp * v - 1:  # and its output's gradient from the next
                 recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
                 p2p_fwd += send(k + 1, cut * last.tp, cut)
-        overhead = device.op_overhead
         if pp > 1 and overhead is not None and not host_runs_ahead(device):
             # the pipeline's host work per stage action and message end (CPU devices):
             # each chunk's forward and backward of a micro-batch, and a zero-bubble
@@ -1497,12 +1506,6 @@ class CostEngine:
         ev.ep_total, ev.ep_exposed = ep_total, ep_exposed
         ev.zero_total, ev.zero_exposed = zero_total, zero_exposed
         ev.fwd, ev.bwd = forward, backward
-        if (pp > 1 and overhead is not None and not host_runs_ahead(device)
-                and overhead.pipeline_message_s > 0):
-            # a CPU rank's send is its transport's core time per message end (the host
-            # work above); gloo's isend returns at once and the receiver's wait is the
-            # schedule's own dependency, so no transfer time is added to the stage
-            p2p_fwd = p2p_bwd = 0.0
         if not opts.pp_comm_overlap:
             ev.p2p = p2p_fwd + p2p_bwd
             ev.fwd += p2p_fwd
