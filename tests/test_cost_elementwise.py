@@ -4,7 +4,8 @@ On a CPU, GELU, SiLU, softmax, layer norm and masked_fill are arithmetic per byt
 than a copy: ``autoplan profile`` times each
 (:func:`autoplan.hardware.profiler._measure_elementwise`) and the cost model prices the
 bytes the capture counts for each kind at that speed, in place of the copy bandwidth
-(forward) and twice the bytes at it (backward).
+(forward) and twice the bytes at it (backward).  Other operators' backward moves what
+their derivative does (:func:`autoplan.cost.summary.backward_traffic`).
 """
 
 from __future__ import annotations
@@ -240,3 +241,93 @@ def test_the_profiler_times_the_layout_kinds_as_a_gpu_would():
                                           (256, 128))
     forward()
     both()
+
+
+# ------------------------------------------------------------ the backward's bytes
+
+
+def _node(name: str, target: str, inputs=(), dtype="float32", out_bytes=1024,
+          saved_bytes=0, shape=(2, 8, 16)):
+    from autoplan.graph import NodeRecord
+    return NodeRecord(name=name, target=target, module="", inputs=tuple(inputs), shape=shape,
+                      dtype=dtype, out_bytes=out_bytes, fwd_flops=0, bwd_flops=0,
+                      param_bytes=0, saved_bytes=saved_bytes, saved_tp_sharded_bytes=0,
+                      saved_quadratic_bytes=0, tp_region=False)
+
+
+@pytest.mark.parametrize("target, inputs, dtype, expected", [
+    ("aten.add.Tensor", ("a", "b"), "float32", 0.0),       # the gradient passes through
+    ("aten.cat.default", ("a", "b"), "float32", 0.0),      # its slices are views
+    ("aten.mul.Tensor", ("a", "b"), "float32", 2.0),       # each operand: grad x the other
+    ("aten.mul.Tensor", ("a",), "float32", 1.0),           # times a number
+    ("aten.neg.default", ("a",), "float32", 1.5),
+    ("aten.mean.dim", ("a",), "float32", 1.0),
+    ("aten.bitwise_not.default", ("a",), "bool", 0.0),     # no gradient
+    ("aten.some_new_op.default", ("a",), "float32", 2.0),  # unknown: the default
+])
+def test_each_operators_backward_moves_what_its_derivative_does(target, inputs, dtype,
+                                                                expected):
+    from autoplan.cost.summary import BACKWARD_TRAFFIC_DEFAULT, backward_traffic
+    assert BACKWARD_TRAFFIC_DEFAULT == ELEMENTWISE_BACKWARD_FACTOR == 2.0
+    assert backward_traffic(_node("n", target, inputs, dtype)) == expected
+
+
+def test_the_summary_counts_the_backward_per_operator():
+    """An add's backward moves nothing, a product of two tensors twice its forward; a
+    dropout that saved no mask (probability 0) moves nothing either way; an unbind is free
+    forward and stacks its pieces' gradients backward; a kind a profile times (GELU) is
+    counted at the default, which its measured backward replaces."""
+    from autoplan.cost.summary import _elementwise
+    x = _node("x", "aten.linear.default")
+    x = dataclasses.replace(x, fwd_flops=1, bwd_flops=2)
+    nodes = (x,
+             _node("add", "aten.add.Tensor", ("x", "x")),
+             _node("mul", "aten.mul.Tensor", ("x", "add")),
+             _node("drop", "aten.dropout.default", ("mul",)),
+             _node("masked", "aten.dropout.default", ("mul",), saved_bytes=128),
+             _node("gelu", "aten.gelu.default", ("mul",)),
+             _node("parts", "aten.unbind.int", ("x",), out_bytes=1024))
+    fwd, kinds, bwd, returned = _elementwise(nodes, seq_len=None, mb=1)
+    each = 3 * 1024                     # output + two inputs
+    unary = 2 * 1024                    # output + one input
+    assert fwd == (each + each + unary + unary + unary, 0.0, 0.0)
+    assert returned == (unary, 0.0, 0.0)            # the dropout that saved no mask
+    assert kinds == {"gelu": (unary, 0.0, 0.0)}
+    assert bwd == (0 + 2 * each + 2 * unary + 2 * unary + 2 * 1024, 0.0, 0.0)
+
+
+def test_a_dropout_of_probability_zero_costs_nothing(graph):
+    """The package GPT's dropouts (probability 0 by default) return their input: on a CPU
+    the same model with dropout 0.1 pays for them in both directions."""
+    on = trace(GPT(dataclasses.replace(CONFIG, dropout=0.1)), seq_len=CONFIG.seq_len)
+    s_off, s_on = summarize(graph), summarize(on)
+    block = next(l.template for l in s_off.layers if l.is_block)
+    assert sum(s_on.elementwise[block]) == sum(s_off.elementwise[block])
+    assert sum(s_off.elementwise_returned[block]) > 0 == sum(s_on.elementwise_returned[block])
+    assert sum(s_on.elementwise_backward[block]) > sum(s_off.elementwise_backward[block])
+    s = Strategy(micro_batch=2, global_batch=2, precision="fp32")
+    cluster = _cluster(None, world=1)
+    assert (estimate(on, cluster, s, calibration=None, options=OPTS).step_time_s
+            > estimate(graph, cluster, s, calibration=None, options=OPTS).step_time_s)
+
+
+def test_a_gpu_prices_the_backward_at_twice_the_forward(graph):
+    """Only where the host is the device (CPUs) does the backward move its derivative's
+    bytes: a GPU's stays at ELEMENTWISE_BACKWARD_FACTOR times the forward's (the
+    session-38 H100/H200 step times priced 7-15% fast with the derivative's), so zeroing
+    the summary's backward bytes moves the CPU's estimate and leaves the GPU's alone."""
+    import copy
+
+    from autoplan import load_cluster
+    s = Strategy(micro_batch=2, global_batch=2, precision="fp32")
+    gpu = load_cluster("h100-sxm5-80gb", devices_per_node=1)
+    cpu = _cluster(None, world=1)
+    real = summarize(graph)
+    none = copy.copy(real)
+    none.elementwise_backward = {t: (0.0, 0.0, 0.0) for t in real.elementwise_backward}
+    assert any(sum(v) for v in real.elementwise_backward.values())
+
+    def step(summary, cluster):
+        return estimate(summary, cluster, s, calibration=None, options=OPTS).step_time_s
+    assert step(none, gpu) == step(real, gpu)
+    assert step(none, cpu) < step(real, cpu)

@@ -23,8 +23,15 @@ and backward times of all its chunks:
   activation elements (``kn`` from the GEMM's FLOPs and ``m`` tokens).
 * **memory-bound operators** (norms, activations, softmax, residual adds,
   copies; the roofline of Williams et al. 2009): the bytes each captured node
-  without FLOPs reads and writes, over the device's memory bandwidth, twice that
-  in the backward; sharded like the activations they touch.  Kinds a profile timed
+  without FLOPs reads and writes, over the device's memory bandwidth, and in the
+  backward, where the host is the device (CPUs), the bytes its derivative moves
+  (nothing for an add or a dropout of probability 0, twice the forward for a product
+  of two tensors: :func:`autoplan.cost.summary.backward_traffic`), on a GPU twice the
+  forward's (:data:`ELEMENTWISE_BACKWARD_FACTOR`: session-38 H100/H200 step times of
+  0.5-3B models priced 7-15% fast with the derivative's bytes, within their tests' bounds
+  with twice the forward's; the GPU's backward kernels of memory-bound operators, or
+  something else there, run slower than the bytes say); sharded like the activations
+  they touch.  Kinds a profile timed
   apart (``DeviceType.elementwise_rates``: on CPU ranks GELU, SiLU, softmax, layer
   norm, masked_fill, arithmetic per byte there; on a GPU these and broadcasts and
   layout copies, which run on a non-vectorized path) move their bytes at their own
@@ -151,15 +158,19 @@ from .constants import CostConstants, CostOptions, load_constants
 from .memory import activation_bytes, model_state_bytes
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
-from .summary import GraphSummary, LayerCost, summarize
+from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, summarize
 
 __all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL_BLOCK_FRACTION",
            "ELEMENTWISE_BACKWARD_FACTOR", "layout_from_plan", "Layout", "Segment"]
 
-#: Backward bytes of a memory-bound operator per forward byte: it reads the output
-#: gradient and what it saved and writes the input gradient (about twice the forward's
-#: one read and one write; Korthikanti et al. 2022 count the same saved tensors).
-ELEMENTWISE_BACKWARD_FACTOR = 2.0
+#: Backward bytes of a memory-bound operator per forward byte on a GPU, and on a CPU where
+#: its derivative is not known (:func:`autoplan.cost.summary.backward_traffic` knows the
+#: common ones; the module docstring says why GPUs keep this for every one): it reads
+#: the output gradient and what it saved and writes the input gradient (about twice the
+#: forward's one read and one write; Korthikanti et al. 2022 count the same saved
+#: tensors).  A kind a profile times apart (``elementwise_rates``) is counted at this in
+#: the summary's backward bytes and its measured backward replaces it.
+ELEMENTWISE_BACKWARD_FACTOR = BACKWARD_TRAFFIC_DEFAULT
 #: Bytes of the step's closing loss all-reduce (:attr:`CostOptions.step_loss_all_reduce`):
 #: the loss sum and the sequence count, float64 (``ParallelModel.step``).
 LOSS_REDUCE_BYTES = 16
@@ -660,8 +671,10 @@ class CostEngine:
 
         Each FLOP-carrying node: ``flops / (peak * efficiency(flops))`` on one device;
         each memory-bound node: the bytes it reads and writes over the device's memory
-        bandwidth, :data:`ELEMENTWISE_BACKWARD_FACTOR` times that in the backward, or
-        at the device's measured speed for its kind (``elementwise_rates``).
+        bandwidth and, in the backward, the bytes its derivative moves on a CPU
+        (``GraphSummary.elementwise_backward``) and :data:`ELEMENTWISE_BACKWARD_FACTOR`
+        times the forward's on a GPU, or at the device's measured speed for its kind
+        (``elementwise_rates``).
         An expert bank's GEMMs run one expert at a time: the efficiency is that of one
         expert's GEMM, ``ep x tokens x top-k / experts`` rows (this rank's local
         experts take the tokens of its ``ep`` group), and under expert parallelism the
@@ -738,8 +751,19 @@ class CostEngine:
 
         moved = rank_bytes(rep, shd, quad)
         ew = moved / device.memory_bw_bytes_per_s
-        fwd += ew
-        bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
+        if not host_runs_ahead(device):
+            # where the host is the device (CPUs): the backward's bytes as each operator's
+            # derivative moves them, a dropout of probability 0 free (summary)
+            r_rep, r_shd, r_quad = self.summary.elementwise_returned[template]
+            fwd += ew - rank_bytes(r_rep, r_shd, 0.0 if fused else r_quad) \
+                / device.memory_bw_bytes_per_s
+            b_rep, b_shd, b_quad = self.summary.elementwise_backward[template]
+            bwd += rank_bytes(b_rep, b_shd, 0.0 if fused else b_quad) \
+                / device.memory_bw_bytes_per_s
+        else:
+            # GPUs: twice the forward's bytes (ELEMENTWISE_BACKWARD_FACTOR)
+            fwd += ew
+            bwd += ELEMENTWISE_BACKWARD_FACTOR * ew
         rates = device.elementwise_rates
         if rates is not None:
             # kinds the profile timed apart (a CPU's GELU, a GPU's broadcasts...): at their

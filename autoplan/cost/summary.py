@@ -184,6 +184,19 @@ class GraphSummary:
         (:data:`~autoplan.hardware.profile_records.RATE_KINDS`: GELU, SiLU, softmax,
         layer norm, masked_fill by operator, then broadcasts and layout copies by their
         operands, :func:`rate_kind`); kinds the template lacks are absent.
+    ``elementwise_backward``
+        ``{template: (replicated, tp_sharded, quadratic)}``: the bytes the same operators'
+        backward moves, each as its derivative does (:func:`backward_traffic`: nothing
+        for an add or a concatenation, whose gradient passes through; twice the forward
+        for a product of two tensors), plus the stacks an ``unbind`` or ``split`` gathers
+        its pieces' gradients in; a kind of ``elementwise_kinds`` at
+        :data:`BACKWARD_TRAFFIC_DEFAULT`, which a profile's measured backward replaces.
+        Where the host is the device (CPUs) the cost model prices these instead of twice
+        the forward's.
+    ``elementwise_returned``
+        ``{template: (replicated, tp_sharded, quadratic)}``: the part of ``elementwise``
+        that dropouts of probability 0 count (they save no mask; torch returns their
+        input): free where the cost model prices ``elementwise_backward``.
     ``activation_bytes``
         Bytes per element every floating captured tensor is counted at
         (:data:`ACTIVATION_UNIT_BYTES`, whatever dtype the model was built in); the
@@ -218,6 +231,8 @@ class GraphSummary:
         self.templates: dict[str, tuple[MatmulNode, ...]] = {}
         self.elementwise: dict[str, tuple[float, float, float]] = {}
         self.elementwise_kinds: dict[str, dict[str, tuple[float, float, float]]] = {}
+        self.elementwise_backward: dict[str, tuple[float, float, float]] = {}
+        self.elementwise_returned: dict[str, tuple[float, float, float]] = {}
         self.op_counts: dict[str, tuple[int, int, int]] = {}
         layers = []
         owners = _param_owners(graph)
@@ -228,8 +243,9 @@ class GraphSummary:
             if rec.template not in self.templates:
                 self.templates[rec.template] = _matmuls(rec, graph.templates[rec.template],
                                                         graph.seq_len, mb)
-                (self.elementwise[rec.template],
-                 self.elementwise_kinds[rec.template]) = _elementwise(
+                (self.elementwise[rec.template], self.elementwise_kinds[rec.template],
+                 self.elementwise_backward[rec.template],
+                 self.elementwise_returned[rec.template]) = _elementwise(
                     graph.templates[rec.template], graph.seq_len, mb, _in_bank(rec),
                     self.activation_bytes)
                 self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
@@ -488,15 +504,19 @@ def _op_counts(rec: LayerRecord, nodes: tuple[NodeRecord, ...]) -> tuple[int, in
 
 def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
                  mb: int, in_bank=None, activation_bytes: int = 0
-                 ) -> tuple[tuple[float, float, float], dict[str, tuple[float, float, float]]]:
+                 ) -> tuple[tuple[float, float, float], dict[str, tuple[float, float, float]],
+                            tuple[float, float, float], tuple[float, float, float]]:
     """Forward bytes moved by the memory-bound nodes, ``(replicated, sharded, quadratic)``,
-    and the part of them each kind a profile may time apart moves (:func:`rate_kind`;
-    kinds without a node are absent).
+    the part of them each kind a profile may time apart moves (:func:`rate_kind`;
+    kinds without a node are absent) and the backward's bytes.
 
     Each node that carries no FLOPs and is not a pure re-labelling of memory
     (views, transposes, getitem...) reads its inputs and writes its output:
     ``out_bytes`` plus the ``out_bytes`` of its inputs inside the template (an
     input from outside the template is counted at the node's own output size).
+    Third, the bytes their backward moves (``GraphSummary.elementwise_backward``); fourth,
+    the part of the forward's bytes that dropouts saving no mask (probability 0: torch
+    returns their input, no backward) count (``GraphSummary.elementwise_returned``).
     Nodes of an expert bank (``in_bank``) are replicated over tensor parallelism.
     With ``activation_bytes``, floating tensors are counted in that dtype (:func:`_unit_scale`).
     """
@@ -506,11 +526,25 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
     size = {n.name: nbytes(n) for n in nodes}
     by_name = {n.name: n for n in nodes}
     total = [0.0, 0.0, 0.0]
+    backward = [0.0, 0.0, 0.0]
+    returned = [0.0, 0.0, 0.0]
     kinds: dict[str, list[float]] = {}
     for n in nodes:
         if n.fwd_flops or n.bwd_flops or not n.out_bytes:
             continue
         t = n.target
+        if _is_scores(n.shape, seq_len, mb):
+            part = 2
+        elif n.tp_region and not (in_bank is not None and in_bank(n.module)):
+            part = 1
+        else:
+            part = 0
+        if any(op in t for op in _GATHER_BACKWARD_OPS):
+            # views forward; the backward stacks the pieces' gradients into a new tensor
+            # (reads them, writes their input's size)
+            if n.dtype in _COMPUTE_DTYPES:
+                backward[part] += 2 * sum(size.get(i, 0.0) for i in n.inputs)
+            continue
         if any(op in t for op in _FREE_OPS) and not any(op in t for op in _MAYBE_COPY_OPS):
             continue
         if any(op in t for op in _MAYBE_COPY_OPS):
@@ -518,20 +552,61 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
             if "transpose" not in src and "permute" not in src:
                 continue
         moved = size[n.name] + sum(size.get(i, size[n.name]) for i in n.inputs)
-        if _is_scores(n.shape, seq_len, mb):
-            part = 2
-        elif n.tp_region and not (in_bank is not None and in_bank(n.module)):
-            part = 1
-        else:
-            part = 0
         total[part] += moved
+        if "dropout" in t and not n.saved_bytes:
+            # saves no mask: probability 0, and torch returns its input (no backward)
+            returned[part] += moved
+            continue
         kind = rate_kind(n, by_name)
+        # a kind a profile may time is counted at the default, which its measured
+        # backward rate replaces (CostEngine.template_time)
+        backward[part] += moved * (BACKWARD_TRAFFIC_DEFAULT if kind is not None
+                                   else backward_traffic(n))
         if kind is not None:
             kinds.setdefault(kind, [0.0, 0.0, 0.0])[part] += moved
 
     def per_sequence(v: list[float]) -> tuple[float, float, float]:
         return v[0] / mb, v[1] / mb, v[2] / mb
-    return per_sequence(total), {k: per_sequence(v) for k, v in kinds.items()}
+    return (per_sequence(total), {k: per_sequence(v) for k, v in kinds.items()},
+            per_sequence(backward), per_sequence(returned))
+
+
+#: Bytes a memory-bound operator's backward moves per byte its forward moves (output plus
+#: inputs), where its derivative (torch's ``derivatives.yaml``) is known.
+BACKWARD_TRAFFIC_DEFAULT = 2.0
+#: Free in the forward (views of one tensor), a copy in the backward: the gradients of
+#: the pieces stacked (unbind, split, chunk).
+_GATHER_BACKWARD_OPS = ("unbind", "split", "chunk")
+_PASS_THROUGH = ("aten.add.", "aten.add_.", "aten.sub.", "aten.cat.", "aten.stack.",
+                 "aten.clone.", "aten.contiguous.", "aten.reshape.", "aten.flatten.")
+_UNARY = ("aten.neg.", "aten.pow.", "aten.rsqrt.", "aten.sqrt.", "aten.exp.", "aten.log.",
+          "aten.tanh.", "aten.sigmoid.", "aten.relu.", "aten.abs.", "aten.reciprocal.",
+          "aten.sin.", "aten.cos.", "aten.erf.")
+_REDUCTIONS = ("aten.mean.", "aten.sum.", "aten.amax.", "aten.to.", "aten._to_copy.",
+               "aten.type_as.", "aten.where.", "aten.masked_fill.", "aten.div.Scalar",
+               "aten.mul.Scalar")
+
+
+def backward_traffic(n: NodeRecord) -> float:
+    """Bytes ``n``'s backward moves per byte its forward moves (:data:`BACKWARD_TRAFFIC_DEFAULT`
+    where its derivative is not known here): 0 for a node without gradient (an integer or
+    boolean output) and for one whose gradient passes through unchanged (an add, a
+    concatenation's slices, a copy's view); 1 for one product per input (a cast, a
+    reduction's expand, a scalar multiply, one masked fill); 1.5 for a unary function
+    (its gradient reads the output gradient and its input or output); 2 for a product of
+    two tensors (each operand's gradient, the output gradient times the other)."""
+    t = n.target
+    if n.dtype not in _COMPUTE_DTYPES:
+        return 0.0
+    if any(t.startswith(p) for p in _PASS_THROUGH):
+        return 0.0
+    if any(t.startswith(p) for p in _REDUCTIONS):
+        return 1.0
+    if any(t.startswith(p) for p in _UNARY):
+        return 1.5
+    if t.startswith(("aten.mul.", "aten.div.")):
+        return 2.0 if len(n.inputs) >= 2 else 1.0
+    return BACKWARD_TRAFFIC_DEFAULT
 
 
 def rate_kind(n: NodeRecord, nodes: dict[str, NodeRecord]) -> str | None:
