@@ -686,3 +686,72 @@ def test_a_reduction_hidden_under_another_stages_backward_still_takes_its_cores(
     assert (shared.breakdown["dp_comm_s"] - alone.breakdown["dp_comm_s"]
             == pytest.approx(hidden * (1 - 2 / 4), rel=1e-9))
     assert sum(shared.breakdown.values()) == pytest.approx(shared.step_time_s, rel=1e-9)
+
+
+FSDP = {"fsdp_gather_call_s": 1e-3, "fsdp_gather_byte_s": 2e-9,
+        "fsdp_reduce_call_s": 3e-3, "fsdp_reduce_byte_s": 4e-9}
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_fsdp2_work_beyond_its_collectives_is_per_call_and_byte(graph, zero):
+    """Where a CPU profile measured FSDP2's work around its collectives
+    (``OpOverhead.fsdp_*``), each ZeRO-2/3 layer pays it for every per-micro-batch
+    collective, per call and per byte of the layer's parameters (fp32: 4 bytes each):
+    ZeRO-3 gathers in the forward and again in the backward and reduce-scatters, ZeRO-2
+    reduce-scatters.  In their place it no longer pays the buffer copies
+    (``zero_buffer_copies``).  ZeRO-1's collectives, once a step, are priced as before."""
+    s = Strategy(dp=2, micro_batch=1, global_batch=4, zero=zero, precision="fp32")
+    opts = dataclasses.replace(NO_AUTOCAST, zero_buffer_copies=False)
+    base = estimate(graph, _with(OVERHEAD), s, calibration=None, options=opts)
+    host = estimate(graph, _with({**OVERHEAD, **FSDP}), s, calibration=None, options=opts)
+    layers = [l for l in summarize(graph).layers if l.params]
+    per_mb = sum(FSDP["fsdp_reduce_call_s"] + 4 * l.params * FSDP["fsdp_reduce_byte_s"]
+                 for l in layers)
+    if zero == 3:
+        per_mb += 2 * sum(FSDP["fsdp_gather_call_s"] + 4 * l.params * FSDP["fsdp_gather_byte_s"]
+                          for l in layers)
+    extra = 2 * per_mb if zero >= 2 else 0.0        # two micro-batches a replica
+    assert host.breakdown["dp_comm_s"] - base.breakdown["dp_comm_s"] == pytest.approx(
+        extra, rel=1e-9, abs=1e-15)
+    assert host.step_time_s - base.step_time_s == pytest.approx(extra, rel=1e-9, abs=1e-15)
+    if zero == 3:
+        # the buffer copies it replaces
+        copies = estimate(graph, _with(OVERHEAD), s, calibration=None, options=NO_AUTOCAST)
+        measured = estimate(graph, _with({**OVERHEAD, **FSDP}), s, calibration=None,
+                            options=NO_AUTOCAST)
+        assert copies.step_time_s > base.step_time_s
+        assert measured.step_time_s == pytest.approx(host.step_time_s, rel=1e-12)
+
+
+def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph):
+    """The four figures survive the profile's YAML (absent from a profile without them,
+    which reads 0) and are checked; a GPU's FSDP2 copies run on its streams, priced by its
+    memory bandwidth, so a GPU profile that carried them would price as without."""
+    import yaml
+
+    from autoplan.errors import AutoplanError
+    from autoplan.hardware import NodeGroup, OpOverhead, compose_cluster
+    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+    p = next(iter(_with({**OVERHEAD, **FSDP}).profiles.values()))
+    back = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert {k: getattr(back, k) for k in FSDP} == FSDP and back.fsdp_measured
+    old = parse_profile(yaml.safe_load(profile_to_yaml(
+        next(iter(_with(OVERHEAD).profiles.values()))))).device.op_overhead
+    assert not old.fsdp_measured and old.fsdp_gather_s(1e6) == 0.0
+    bad = yaml.safe_load(profile_to_yaml(p))
+    bad["device"]["op_overhead"]["fsdp_reduce_byte_s"] = -1
+    with pytest.raises(AutoplanError, match="fsdp_reduce_byte"):
+        parse_profile(bad)
+    gpu = next(iter(load_cluster("a100-sxm4-80gb").profiles.values()))
+    carrying = dataclasses.replace(gpu, device=dataclasses.replace(
+        gpu.device, op_overhead=OpOverhead(forward_s=0.0, backward_s=0.0,
+                                           tp_linear_forward_s=0.0, tp_linear_backward_s=0.0,
+                                           source="a test", **FSDP)))
+    s = Strategy(dp=8, micro_batch=1, global_batch=16, zero=3, precision="bf16")
+    plain = estimate(graph, compose_cluster([NodeGroup(dataclasses.replace(
+        gpu, device=dataclasses.replace(gpu.device, op_overhead=OpOverhead(
+            forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0, tp_linear_backward_s=0.0,
+            source="a test"))), 1)], name="gpu-plain"), s, calibration=None)
+    carried = estimate(graph, compose_cluster([NodeGroup(carrying, 1)], name="gpu-fsdp"), s,
+                       calibration=None)
+    assert carried.step_time_s == plain.step_time_s

@@ -785,6 +785,11 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert "layer scales" in o.source
     # selective checkpointing's cost per activation byte (a few ns: copy-bandwidth scale)
     assert 0 <= o.selective_byte_s < 1e-7 and "recomputing nothing" in o.source
+    # FSDP2's work around its collectives: per call (well under a second) and per byte
+    # (copy-bandwidth scale: a few ns), measured on the pair of ranks
+    assert o.fsdp_measured and "FSDP2 beyond its collectives" in o.source
+    assert 0 <= o.fsdp_gather_call_s < 0.5 and 0 <= o.fsdp_reduce_call_s < 0.5
+    assert 0 <= o.fsdp_gather_byte_s < 1e-7 and 0 <= o.fsdp_reduce_byte_s < 1e-7
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))
@@ -852,3 +857,12 @@ def test_a_cuda_profile_keeps_the_hosts_time_per_operator():
     assert d.op_overhead.forward_dispatch_s == 7.9e-6
     assert "host runs ahead" in d.op_overhead.source
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+
+
+def test_the_fsdp_figures_are_a_line_through_two_unit_sizes():
+    """Per call and per byte from the extras at two unit sizes; a negative slope reads 0
+    and a negative intercept puts the line through the origin and the larger point."""
+    from autoplan.hardware.profiler import _line
+    assert _line(1e6, 3e-3, 4e6, 9e-3) == pytest.approx((1e-3, 2e-9))
+    assert _line(1e6, 3e-3, 4e6, 2e-3) == (3e-3, 0.0)
+    assert _line(1e6, 1e-3, 4e6, 8e-3) == pytest.approx((0.0, 2e-9))

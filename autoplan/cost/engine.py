@@ -1138,8 +1138,17 @@ class CostEngine:
             all_gather = self.collective_time("all_gather", dp, weights, concurrent) + \
                 self.collective_time("all_gather", edp, expert_weights, concurrent) \
                 if seg.zero == 3 else 0.0
-            copy_out = 0.0
-            if opts.zero_buffer_copies:
+            copy_out = host_gather = host_reduce = 0.0
+            fsdp_host = overhead is not None and not ahead and overhead.fsdp_measured
+            if fsdp_host:
+                # FSDP2's work beyond the collectives where the rank's cores run it (CPU
+                # profiles measure it, its copies included): per call (one unit, a layer
+                # here) and per byte of what it gathers or reduces; never hidden.  Not on
+                # the once-a-step collectives (OpOverhead.fsdp_gather_call_s says why)
+                host_reduce = overhead.fsdp_reduce_s(grads + expert_grads)
+                if seg.zero == 3:
+                    host_gather = overhead.fsdp_gather_s(weights + expert_weights)
+            elif opts.zero_buffer_copies:
                 # FSDP2's flat buffers, memory-bound on the device (read + write): on the
                 # collectives' streams the gradients into the reduce-scatter input and the
                 # shard into the all-gather input; on the compute stream, once the gather
@@ -1171,10 +1180,10 @@ class CostEngine:
             else:
                 zero_forward_exposed = all_gather
                 zero_backward_exposed = all_gather_backward + reduce_scatter
-            zero_forward_exposed += copy_out
-            zero_backward_exposed += copy_out * gathers_backward
+            zero_forward_exposed += copy_out + host_gather
+            zero_backward_exposed += (copy_out + host_gather) * gathers_backward + host_reduce
             zero_total = all_gather + all_gather_backward + reduce_scatter \
-                + copy_out * (1 + gathers_backward)
+                + (copy_out + host_gather) * (1 + gathers_backward) + host_reduce
         # activations
         saved = self.activation_bytes(layer, t, seg.sequence_parallel, seg.recompute, cp) \
             * b * act_scale

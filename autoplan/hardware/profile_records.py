@@ -272,6 +272,41 @@ class OpOverhead(Record):
         where ranks share them, measured as core time and scaled by the ranks over the
         cores (:func:`autoplan.hardware.profiler._measure_pipeline_overhead`).  0 in
         profiles measured before them and on GPUs.
+    fsdp_gather_call_s, fsdp_gather_byte_s : float
+        FSDP2's work per all-gather of one wrapped unit's parameters (a block, or a
+        stage's other layers) beyond the collective itself, which the link model prices:
+        seconds per call and per byte of the unit's gathered (unsharded) parameters.  Its
+        buffers' copies (the shard into the gather's input, the gathered buffer out into
+        the parameters) and allocation, the unsharded parameters' set-up, the reshard:
+        memory-bound and host work on the rank's cores.  Measured on a CPU as two units of
+        linears under ``fully_shard`` on pairs of ranks, every rank busy: ZeRO-3's forward +
+        backward less ZeRO-2's (which keeps its gathered parameters), less two raw
+        ``all_gather_into_tensor`` of the same bytes, per unit and gather, at two unit sizes
+        (:func:`autoplan.hardware.profiler._measure_fsdp_overhead`).  2026-11-27, 4
+        processes on 2 cores: 1.7-2.7 ms a call at 1-2 MB, 6.3 at 4 MB, 10.7 at 8 MB,
+        against 0.9-3.8 ms for the raw gathers; three profiles' lines read 0-0.4 ms + 1.4-1.8
+        ms per MiB.  0 in GPU profiles (the copies run on the device's streams, priced by
+        its memory bandwidth) and in profiles measured before them.
+    fsdp_reduce_call_s, fsdp_reduce_byte_s : float
+        The same per reduce-scatter of one unit's gradients, per call and per byte of the
+        unit's (unsharded) gradients: their copy into the reduce-scatter's input, the
+        reduced shard's copy, division and accumulation into the sharded gradient.
+        Measured as ZeRO-2's forward + backward (a reduce-scatter a micro-batch, gathered
+        parameters kept) less the same units without ``fully_shard``, less a raw
+        ``reduce_scatter_tensor`` of the same bytes, per unit (2026-11-27, same ranks: 4.2
+        ms a call at 1 MB, 7.1-7.2 at 2, 8.5 at 4, 13.0 at 8, against 2.4-14 ms for the raw
+        reduce-scatters; three profiles' lines 1.3-2.7 ms + 1.3-2.0 ms per MiB).
+
+        The cost model adds them (in place of :attr:`CostOptions.zero_buffer_copies`'
+        copies) to the collectives ZeRO-2 and ZeRO-3 layers run every micro-batch, where
+        the eight stored confirm passes of ``benchmarks/local_truth.py`` had priced
+        ZeRO-3's and ZeRO-2's steps 11% and 5-6% fast against the same layout without
+        ZeRO.  The once-a-step collectives (ZeRO-1's, ZeRO-1/2's gathers, ``replicate``'s
+        all-reduce) keep the copies: with the figures there too the same passes priced
+        ZeRO-1 21% (GPT) and 28% (Llama) slow at the picked layout, where without them
+        its ratio to the layout without ZeRO was priced within 2% (a pipeline's step ends
+        with the other stages' ranks idle, not every rank busy, a speed-up neither these
+        figures nor the link model's know).
     layer_forward_scale, layer_backward_scale : float or None
         A transformer layer's measured time against the sum of its parts as this profile
         prices them (matmuls by the efficiency table, memory-bound operators by their
@@ -308,6 +343,10 @@ class OpOverhead(Record):
     pipeline_message_s: float = 0.0
     zero_bubble_node_s: float = 0.0
     tp_collective_byte_s: float = 0.0
+    fsdp_gather_call_s: float = 0.0
+    fsdp_gather_byte_s: float = 0.0
+    fsdp_reduce_call_s: float = 0.0
+    fsdp_reduce_byte_s: float = 0.0
     tp_shared_linear_forward_s: float | None = None
     tp_shared_linear_backward_s: float | None = None
     layer_forward_scale: float | None = None
@@ -318,7 +357,9 @@ class OpOverhead(Record):
                      "tp_collective_byte_s", "selective_s", "selective_dispatch_s",
                      "selective_byte_s", "optimizer_param_s", "optimizer_dtensor_param_s",
                      "forward_dispatch_s", "backward_node_s", "optimizer_element_s",
-                     "pipeline_action_s", "pipeline_message_s", "zero_bubble_node_s"):
+                     "pipeline_action_s", "pipeline_message_s", "zero_bubble_node_s",
+                     "fsdp_gather_call_s", "fsdp_gather_byte_s", "fsdp_reduce_call_s",
+                     "fsdp_reduce_byte_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
@@ -335,6 +376,22 @@ class OpOverhead(Record):
             _require((values[0] is None) == (values[1] is None), names[0],
                      f"expected both {pair} or neither")
         _require(_text(self.source), "source", "expected a non-empty source")
+
+    @property
+    def fsdp_measured(self) -> bool:
+        """Whether the profile measured FSDP2's work beyond its collectives (any of the
+        ``fsdp_*`` figures above 0)."""
+        return bool(self.fsdp_gather_call_s or self.fsdp_gather_byte_s
+                    or self.fsdp_reduce_call_s or self.fsdp_reduce_byte_s)
+
+    def fsdp_gather_s(self, nbytes: float, calls: float = 1.0) -> float:
+        """FSDP2's seconds beyond the collective for ``calls`` all-gathers gathering
+        ``nbytes`` in all."""
+        return calls * self.fsdp_gather_call_s + nbytes * self.fsdp_gather_byte_s
+
+    def fsdp_reduce_s(self, nbytes: float, calls: float = 1.0) -> float:
+        """The same for ``calls`` reduce-scatters reducing ``nbytes`` in all."""
+        return calls * self.fsdp_reduce_call_s + nbytes * self.fsdp_reduce_byte_s
 
     def tp_linears_s(self, linears: int, shared: int) -> tuple[float, float]:
         """Host seconds of ``linears`` tensor-parallel linears of a layer, ``shared`` of
@@ -396,7 +453,9 @@ class ElementwiseRates(Record):
     forward (:attr:`autoplan.cost.summary.GraphSummary.elementwise`), per second of its
     forward and per second of its backward.  A kind without a figure moves at the
     device's copy bandwidth, its backward ``ELEMENTWISE_BACKWARD_FACTOR`` times the
-    forward's bytes (:mod:`autoplan.cost.engine`).
+    forward's bytes (:mod:`autoplan.cost.engine`; on a CPU other operators' backward
+    moves the bytes their derivative moves, :func:`autoplan.cost.summary.backward_traffic`,
+    on a GPU twice their forward's too).
 
     Parameters
     ----------

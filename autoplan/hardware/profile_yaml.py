@@ -302,6 +302,14 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                            "backward"),
                       ("tp_collective_byte", "extra seconds per byte of a tensor-parallel "
                                              "collective's payload"),
+                      ("fsdp_gather_call", "FSDP2's extra seconds per all-gather of a "
+                                           "unit"),
+                      ("fsdp_gather_byte", "FSDP2's extra seconds per byte a unit's "
+                                           "all-gather gathers"),
+                      ("fsdp_reduce_call", "FSDP2's extra seconds per reduce-scatter of a "
+                                           "unit"),
+                      ("fsdp_reduce_byte", "FSDP2's extra seconds per byte a unit's "
+                                           "reduce-scatter reduces"),
                       ("tp_shared_linear_forward", "extra seconds per column linear sharing "
                                                    "its region's input, in the forward"),
                       ("tp_shared_linear_backward", "extra seconds per column linear sharing "
@@ -544,6 +552,11 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                     if o.zero_bubble_node_s else {}),
                                  **({"tp_collective_byte_s": o.tp_collective_byte_s}
                                     if o.tp_collective_byte_s else {}),
+                                 **({"fsdp_gather_call_s": o.fsdp_gather_call_s,
+                                     "fsdp_gather_byte_s": o.fsdp_gather_byte_s,
+                                     "fsdp_reduce_call_s": o.fsdp_reduce_call_s,
+                                     "fsdp_reduce_byte_s": o.fsdp_reduce_byte_s}
+                                    if o.fsdp_measured else {}),
                                  **({"tp_shared_linear_forward_s": o.tp_shared_linear_forward_s,
                                      "tp_shared_linear_backward_s": o.tp_shared_linear_backward_s}
                                     if o.tp_shared_linear_forward_s is not None else {}),

@@ -1199,6 +1199,100 @@ def _measure_pipeline_overhead(torch, dist, pair: Any, agreed_mean: Callable[[fl
             share * statistics.median(b for _, b in readings))
 
 
+#: FSDP2's figures (``OpOverhead.fsdp_*``): units of linears at these widths (4 linears a
+#: unit, 1 and 4 MiB of fp32 parameters, the blocks of small models), two units a model,
+#: on this many tokens; timed calls a reading, rounds of which the median is kept
+_FSDP_WIDTHS = (256, 512)
+_FSDP_LINEARS = 4
+_FSDP_TOKENS = 64
+_FSDP_CALLS = 12
+_FSDP_ROUNDS = 3
+
+
+def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], float],
+                           rounds: int = _FSDP_ROUNDS) -> tuple[float, float, float, float]:
+    """FSDP2's seconds beyond its collectives, ``(gather per call, gather per byte, reduce
+    per call, reduce per byte)`` (``OpOverhead.fsdp_*``): two units of
+    :data:`_FSDP_LINEARS` linears each at each of :data:`_FSDP_WIDTHS`, on ``pair`` (every
+    pair at once, every rank busy), wall time:
+
+    * reduce: the units under ``fully_shard`` as ZeRO-2 runs a micro-batch that is not the
+      step's last (parameters kept gathered, gradients reduce-scattered: forward +
+      backward) less the same units without it, less a raw ``reduce_scatter_tensor`` of a
+      unit's bytes, per unit;
+    * gather: ZeRO-3's (gathered in the forward and again in the backward) less ZeRO-2's,
+      less two raw ``all_gather_into_tensor``, per unit and gather;
+
+    each per call and per byte from the two widths (a line through the two units' bytes,
+    at least 0), the ranks' mean, the median of ``rounds``.  The collectives alone are the
+    link model's: this is what FSDP2 adds around them on the rank's cores (its buffers'
+    copies and allocation, the unsharded parameters' set-up, gloo's missing average done
+    as divisions, the gradients' accumulation).  On 4 CPU ranks of 2 cores a gather read
+    1.7-2.7 ms per call at 1-2 MiB and 6.3 at 4 MiB, a reduce-scatter 4.2, 7.1 and 8.5 ms,
+    against 1.8-3.8 ms for the raw gathers and 2.8-7.6 for the reduce-scatters (2026-11-27).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..runtime.fsdp import apply_fsdp, set_micro_batch_sync
+
+    mesh = DeviceMesh.from_group(pair, "cpu")
+    world = dist.get_world_size(pair)
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(_FSDP_CALLS):
+            fn()
+        return agreed_mean((time.perf_counter() - t0) / _FSDP_CALLS)
+
+    def extras(width: int) -> tuple[float, float, float]:
+        """(unit bytes, gather extra per call, reduce extra per call) at ``width``."""
+        def units() -> tuple[Any, list[Any]]:
+            torch.manual_seed(0)
+            blocks = [torch.nn.Sequential(*(torch.nn.Linear(width, width)
+                                            for _ in range(_FSDP_LINEARS))) for _ in range(2)]
+            return torch.nn.Sequential(*blocks), blocks
+
+        x = torch.randn(_FSDP_TOKENS, width)
+
+        def step(model: Any) -> Callable[[], None]:
+            return lambda: model(x).sum().backward()
+
+        times = {}
+        plain, _ = units()
+        times["plain"] = wall(step(plain))
+        for zero in (2, 3):
+            model, blocks = units()
+            apply_fsdp(model, [(b, zero) for b in blocks], mesh, root_zero=zero)
+            set_micro_batch_sync(model, False)
+            times[zero] = wall(step(model))
+        n = _FSDP_LINEARS * (width * width + width)      # a unit's parameters
+        full, shard = torch.empty(n), torch.empty(n // world)
+        gather = wall(lambda: dist.all_gather_into_tensor(full, shard, group=pair))
+        scatter = wall(lambda: dist.reduce_scatter_tensor(shard, full, group=pair))
+        reduce_extra = (times[2] - times["plain"]) / 2 - scatter
+        gather_extra = (times[3] - times[2]) / 4 - gather
+        return 4.0 * n, gather_extra, reduce_extra
+
+    readings = []
+    for _ in range(max(1, rounds)):
+        (b0, g0, r0), (b1, g1, r1) = (extras(w) for w in _FSDP_WIDTHS)
+        readings.append(_line(b0, g0, b1, g1) + _line(b0, r0, b1, r1))
+    return tuple(statistics.median(r[i] for r in readings)  # type: ignore[return-value]
+                 for i in range(4))
+
+
+def _line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
+    """``(intercept, slope)`` of the line through two points, each at least 0 (a negative
+    intercept: the line through the origin and the larger point)."""
+    slope = max(0.0, (y1 - y0) / (x1 - x0))
+    intercept = y0 - slope * x0
+    if intercept < 0:
+        return 0.0, max(0.0, y1 / x1)
+    return intercept, slope
+
+
 def _core_seconds(dist, agreed_mean: Callable[[float], float], share: float,
                   fn: Callable[[], Any], calls: int = _TP_CPU_CALLS) -> float:
     """The CPU time of this rank's main thread per call of ``fn`` (after a warm-up call),
@@ -1529,6 +1623,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             overhead.update(pipeline_action_s=action, pipeline_message_s=message)
             say(f"pipeline host work: {action * 1e6:.0f} us per stage action, "
                 f"{message * 1e6:.0f} us per message end")
+        if pair is not None:
+            # FSDP2 around its collectives, on pairs of ranks as the tensor-parallel figures
+            g_call, g_byte, r_call, r_byte = _measure_fsdp_overhead(torch, dist, pair,
+                                                                    agreed_mean)
+            overhead.update(fsdp_gather_call_s=g_call, fsdp_gather_byte_s=g_byte,
+                            fsdp_reduce_call_s=r_call, fsdp_reduce_byte_s=r_byte)
+            say(f"FSDP2 beyond its collectives: all-gather {g_call * 1e3:.2f} ms per call + "
+                f"{g_byte * 2**20 * 1e3:.2f} ms per MiB, reduce-scatter {r_call * 1e3:.2f} ms "
+                f"+ {r_byte * 2**20 * 1e3:.2f} ms per MiB")
 
     if cuda:
         props = torch.cuda.get_device_properties(rank)
@@ -1764,6 +1867,14 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        if nproc % 2 == 0
                        else "; pipeline: not measured ("
                        + ("one rank" if nproc == 1 else "an odd number of ranks") + "), 0")
+                    + ("; FSDP2 beyond its collectives: two units of "
+                       f"{_FSDP_LINEARS} linears at widths {_FSDP_WIDTHS[0]} and "
+                       f"{_FSDP_WIDTHS[1]} on pairs of ranks, every pair at once, wall time: "
+                       "ZeRO-2's forward + backward (a reduce-scatter each) less the units "
+                       "without fully_shard, ZeRO-3's (two gathers more) less ZeRO-2's, each "
+                       "less the raw collectives of the same bytes, per call and per byte "
+                       "from the two widths, the median of "
+                       f"{_FSDP_ROUNDS} rounds" if "fsdp_gather_call_s" in worst else "")
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
                        "each rank free-running, every rank busy, the fastest of a few windows "
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
@@ -1993,7 +2104,12 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
               if d.op_overhead.layer_forward_scale is not None
               and d.op_overhead.layer_backward_scale is not None else "")
            + (f"; selective recompute +{d.op_overhead.selective_byte_s * 1e9:.2f} ns per "
-              "activation byte" if d.op_overhead.selective_byte_s else "")]
+              "activation byte" if d.op_overhead.selective_byte_s else "")
+           + (f"; FSDP2 +{d.op_overhead.fsdp_gather_call_s * 1e3:.2f} ms + "
+              f"{d.op_overhead.fsdp_gather_byte_s * 2**20 * 1e3:.2f} ms/MiB a gather, "
+              f"+{d.op_overhead.fsdp_reduce_call_s * 1e3:.2f} ms + "
+              f"{d.op_overhead.fsdp_reduce_byte_s * 2**20 * 1e3:.2f} ms/MiB a reduce-scatter"
+              if d.op_overhead.fsdp_measured else "")]
           if d.op_overhead else []),
     ])
 
