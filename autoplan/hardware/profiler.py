@@ -1201,12 +1201,13 @@ def _measure_pipeline_overhead(torch, dist, pair: Any, agreed_mean: Callable[[fl
 
 #: FSDP2's figures (``OpOverhead.fsdp_*``): units of linears at these widths (4 linears a
 #: unit, 1 and 4 MiB of fp32 parameters, the blocks of small models), two units a model,
-#: on this many tokens; timed calls a reading, rounds of which the median is kept
+#: on this many tokens; timed calls a reading, rounds of which the median is kept (three
+#: 2-rank quick profiles with 3 rounds read a 3 MiB unit's reduce-scatter at 1.8-2.9 ms)
 _FSDP_WIDTHS = (256, 512)
 _FSDP_LINEARS = 4
 _FSDP_TOKENS = 64
 _FSDP_CALLS = 12
-_FSDP_ROUNDS = 3
+_FSDP_ROUNDS = 5
 
 
 def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], float],
