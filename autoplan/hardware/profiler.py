@@ -1227,10 +1227,11 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
     each per call and per byte from the two widths (a line through the two units' bytes,
     at least 0), the ranks' mean, the median of ``rounds``.  The collectives alone are the
     link model's: this is what FSDP2 adds around them on the rank's cores (its buffers'
-    copies and allocation, the unsharded parameters' set-up, gloo's missing average done
-    as divisions, the gradients' accumulation).  On 4 CPU ranks of 2 cores a gather read
-    1.7-2.7 ms per call at 1-2 MiB and 6.3 at 4 MiB, a reduce-scatter 4.2, 7.1 and 8.5 ms,
-    against 1.8-3.8 ms for the raw gathers and 2.8-7.6 for the reduce-scatters (2026-11-27).
+    copies and allocation, the unsharded parameters' set-up, the gradients' division and
+    accumulation).  On 4 CPU ranks of 2 cores a gather read 1.7-2.7 ms per call at 1-2 MB
+    and 6.3 at 4 MB, a reduce-scatter 4.2, 7.1 and 8.5 ms, against 0.9-3.8 ms for the raw
+    gathers and 2.4-7.6 for the reduce-scatters (2026-11-27); on 2 ranks with cores of
+    their own 1.2-3.2 ms either, against 0.7-6.7 ms raw.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
