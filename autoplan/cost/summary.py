@@ -572,7 +572,9 @@ def _elementwise(nodes: tuple[NodeRecord, ...], seq_len: int | None,
 
 
 #: Bytes a memory-bound operator's backward moves per byte its forward moves (output plus
-#: inputs), where its derivative (torch's ``derivatives.yaml``) is known.
+#: inputs) where :func:`backward_traffic` does not know its derivative (torch's
+#: ``derivatives.yaml``): it reads the output gradient and what it saved and writes the
+#: input gradient.
 BACKWARD_TRAFFIC_DEFAULT = 2.0
 #: Free in the forward (views of one tensor), a copy in the backward: the gradients of
 #: the pieces stacked (unbind, split, chunk).
