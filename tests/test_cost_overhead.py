@@ -743,15 +743,15 @@ def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph):
     with pytest.raises(AutoplanError, match="fsdp_reduce_byte"):
         parse_profile(bad)
     gpu = next(iter(load_cluster("a100-sxm4-80gb").profiles.values()))
-    carrying = dataclasses.replace(gpu, device=dataclasses.replace(
-        gpu.device, op_overhead=OpOverhead(forward_s=0.0, backward_s=0.0,
-                                           tp_linear_forward_s=0.0, tp_linear_backward_s=0.0,
-                                           source="a test", **FSDP)))
+    none = OpOverhead(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
+                      tp_linear_backward_s=0.0, source="a test")
     s = Strategy(dp=8, micro_batch=1, global_batch=16, zero=3, precision="bf16")
-    plain = estimate(graph, compose_cluster([NodeGroup(dataclasses.replace(
-        gpu, device=dataclasses.replace(gpu.device, op_overhead=OpOverhead(
-            forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0, tp_linear_backward_s=0.0,
-            source="a test"))), 1)], name="gpu-plain"), s, calibration=None)
-    carried = estimate(graph, compose_cluster([NodeGroup(carrying, 1)], name="gpu-fsdp"), s,
-                       calibration=None)
+
+    def step(overhead: OpOverhead, name: str):
+        device = dataclasses.replace(gpu.device, op_overhead=overhead)
+        cluster = compose_cluster([NodeGroup(dataclasses.replace(gpu, device=device), 1)],
+                                  name=name)
+        return estimate(graph, cluster, s, calibration=None)
+    plain = step(none, "gpu-plain")
+    carried = step(dataclasses.replace(none, **FSDP), "gpu-fsdp")
     assert carried.step_time_s == plain.step_time_s
