@@ -584,7 +584,8 @@ def _with_options(plan, zero: int, recompute):
     return replace(plan, layers=layers, estimate=None, runners_up=())
 
 
-def confirm_layouts(graph, cluster, *, run_all: bool = False) -> list[dict]:
+def confirm_layouts(graph, cluster, *, run_all: bool = False,
+                    ladder_at: str | None = None) -> list[dict]:
     """The layouts to confirm: the search's picked plan and its ranked list, capped.
 
     Every layout the search ranks is kept when ``run_all``; otherwise (a documented cap, the
@@ -595,7 +596,9 @@ def confirm_layouts(graph, cluster, *, run_all: bool = False) -> list[dict]:
     and recompute only when nothing cheaper fits (its memory ladder), which never happens
     on this machine's RAM, so those options at the picked layout are added and priced by
     the same engine (source ``ladder``).  Each row: ``source``, ``plan`` (with its estimate),
-    ``label``, ``predicted_s``, ``predicted_rank`` (1 = the search's pick).
+    ``label``, ``predicted_s``, ``predicted_rank`` (1 = the search's pick).  ``ladder_at``:
+    the label of a ranked layout to add those options at instead of the pick (a stored
+    pass's pick, re-priced by code whose search picks another).
     """
     import random
 
@@ -626,14 +629,16 @@ def confirm_layouts(graph, cluster, *, run_all: bool = False) -> list[dict]:
               "(--all: every one)")
         rows = [rows[i] for i in sorted(keep)]
     # the options above the ladder's first rung, at the picked layout
+    base = picked if ladder_at is None else next(
+        (p for p in ranked if p.label() == ladder_at), picked)
     have = {(p.label(), p.describe()) for p in (r["plan"] for r in rows)}
     for zero in (0, 1, 2, 3):
         for rc in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL):
             try:
-                p = _with_options(picked, zero, rc)
+                p = _with_options(base, zero, rc)
                 p = p.with_estimate(estimate_plan(graph, cluster, p, options=GLOO_ON_CPU))
             except AutoplanError as exc:   # e.g. what zero-bubble schedules cannot run
-                rows.append({"source": "ladder", "plan": None, "label": f"{picked.label()} "
+                rows.append({"source": "ladder", "plan": None, "label": f"{base.label()} "
                              f"zero{zero} rc-{rc.value}", "status": "not runnable",
                              "reason": f"{type(exc).__name__}: {exc}"})
                 continue
@@ -1234,7 +1239,8 @@ def _read_pass(csv_path: Path) -> list[dict]:
             raise ConfigError(f"{csv_path}, line {i}: model {r['model']!r} with measured_s "
                               f"{measured!r}; expected one of {CONFIRM_MODELS} and a positive "
                               "step")
-        out.append({"model": r["model"], "label": r["label"], "measured_s": measured})
+        out.append({"model": r["model"], "label": r["label"], "measured_s": measured,
+                    "picked": r.get("search_rank") == "1"})
     return out
 
 
@@ -1266,8 +1272,11 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
         for name in sorted({r["model"] for r in rows}):
             if name not in graphs:
                 graphs[name] = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
+            # the ZeRO and recompute options at the pass's own pick (the ladder)
+            pick = next((r["label"] for r in rows if r["model"] == name and r["picked"]), None)
             priced = {r["label"]: r["predicted_s"]
-                      for r in confirm_layouts(graphs[name], cluster, run_all=True)
+                      for r in confirm_layouts(graphs[name], cluster, run_all=True,
+                                               ladder_at=pick)
                       if r.get("predicted_s") is not None}
             for r in rows:
                 if r["model"] == name:

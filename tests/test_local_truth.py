@@ -323,14 +323,37 @@ def test_a_failed_layout_reports_the_cause_first():
                     "RuntimeError: [Stage 0] failed to run forward")
 
 
-def _stored_pass(path: Path, rows: list[tuple[str, str, object]]) -> Path:
-    """A confirm pass's CSV as ``--csv`` writes it, with ``(model, label, measured_s)``."""
+def _stored_pass(path: Path, rows: list[tuple], picked: str | None = None) -> Path:
+    """A confirm pass's CSV as ``--csv`` writes it, with ``(model, label, measured_s)``;
+    the row labelled ``picked`` has search rank 1 (the pass's pick)."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=lt.CSV_FIELDS)
         w.writeheader()
         for model, label, measured in rows:
-            w.writerow({"model": model, "label": label, "measured_s": measured})
+            w.writerow({"model": model, "label": label, "measured_s": measured,
+                        "search_rank": 1 if label == picked else ""})
     return path
+
+
+def test_reprice_prices_the_ladder_at_the_passs_own_pick(gpt_rows, profile4: Path,
+                                                         tmp_path: Path):
+    """A pass's ZeRO and recompute options (its ladder) were run at its own pick: priced
+    again by code whose search picks another layout, they are still priced, at the pass's
+    pick (not dropped as layouts the search no longer ranks)."""
+    from autoplan.strategy import Recompute
+    graph, rows = gpt_rows
+    pick = rows[0]["plan"]
+    other = next(r["plan"] for r in rows
+                 if r["source"] == "search" and lt._layout_key(r["plan"]) != lt._layout_key(pick))
+    ladder = lt._with_options(other, 3, Recompute.FULL).label()
+    assert ladder not in {r["label"] for r in rows}
+    stored = _stored_pass(tmp_path / "pass.csv", [("gpt", other.label(), 0.2),
+                                                 ("gpt", ladder, 0.3)], picked=other.label())
+    (res,) = lt.reprice([(stored, profile4)], ["gpt"], graphs={"gpt": graph})
+    assert all(r["error"] is not None for r in res["rows"])
+    labels = {r["label"] for r in lt.confirm_layouts(graph, load_cluster(str(profile4)),
+                                                     ladder_at=other.label())}
+    assert ladder in labels
 
 
 def test_reprice_prices_a_stored_pass_with_its_profile(gpt_rows, profile4: Path,
