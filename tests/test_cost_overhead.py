@@ -698,19 +698,28 @@ def test_fsdp2_work_beyond_its_collectives_is_per_call_and_byte(graph, zero):
     (``OpOverhead.fsdp_*``), each ZeRO-2/3 layer pays it for every per-micro-batch
     collective, per call and per byte of the layer's parameters (fp32: 4 bytes each):
     ZeRO-3 gathers in the forward and again in the backward and reduce-scatters, ZeRO-2
-    reduce-scatters.  In their place it no longer pays the buffer copies
-    (``zero_buffer_copies``).  ZeRO-1's collectives, once a step, are priced as before."""
+    reduce-scatters.  The once-a-step collectives pay it too, per wrapped unit (each
+    block, and the other layers together): ZeRO-1 reduce-scatters and gathers, ZeRO-2
+    gathers.  In their place it no longer pays the buffer copies (``zero_buffer_copies``)."""
     s = Strategy(dp=2, micro_batch=1, global_batch=4, zero=zero, precision="fp32")
     opts = dataclasses.replace(NO_AUTOCAST, zero_buffer_copies=False)
     base = estimate(graph, _with(OVERHEAD), s, calibration=None, options=opts)
     host = estimate(graph, _with({**OVERHEAD, **FSDP}), s, calibration=None, options=opts)
     layers = [l for l in summarize(graph).layers if l.params]
-    per_mb = sum(FSDP["fsdp_reduce_call_s"] + 4 * l.params * FSDP["fsdp_reduce_byte_s"]
-                 for l in layers)
+
+    def reduce(params: float) -> float:
+        return FSDP["fsdp_reduce_call_s"] + 4 * params * FSDP["fsdp_reduce_byte_s"]
+
+    def gather(params: float) -> float:
+        return FSDP["fsdp_gather_call_s"] + 4 * params * FSDP["fsdp_gather_byte_s"]
+    per_mb = sum(reduce(l.params) for l in layers) if zero >= 2 else 0.0
     if zero == 3:
-        per_mb += 2 * sum(FSDP["fsdp_gather_call_s"] + 4 * l.params * FSDP["fsdp_gather_byte_s"]
-                          for l in layers)
-    extra = 2 * per_mb if zero >= 2 else 0.0        # two micro-batches a replica
+        per_mb += 2 * sum(gather(l.params) for l in layers)
+    units = [l.params for l in layers if l.is_block] + [
+        sum(l.params for l in layers if not l.is_block)]
+    per_step = {1: sum(reduce(n) + gather(n) for n in units),
+                2: sum(gather(n) for n in units), 3: 0.0}[zero]
+    extra = 2 * per_mb + per_step        # two micro-batches a replica
     assert host.breakdown["dp_comm_s"] - base.breakdown["dp_comm_s"] == pytest.approx(
         extra, rel=1e-9, abs=1e-15)
     assert host.step_time_s - base.step_time_s == pytest.approx(extra, rel=1e-9, abs=1e-15)
@@ -755,3 +764,90 @@ def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph):
     plain = step(none, "gpu-plain")
     carried = step(dataclasses.replace(none, **FSDP), "gpu-fsdp")
     assert carried.step_time_s == plain.step_time_s
+
+
+REPLICATE = {"replicate_call_s": 5e-3, "replicate_byte_s": 6e-9}
+
+
+def _replicate_figures(graph, s: Strategy, cluster_of, opts=NO_AUTOCAST):
+    """(without the figures, with them) for ``s`` on ``cluster_of(overhead)``."""
+    base = estimate(graph, cluster_of({**OVERHEAD, **FSDP}), s, calibration=None, options=opts)
+    host = estimate(graph, cluster_of({**OVERHEAD, **FSDP, **REPLICATE}), s, calibration=None,
+                    options=opts)
+    return base, host
+
+
+def test_replicate_work_beyond_its_all_reduce_is_per_call_and_byte(graph):
+    """Where a CPU profile measured FSDP2's ``replicate`` around its all-reduce
+    (``OpOverhead.replicate_*``), a layout that runs it (ZeRO-0 with tensor or context
+    parallelism) pays it once a step: one call and the rank's gradient bytes, in place of
+    the buffer copies, whichever ``zero_buffer_copies`` says.  DDP (ZeRO-0 without them)
+    does not run it: its layouts price as without the figures."""
+    from autoplan.cost.engine import _local_params
+    s = Strategy(dp=2, tp=2, micro_batch=1, global_batch=4, precision="fp32")
+    opts = dataclasses.replace(NO_AUTOCAST, zero_buffer_copies=False)
+    base, host = _replicate_figures(graph, s, lambda o: _with(o, world=4), opts)
+    params = sum(_local_params(l, 2, 1)[0] for l in summarize(graph).layers)
+    extra = REPLICATE["replicate_call_s"] + 4 * params * REPLICATE["replicate_byte_s"]
+    assert host.breakdown["dp_comm_s"] - base.breakdown["dp_comm_s"] == pytest.approx(
+        extra, rel=1e-9)
+    assert host.step_time_s - base.step_time_s == pytest.approx(extra, rel=1e-9)
+    copies, measured = _replicate_figures(graph, s, lambda o: _with(o, world=4))
+    assert copies.step_time_s > base.step_time_s
+    assert measured.step_time_s == pytest.approx(host.step_time_s, rel=1e-12)
+    ddp = Strategy(dp=2, micro_batch=1, global_batch=4, precision="fp32")
+    plain, carried = _replicate_figures(graph, ddp, _with)
+    assert carried.step_time_s == plain.step_time_s
+
+
+def test_a_pipeline_on_shared_cores_prices_fsdp2s_once_a_step_work_as_before(graph):
+    """4 ranks on 2 cores, 2 stages x 2 replicas: the step ends with the other stage's
+    ranks idle, faster than the every-rank-busy figures; replicate's and fully_shard's
+    once-a-step work keep the buffer copies there.  With a core each the figures apply."""
+    for zero in (0, 1):
+        s = Strategy(dp=2, pp=2, micro_batch=4, global_batch=8, schedule="gpipe", zero=zero,
+                     precision="fp32")
+        shared = _replicate_figures(graph, s, lambda o: _with(o, world=4, cores=2))
+        assert shared[1].step_time_s == shared[0].step_time_s
+        without = estimate(graph, _with(OVERHEAD, world=4, cores=2), s, calibration=None,
+                           options=NO_AUTOCAST)
+        assert shared[0].step_time_s == pytest.approx(without.step_time_s, rel=1e-12)
+        alone = _replicate_figures(graph, s, lambda o: _with(o, world=4))
+        if zero == 0:
+            assert alone[1].step_time_s > alone[0].step_time_s
+        else:
+            own = estimate(graph, _with(OVERHEAD, world=4), s, calibration=None,
+                           options=NO_AUTOCAST)
+            assert alone[0].step_time_s > own.step_time_s
+
+
+def test_replicate_figures_round_trip_and_a_gpu_ignores_them(graph):
+    """The two figures survive the profile's YAML (absent from a profile without them,
+    which reads 0) and are checked; a GPU profile that carried them prices as without."""
+    import yaml
+
+    from autoplan.errors import AutoplanError
+    from autoplan.hardware import NodeGroup, OpOverhead, compose_cluster
+    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
+    p = next(iter(_with({**OVERHEAD, **REPLICATE}).profiles.values()))
+    back = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert {k: getattr(back, k) for k in REPLICATE} == REPLICATE and back.replicate_measured
+    old = parse_profile(yaml.safe_load(profile_to_yaml(
+        next(iter(_with(OVERHEAD).profiles.values()))))).device.op_overhead
+    assert not old.replicate_measured and old.replicate_s(1e6) == 0.0
+    bad = yaml.safe_load(profile_to_yaml(p))
+    bad["device"]["op_overhead"]["replicate_byte_s"] = -1
+    with pytest.raises(AutoplanError, match="replicate_byte"):
+        parse_profile(bad)
+    gpu = next(iter(load_cluster("a100-sxm4-80gb").profiles.values()))
+    none = OpOverhead(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
+                      tp_linear_backward_s=0.0, source="a test")
+    s = Strategy(dp=4, tp=2, micro_batch=1, global_batch=16, precision="bf16")
+
+    def step(overhead: OpOverhead, name: str):
+        device = dataclasses.replace(gpu.device, op_overhead=overhead)
+        cluster = compose_cluster([NodeGroup(dataclasses.replace(gpu, device=device), 1)],
+                                  name=name)
+        return estimate(graph, cluster, s, calibration=None)
+    assert (step(dataclasses.replace(none, **REPLICATE), "gpu-replicate").step_time_s
+            == step(none, "gpu-plain").step_time_s)

@@ -790,6 +790,9 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert o.fsdp_measured and "FSDP2 beyond its collectives" in o.source
     assert 0 <= o.fsdp_gather_call_s < 0.5 and 0 <= o.fsdp_reduce_call_s < 0.5
     assert 0 <= o.fsdp_gather_byte_s < 1e-7 and 0 <= o.fsdp_reduce_byte_s < 1e-7
+    # and replicate's around its all-reduce
+    assert o.replicate_measured and "replicate's (one all-reduce" in o.source
+    assert 0 <= o.replicate_call_s < 0.5 and 0 <= o.replicate_byte_s < 1e-7
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

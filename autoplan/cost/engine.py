@@ -105,7 +105,10 @@ Under ``zero_buffer_copies`` (torch's wrappers, what
 flat buffers at the memory bandwidth: the gradients into the reduction's input
 and, for an all-reduce, its result back out (DDP's buckets, FSDP2's
 ``replicate``); the shard into the all-gather's input and its output into the
-parameters.  With ``overlap_grad_reduce`` the reduction runs under the last
+parameters.  Where a CPU profile measured FSDP2's work around them
+(``OpOverhead.replicate_call_s``, ``fsdp_reduce_call_s``...) it is priced in place of
+those copies, per call and byte, but on pipelines whose ranks share cores.  With
+``overlap_grad_reduce`` the reduction runs under the last
 backward; rank ``p`` also finishes its backward ``sum_{q<p} B_q`` before rank 0
 does, which hides more.  Where ranks share fewer cores (``NodeSpec.shared_cores``),
 what that hides still takes the cores: the step pays the hidden seconds times
@@ -1582,7 +1585,37 @@ class CostEngine:
 
         t_reduce += calls("reduce_scatter", scatters, grad_bytes)
         t_gather = calls("all_gather", gathers, param_bytes)
-        if opts.zero_buffer_copies and zero_degree > 1:
+        # autoplan.parallelize wraps a data-parallel rank's parameters as DTensors (FSDP2's
+        # fully_shard or replicate) unless it uses DDP
+        max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
+                       default=0)
+        fsdp2 = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
+                                                 max_zero=max_zero)
+        # FSDP2's work beyond these collectives where the rank's cores run it (CPU
+        # profiles measure it, its copies included, every rank busy): replicate's one
+        # all-reduce a step (OpOverhead.replicate_call_s) and fully_shard's once-a-step
+        # reduce-scatters and gathers per unit (OpOverhead.fsdp_reduce_call_s), each unit's
+        # parameters and its expert banks' (over their edp group) a call of their own.
+        # Not on pipelines whose ranks share cores: their step ends with the other
+        # stages' ranks idle, faster than every rank busy (the replicate_call_s docstring)
+        on_host = (fsdp2 and overhead is not None and not host_runs_ahead(device)
+                   and not (pp > 1 and self._shared_cores(lay) is not None))
+        replicated = on_host and max_zero == 0 and overhead.replicate_measured
+        sharded = on_host and max_zero > 0 and overhead.fsdp_measured
+        if replicated or sharded:
+            assert overhead is not None
+
+            def extra(per_call, units, nbytes: float) -> float:
+                return sum(count * (per_call(n * nbytes, 1.0 if n else 0.0)
+                                    + (per_call(x * nbytes, 1.0 if x else 0.0)
+                                       if edp > 1 else 0.0))
+                           for n, x, count in units)
+            if replicated:
+                t_reduce += extra(overhead.replicate_s, [(reduced0, x0, 1)], grad_bytes)
+            else:
+                t_reduce += extra(overhead.fsdp_reduce_s, scatters, grad_bytes)
+                t_gather += extra(overhead.fsdp_gather_s, gathers, param_bytes)
+        elif opts.zero_buffer_copies and zero_degree > 1:
             # once per step, memory-bound (read + write) on the device: DDP's buckets and
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
             # FSDP2's reduce-scatter copies them in (its output is the shard); its
@@ -1603,12 +1636,6 @@ class CostEngine:
                 t_tied = self.collective_time("all_reduce", pair, tied_extra * grad_bytes)
                 ev.dp_step_total += t_tied
                 ev.dp_step_exposed += t_tied
-        # autoplan.parallelize wraps a data-parallel rank's parameters as DTensors (FSDP2's
-        # fully_shard or replicate) unless it uses DDP
-        max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
-                       default=0)
-        fsdp2 = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
-                                                 max_zero=max_zero)
         # sequence parallelism: the norms saw a sequence shard, their gradients are partial
         # sums over tp, reduced once per step after the backward: each in its own
         # all-reduce in FSDP2's post-backward (where it wraps the rank and the stack does

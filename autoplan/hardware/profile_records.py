@@ -301,12 +301,31 @@ class OpOverhead(Record):
         copies) to the collectives ZeRO-2 and ZeRO-3 layers run every micro-batch, where
         the eight stored confirm passes of ``benchmarks/local_truth.py`` had priced
         ZeRO-3's and ZeRO-2's steps 11% and 5-6% fast against the same layout without
-        ZeRO.  The once-a-step collectives (ZeRO-1's, ZeRO-1/2's gathers, ``replicate``'s
-        all-reduce) keep the copies: with the figures there too the same passes priced
-        ZeRO-1 21% (GPT) and 28% (Llama) slow at the picked layout, where without them
-        its ratio to the layout without ZeRO was priced within 2% (a pipeline's step ends
-        with the other stages' ranks idle, not every rank busy, a speed-up neither these
-        figures nor the link model's know).
+        ZeRO, and to the once-a-step collectives per wrapped unit (ZeRO-1's reduce-scatters,
+        ZeRO-1/2's gathers) but on pipelines whose ranks share cores: a pipeline's step
+        ends with the other stages' ranks idle, not every rank busy, a speed-up neither
+        these figures nor the link model's know, where the engine's pipeline bound (the
+        busiest rank's work at the every-rank-busy speed) is pessimistic (with them there
+        the stored passes priced ZeRO-1's pipelines 21% (GPT) and 28% (Llama) slow where
+        without them their ratio to the layout without ZeRO was priced within 2%).
+    replicate_call_s, replicate_byte_s : float
+        FSDP2's ``replicate`` (what :func:`autoplan.parallelize` runs for ZeRO-0 with
+        tensor, pipeline or context parallelism) per step's all-reduce of a rank's
+        gradients beyond the collective itself, per call and per byte of the gradients:
+        its copy of the gradients into the all-reduce's input and of the reduced ones back
+        out, the division, the DTensor gradients' set-up.  Measured on a CPU as two units of
+        linears under ``replicate`` on pairs of ranks, every rank busy, forward + backward
+        less the same units without it, less a raw ``all_reduce`` of the same bytes, at two
+        sizes (:func:`autoplan.hardware.profiler._measure_fsdp_overhead`).  2026-11-27, 4
+        processes on 2 cores: 11.5 ms beyond the raw all-reduce's 4.6 at 2.1 MB, 34.6
+        beyond 9.0 at 8.4 MB (3.8 ms + 3.7 ms per MB); the ten stored confirm passes had
+        priced the layouts that run it without a pipeline (tensor parallelism with data
+        or context parallelism) 8-15% fast.  The cost model adds them to ``replicate``'s
+        all-reduce in place of :attr:`CostOptions.zero_buffer_copies`' copies on CPU
+        ranks, but on pipelines whose ranks share cores (as the ``fsdp_*`` figures'
+        once-a-step part: with them there the stored passes priced the two-stage
+        pipelines of two replicas 9-28% slow, where without them they lie within 10%).
+        0 in GPU profiles and in profiles measured before them.
     layer_forward_scale, layer_backward_scale : float or None
         A transformer layer's measured time against the sum of its parts as this profile
         prices them (matmuls by the efficiency table, memory-bound operators by their
@@ -347,6 +366,8 @@ class OpOverhead(Record):
     fsdp_gather_byte_s: float = 0.0
     fsdp_reduce_call_s: float = 0.0
     fsdp_reduce_byte_s: float = 0.0
+    replicate_call_s: float = 0.0
+    replicate_byte_s: float = 0.0
     tp_shared_linear_forward_s: float | None = None
     tp_shared_linear_backward_s: float | None = None
     layer_forward_scale: float | None = None
@@ -359,7 +380,7 @@ class OpOverhead(Record):
                      "forward_dispatch_s", "backward_node_s", "optimizer_element_s",
                      "pipeline_action_s", "pipeline_message_s", "zero_bubble_node_s",
                      "fsdp_gather_call_s", "fsdp_gather_byte_s", "fsdp_reduce_call_s",
-                     "fsdp_reduce_byte_s"):
+                     "fsdp_reduce_byte_s", "replicate_call_s", "replicate_byte_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
@@ -384,6 +405,11 @@ class OpOverhead(Record):
         return bool(self.fsdp_gather_call_s or self.fsdp_gather_byte_s
                     or self.fsdp_reduce_call_s or self.fsdp_reduce_byte_s)
 
+    @property
+    def replicate_measured(self) -> bool:
+        """Whether the profile measured ``replicate``'s work beyond its all-reduce."""
+        return bool(self.replicate_call_s or self.replicate_byte_s)
+
     def fsdp_gather_s(self, nbytes: float, calls: float = 1.0) -> float:
         """FSDP2's seconds beyond the collective for ``calls`` all-gathers gathering
         ``nbytes`` in all."""
@@ -392,6 +418,11 @@ class OpOverhead(Record):
     def fsdp_reduce_s(self, nbytes: float, calls: float = 1.0) -> float:
         """The same for ``calls`` reduce-scatters reducing ``nbytes`` in all."""
         return calls * self.fsdp_reduce_call_s + nbytes * self.fsdp_reduce_byte_s
+
+    def replicate_s(self, nbytes: float, calls: float = 1.0) -> float:
+        """``replicate``'s seconds beyond the collective for ``calls`` all-reduces
+        reducing ``nbytes`` of gradients in all."""
+        return calls * self.replicate_call_s + nbytes * self.replicate_byte_s
 
     def tp_linears_s(self, linears: int, shared: int) -> tuple[float, float]:
         """Host seconds of ``linears`` tensor-parallel linears of a layer, ``shared`` of

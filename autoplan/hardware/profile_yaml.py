@@ -310,6 +310,10 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                            "unit"),
                       ("fsdp_reduce_byte", "FSDP2's extra seconds per byte a unit's "
                                            "reduce-scatter reduces"),
+                      ("replicate_call", "replicate's extra seconds per all-reduce of a "
+                                         "rank's gradients"),
+                      ("replicate_byte", "replicate's extra seconds per byte of gradients "
+                                         "it all-reduces"),
                       ("tp_shared_linear_forward", "extra seconds per column linear sharing "
                                                    "its region's input, in the forward"),
                       ("tp_shared_linear_backward", "extra seconds per column linear sharing "
@@ -557,6 +561,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                      "fsdp_reduce_call_s": o.fsdp_reduce_call_s,
                                      "fsdp_reduce_byte_s": o.fsdp_reduce_byte_s}
                                     if o.fsdp_measured else {}),
+                                 **({"replicate_call_s": o.replicate_call_s,
+                                     "replicate_byte_s": o.replicate_byte_s}
+                                    if o.replicate_measured else {}),
                                  **({"tp_shared_linear_forward_s": o.tp_shared_linear_forward_s,
                                      "tp_shared_linear_backward_s": o.tp_shared_linear_backward_s}
                                     if o.tp_shared_linear_forward_s is not None else {}),

@@ -1211,9 +1211,11 @@ _FSDP_ROUNDS = 5
 
 
 def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], float],
-                           rounds: int = _FSDP_ROUNDS) -> tuple[float, float, float, float]:
+                           rounds: int = _FSDP_ROUNDS
+                           ) -> tuple[float, float, float, float, float, float]:
     """FSDP2's seconds beyond its collectives, ``(gather per call, gather per byte, reduce
-    per call, reduce per byte)`` (``OpOverhead.fsdp_*``): two units of
+    per call, reduce per byte, replicate per call, replicate per byte)``
+    (``OpOverhead.fsdp_*``, ``OpOverhead.replicate_*``): two units of
     :data:`_FSDP_LINEARS` linears each at each of :data:`_FSDP_WIDTHS`, on ``pair`` (every
     pair at once, every rank busy), wall time:
 
@@ -1223,19 +1225,23 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
       unit's bytes, per unit;
     * gather: ZeRO-3's (gathered in the forward and again in the backward) less ZeRO-2's,
       less two raw ``all_gather_into_tensor``, per unit and gather;
+    * replicate: the units under ``replicate`` (one all-reduce of both units' gradients a
+      call, as the step's last micro-batch runs it) less the units without it, less a raw
+      ``all_reduce`` of the same bytes;
 
-    each per call and per byte from the two widths (a line through the two units' bytes,
+    each per call and per byte from the two widths (a line through the bytes a call moves,
     at least 0), the ranks' mean, the median of ``rounds``.  The collectives alone are the
     link model's: this is what FSDP2 adds around them on the rank's cores (its buffers'
     copies and allocation, the unsharded parameters' set-up, the gradients' division and
     accumulation).  On 4 CPU ranks of 2 cores a gather read 1.7-2.7 ms per call at 1-2 MB
     and 6.3 at 4 MB, a reduce-scatter 4.2, 7.1 and 8.5 ms, against 0.9-3.8 ms for the raw
     gathers and 2.4-7.6 for the reduce-scatters (2026-11-27); on 2 ranks with cores of
-    their own 1.2-3.2 ms either, against 0.7-6.7 ms raw.
+    their own 1.2-3.2 ms either, against 0.7-6.7 ms raw.  ``replicate`` read 11.5 ms beyond
+    the raw all-reduce's 4.6 at 2.1 MB and 34.6 beyond 9.0 at 8.4 MB (4 ranks of 2 cores).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..runtime.fsdp import apply_fsdp, set_micro_batch_sync
+    from ..runtime.fsdp import apply_fsdp, apply_replicate, set_micro_batch_sync
 
     mesh = DeviceMesh.from_group(pair, "cpu")
     world = dist.get_world_size(pair)
@@ -1248,8 +1254,9 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
             fn()
         return agreed_mean((time.perf_counter() - t0) / _FSDP_CALLS)
 
-    def extras(width: int) -> tuple[float, float, float]:
-        """(unit bytes, gather extra per call, reduce extra per call) at ``width``."""
+    def extras(width: int) -> tuple[float, float, float, float]:
+        """(unit bytes, gather extra per call, reduce extra per call, replicate extra per
+        call of both units) at ``width``."""
         def units() -> tuple[Any, list[Any]]:
             torch.manual_seed(0)
             blocks = [torch.nn.Sequential(*(torch.nn.Linear(width, width)
@@ -1269,20 +1276,27 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
             apply_fsdp(model, [(b, zero) for b in blocks], mesh, root_zero=zero)
             set_micro_batch_sync(model, False)
             times[zero] = wall(step(model))
+        model, _ = units()
+        apply_replicate(model, mesh)
+        set_micro_batch_sync(model, True)
+        times["replicate"] = wall(step(model))
         n = _FSDP_LINEARS * (width * width + width)      # a unit's parameters
-        full, shard = torch.empty(n), torch.empty(n // world)
+        full, shard, both = torch.empty(n), torch.empty(n // world), torch.empty(2 * n)
         gather = wall(lambda: dist.all_gather_into_tensor(full, shard, group=pair))
         scatter = wall(lambda: dist.reduce_scatter_tensor(shard, full, group=pair))
+        reduce = wall(lambda: dist.all_reduce(both, group=pair))
         reduce_extra = (times[2] - times["plain"]) / 2 - scatter
         gather_extra = (times[3] - times[2]) / 4 - gather
-        return 4.0 * n, gather_extra, reduce_extra
+        replicate_extra = times["replicate"] - times["plain"] - reduce
+        return 4.0 * n, gather_extra, reduce_extra, replicate_extra
 
     readings = []
     for _ in range(max(1, rounds)):
-        (b0, g0, r0), (b1, g1, r1) = (extras(w) for w in _FSDP_WIDTHS)
-        readings.append(_line(b0, g0, b1, g1) + _line(b0, r0, b1, r1))
+        (b0, g0, r0, a0), (b1, g1, r1, a1) = (extras(w) for w in _FSDP_WIDTHS)
+        readings.append(_line(b0, g0, b1, g1) + _line(b0, r0, b1, r1)
+                        + _line(2 * b0, a0, 2 * b1, a1))
     return tuple(statistics.median(r[i] for r in readings)  # type: ignore[return-value]
-                 for i in range(4))
+                 for i in range(6))
 
 
 def _line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
@@ -1627,13 +1641,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                 f"{message * 1e6:.0f} us per message end")
         if pair is not None:
             # FSDP2 around its collectives, on pairs of ranks as the tensor-parallel figures
-            g_call, g_byte, r_call, r_byte = _measure_fsdp_overhead(torch, dist, pair,
-                                                                    agreed_mean)
+            g_call, g_byte, r_call, r_byte, a_call, a_byte = _measure_fsdp_overhead(
+                torch, dist, pair, agreed_mean)
             overhead.update(fsdp_gather_call_s=g_call, fsdp_gather_byte_s=g_byte,
-                            fsdp_reduce_call_s=r_call, fsdp_reduce_byte_s=r_byte)
+                            fsdp_reduce_call_s=r_call, fsdp_reduce_byte_s=r_byte,
+                            replicate_call_s=a_call, replicate_byte_s=a_byte)
             say(f"FSDP2 beyond its collectives: all-gather {g_call * 1e3:.2f} ms per call + "
                 f"{g_byte * 2**20 * 1e3:.2f} ms per MiB, reduce-scatter {r_call * 1e3:.2f} ms "
-                f"+ {r_byte * 2**20 * 1e3:.2f} ms per MiB")
+                f"+ {r_byte * 2**20 * 1e3:.2f} ms per MiB, replicate's all-reduce "
+                f"{a_call * 1e3:.2f} ms + {a_byte * 2**20 * 1e3:.2f} ms per MiB")
 
     if cuda:
         props = torch.cuda.get_device_properties(rank)
@@ -1873,8 +1889,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        f"{_FSDP_LINEARS} linears at widths {_FSDP_WIDTHS[0]} and "
                        f"{_FSDP_WIDTHS[1]} on pairs of ranks, every pair at once, wall time: "
                        "ZeRO-2's forward + backward (a reduce-scatter each) less the units "
-                       "without fully_shard, ZeRO-3's (two gathers more) less ZeRO-2's, each "
-                       "less the raw collectives of the same bytes, per call and per byte "
+                       "without fully_shard, ZeRO-3's (two gathers more) less ZeRO-2's, "
+                       "replicate's (one all-reduce of both units) less the units without "
+                       "it, each less the raw collectives of the same bytes, per call and per "
+                       "byte "
                        "from the two widths, the median of "
                        f"{_FSDP_ROUNDS} rounds" if "fsdp_gather_call_s" in worst else "")
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
@@ -2111,7 +2129,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
               f"{d.op_overhead.fsdp_gather_byte_s * 2**20 * 1e3:.2f} ms/MiB a gather, "
               f"+{d.op_overhead.fsdp_reduce_call_s * 1e3:.2f} ms + "
               f"{d.op_overhead.fsdp_reduce_byte_s * 2**20 * 1e3:.2f} ms/MiB a reduce-scatter"
-              if d.op_overhead.fsdp_measured else "")]
+              if d.op_overhead.fsdp_measured else "")
+           + (f"; replicate +{d.op_overhead.replicate_call_s * 1e3:.2f} ms + "
+              f"{d.op_overhead.replicate_byte_s * 2**20 * 1e3:.2f} ms/MiB an all-reduce"
+              if d.op_overhead.replicate_measured else "")]
           if d.op_overhead else []),
     ])
 
