@@ -690,6 +690,7 @@ def test_a_reduction_hidden_under_another_stages_backward_still_takes_its_cores(
 
 FSDP = {"fsdp_gather_call_s": 1e-3, "fsdp_gather_byte_s": 2e-9,
         "fsdp_reduce_call_s": 3e-3, "fsdp_reduce_byte_s": 4e-9}
+REPLICATE = {"replicate_call_s": 5e-3, "replicate_byte_s": 6e-9}
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -732,41 +733,6 @@ def test_fsdp2_work_beyond_its_collectives_is_per_call_and_byte(graph, zero):
         assert measured.step_time_s == pytest.approx(host.step_time_s, rel=1e-12)
 
 
-def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph):
-    """The four figures survive the profile's YAML (absent from a profile without them,
-    which reads 0) and are checked; a GPU's FSDP2 copies run on its streams, priced by its
-    memory bandwidth, so a GPU profile that carried them would price as without."""
-    import yaml
-
-    from autoplan.errors import AutoplanError
-    from autoplan.hardware import NodeGroup, OpOverhead, compose_cluster
-    from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-    p = next(iter(_with({**OVERHEAD, **FSDP}).profiles.values()))
-    back = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
-    assert {k: getattr(back, k) for k in FSDP} == FSDP and back.fsdp_measured
-    old = parse_profile(yaml.safe_load(profile_to_yaml(
-        next(iter(_with(OVERHEAD).profiles.values()))))).device.op_overhead
-    assert not old.fsdp_measured and old.fsdp_gather_s(1e6) == 0.0
-    bad = yaml.safe_load(profile_to_yaml(p))
-    bad["device"]["op_overhead"]["fsdp_reduce_byte_s"] = -1
-    with pytest.raises(AutoplanError, match="fsdp_reduce_byte"):
-        parse_profile(bad)
-    gpu = next(iter(load_cluster("a100-sxm4-80gb").profiles.values()))
-    none = OpOverhead(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
-                      tp_linear_backward_s=0.0, source="a test")
-    s = Strategy(dp=8, micro_batch=1, global_batch=16, zero=3, precision="bf16")
-
-    def step(overhead: OpOverhead, name: str):
-        device = dataclasses.replace(gpu.device, op_overhead=overhead)
-        cluster = compose_cluster([NodeGroup(dataclasses.replace(gpu, device=device), 1)],
-                                  name=name)
-        return estimate(graph, cluster, s, calibration=None)
-    plain = step(none, "gpu-plain")
-    carried = step(dataclasses.replace(none, **FSDP), "gpu-fsdp")
-    assert carried.step_time_s == plain.step_time_s
-
-
-REPLICATE = {"replicate_call_s": 5e-3, "replicate_byte_s": 6e-9}
 
 
 def _replicate_figures(graph, s: Strategy, cluster_of, opts=NO_AUTOCAST):
@@ -821,33 +787,42 @@ def test_a_pipeline_on_shared_cores_prices_fsdp2s_once_a_step_work_as_before(gra
             assert alone[0].step_time_s > own.step_time_s
 
 
-def test_replicate_figures_round_trip_and_a_gpu_ignores_them(graph):
-    """The two figures survive the profile's YAML (absent from a profile without them,
-    which reads 0) and are checked; a GPU profile that carried them prices as without."""
+@pytest.mark.parametrize("figures, measured, seconds, strategy", [
+    (FSDP, "fsdp_measured", "fsdp_gather_s",
+     Strategy(dp=8, micro_batch=1, global_batch=16, zero=3, precision="bf16")),
+    (REPLICATE, "replicate_measured", "replicate_s",
+     Strategy(dp=4, tp=2, micro_batch=1, global_batch=16, precision="bf16"))],
+    ids=["fsdp", "replicate"])
+def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph, figures, measured, seconds,
+                                                          strategy):
+    """FSDP2's figures (``fully_shard``'s four, ``replicate``'s two) survive the profile's
+    YAML (absent from a profile without them, which reads 0) and are checked; a GPU's
+    FSDP2 copies run on its streams, priced by its memory bandwidth, so a GPU profile that
+    carried them would price as without."""
     import yaml
 
     from autoplan.errors import AutoplanError
     from autoplan.hardware import NodeGroup, OpOverhead, compose_cluster
     from autoplan.hardware.profiles import parse_profile, profile_to_yaml
-    p = next(iter(_with({**OVERHEAD, **REPLICATE}).profiles.values()))
+    p = next(iter(_with({**OVERHEAD, **figures}).profiles.values()))
     back = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
-    assert {k: getattr(back, k) for k in REPLICATE} == REPLICATE and back.replicate_measured
+    assert {k: getattr(back, k) for k in figures} == figures and getattr(back, measured)
     old = parse_profile(yaml.safe_load(profile_to_yaml(
         next(iter(_with(OVERHEAD).profiles.values()))))).device.op_overhead
-    assert not old.replicate_measured and old.replicate_s(1e6) == 0.0
+    assert not getattr(old, measured) and getattr(old, seconds)(1e6) == 0.0
     bad = yaml.safe_load(profile_to_yaml(p))
-    bad["device"]["op_overhead"]["replicate_byte_s"] = -1
-    with pytest.raises(AutoplanError, match="replicate_byte"):
+    key = list(figures)[-1]
+    bad["device"]["op_overhead"][key] = -1
+    with pytest.raises(AutoplanError, match=key[:-2]):
         parse_profile(bad)
     gpu = next(iter(load_cluster("a100-sxm4-80gb").profiles.values()))
     none = OpOverhead(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
                       tp_linear_backward_s=0.0, source="a test")
-    s = Strategy(dp=4, tp=2, micro_batch=1, global_batch=16, precision="bf16")
 
     def step(overhead: OpOverhead, name: str):
         device = dataclasses.replace(gpu.device, op_overhead=overhead)
         cluster = compose_cluster([NodeGroup(dataclasses.replace(gpu, device=device), 1)],
                                   name=name)
-        return estimate(graph, cluster, s, calibration=None)
-    assert (step(dataclasses.replace(none, **REPLICATE), "gpu-replicate").step_time_s
+        return estimate(graph, cluster, strategy, calibration=None)
+    assert (step(dataclasses.replace(none, **figures), f"gpu-{measured}").step_time_s
             == step(none, "gpu-plain").step_time_s)
