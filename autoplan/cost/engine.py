@@ -1615,17 +1615,23 @@ class CostEngine:
             else:
                 t_reduce += extra(overhead.fsdp_reduce_s, scatters, grad_bytes)
                 t_gather += extra(overhead.fsdp_gather_s, gathers, param_bytes)
-        elif opts.zero_buffer_copies and zero_degree > 1:
+        if opts.zero_buffer_copies and zero_degree > 1:
             # once per step, memory-bound (read + write) on the device: DDP's buckets and
             # FSDP2's replicate copy the gradients in and the reduced ones back out;
             # FSDP2's reduce-scatter copies them in (its output is the shard); its
-            # all-gather copies the shard in and the gathered parameters out
+            # all-gather copies the shard in and the gathered parameters out (where the
+            # figures above were priced, their copies are in them)
             bw = device.memory_bw_bytes_per_s
-            t_reduce += (4 * reduced0 + 2 * reduced1) * grad_bytes / bw
-            t_gather += 2 * gathered * (1 + 1 / zero_degree) * param_bytes / bw
+            reduce_copies = (0.0 if replicated else 4 * reduced0) + (0.0 if sharded
+                                                                    else 2 * reduced1)
+            t_reduce += reduce_copies * grad_bytes / bw
+            if not sharded:
+                t_gather += 2 * gathered * (1 + 1 / zero_degree) * param_bytes / bw
             if edp > 1:   # expert banks, over their edp group (none to reduce when edp is 1)
-                t_reduce += (4 * x0 + 2 * x1) * grad_bytes / bw
-                t_gather += 2 * (x1 + x2) * (1 + 1 / edp) * param_bytes / bw
+                t_reduce += ((0.0 if replicated else 4 * x0) + (0.0 if sharded else 2 * x1)
+                             ) * grad_bytes / bw
+                if not sharded:
+                    t_gather += 2 * (x1 + x2) * (1 + 1 / edp) * param_bytes / bw
         ev.dp_step_total = t_reduce + t_gather
         exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
         exposed_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
