@@ -826,3 +826,22 @@ def test_fsdp2_figures_round_trip_and_a_gpu_ignores_them(graph, figures, measure
         return estimate(graph, cluster, strategy, calibration=None)
     assert (step(dataclasses.replace(none, **figures), f"gpu-{measured}").step_time_s
             == step(none, "gpu-plain").step_time_s)
+
+
+def test_a_tied_copy_keeps_its_buffer_copies_beside_fsdp2s_figures():
+    """A pipeline's tied embedding copy (kept whole, ZeRO-0, beside ZeRO-1 layers) is not
+    in FSDP2's measured figures: it keeps ``zero_buffer_copies``' copies (4 bytes moved a
+    gradient byte) where the figures price the sharded layers' once-a-step work."""
+    tied = trace(GPT(dataclasses.replace(CONFIG, tie_embeddings=True)), seq_len=CONFIG.seq_len)
+    s = Strategy(dp=2, pp=2, micro_batch=1, global_batch=4, zero=1, precision="fp32")
+    cluster = _with({**OVERHEAD, **FSDP}, world=4)
+    copies = estimate(tied, cluster, s, calibration=None, options=NO_AUTOCAST)
+    none = estimate(tied, cluster, s, calibration=None,
+                    options=dataclasses.replace(NO_AUTOCAST, zero_buffer_copies=False))
+    tied_params = max(l.tied_params for l in summarize(tied).layers)
+    assert tied_params > 0
+    bw = next(iter(cluster.profiles.values())).device.memory_bw_bytes_per_s
+    extra = sorted(c.dp_comm_exposed_s - n.dp_comm_exposed_s
+                   for c, n in zip(copies.stages, none.stages))
+    assert extra[0] == pytest.approx(0.0, abs=1e-15)     # the stage without a tied copy
+    assert extra[-1] == pytest.approx(4 * tied_params * 4 / bw, rel=1e-9)
