@@ -845,3 +845,24 @@ def test_a_tied_copy_keeps_its_buffer_copies_beside_fsdp2s_figures():
                    for c, n in zip(copies.stages, none.stages))
     assert extra[0] == pytest.approx(0.0, abs=1e-15)     # the stage without a tied copy
     assert extra[-1] == pytest.approx(4 * tied_params * 4 / bw, rel=1e-9)
+
+
+def test_a_shared_core_pipelines_collective_waits_do_not_speed_up(graph):
+    """4 ranks on 2 cores, a tp2 pp2 pipeline of one micro-batch: while one stage works the
+    other's ranks wait, and the working ranks' compute runs at a whole core's speed (twice
+    the every-rank-busy figures), but not their tensor-parallel collectives' waits: the
+    critical path is the stages' forward + backward times (1/2 + 1/2 x the critical
+    stage's exposed tensor-parallel share), unless one stage's work at the every-rank-busy
+    speed is longer.  Without tensor parallelism the whole path speeds up."""
+    opts = dataclasses.replace(NO_AUTOCAST, step_loss_all_reduce=False)
+    for tp in (1, 2):
+        s = Strategy(tp=tp, pp=2, dp=2 // tp, micro_batch=4 // (2 // tp), global_batch=4,
+                     schedule="gpipe", precision="fp32")
+        e = estimate(graph, _with(OVERHEAD, world=4, cores=2), s, calibration=None,
+                     options=opts)
+        per_mb = [st.forward_s + st.backward_s for st in e.stages]
+        crit = max(range(2), key=lambda p: per_mb[p])
+        share = e.breakdown["tp_comm_s"] / per_mb[crit]
+        assert (share > 0) == (tp == 2)
+        expected = max(sum(per_mb) * (0.5 + 0.5 * share), per_mb[crit])
+        assert e.breakdown["bubble_s"] + per_mb[crit] == pytest.approx(expected, rel=1e-9)

@@ -907,9 +907,19 @@ class CostEngine:
                 # and lend it their cores, but it offsets what the pipelines leave
                 # unpriced: bounded by the total work instead, five confirm passes'
                 # runs re-priced read 65, 70, 76, 55 and 68 of 81 within 15%, against
-                # 60, 74, 72, 70 and 78, 2026-11-26.)
+                # 60, 74, 72, 70 and 78, 2026-11-26.)  The exposed tensor, context and
+                # expert-parallel collectives inside a stage's micro-batch are not CPU
+                # work alone: their waits take as long with the other ranks idle, so the
+                # critical path speeds up by the cores only over the rest of its time
+                # (the critical rank's share; thirteen stored passes re-priced: the
+                # one-micro-batch tp2 pp2 and pp2 cp2 pipelines from 10% fast on average
+                # to within 8%, 1038 of 1053 within 15% to 1042, 2026-11-27)
                 ranks_on_node, cores = shared
-                t_pipe = max(t_pipe * cores / ranks_on_node, m * max(times))
+                c = ranks[crit]
+                waits = min(1.0, (c.tp_exposed + c.cp_exposed + c.ep_exposed) / times[crit]) \
+                    if times[crit] > 0 else 0.0
+                speed_up = cores / ranks_on_node + (1 - cores / ranks_on_node) * waits
+                t_pipe = max(t_pipe * speed_up, m * max(times))
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
             tail, slack, tail_rank, hidden = 0.0, 0.0, 0, 0.0
             for p, rk in enumerate(ranks):
