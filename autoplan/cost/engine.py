@@ -918,8 +918,8 @@ class CostEngine:
                 c = ranks[crit]
                 waits = min(1.0, (c.tp_exposed + c.cp_exposed + c.ep_exposed) / times[crit]) \
                     if times[crit] > 0 else 0.0
-                speed_up = cores / ranks_on_node + (1 - cores / ranks_on_node) * waits
-                t_pipe = max(t_pipe * speed_up, m * max(times))
+                time_share = cores / ranks_on_node + (1 - cores / ranks_on_node) * waits
+                t_pipe = max(t_pipe * time_share, m * max(times))
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
             tail, slack, tail_rank, hidden = 0.0, 0.0, 0, 0.0
             for p, rk in enumerate(ranks):
