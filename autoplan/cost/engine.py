@@ -911,9 +911,10 @@ class CostEngine:
                 # expert-parallel collectives inside a stage's micro-batch are not CPU
                 # work alone: their waits take as long with the other ranks idle, so the
                 # critical path speeds up by the cores only over the rest of its time
-                # (the critical rank's share; thirteen stored passes re-priced: the
-                # one-micro-batch tp2 pp2 and pp2 cp2 pipelines from 10% fast on average
-                # to within 8%, 1038 of 1053 within 15% to 1042, 2026-11-27)
+                # (the critical rank's share; thirteen stored passes re-priced, FSDP2's
+                # figures written into the older profiles: the one-micro-batch tp2 pp2 and
+                # pp2 cp2 pipelines from 10% fast on average to within 8%, 1038 of 1053
+                # within 15% to 1042, 2026-11-27)
                 ranks_on_node, cores = shared
                 c = ranks[crit]
                 waits = min(1.0, (c.tp_exposed + c.cp_exposed + c.ep_exposed) / times[crit]) \
