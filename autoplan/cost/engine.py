@@ -1633,8 +1633,8 @@ class CostEngine:
             # all-gather copies the shard in and the gathered parameters out (where the
             # figures above were priced, their copies are in them)
             bw = device.memory_bw_bytes_per_s
-            reduce_copies = (0.0 if replicated else 4 * reduced0) + (0.0 if sharded
-                                                                    else 2 * reduced1)
+            reduce_copies = ((0.0 if replicated else 4 * reduced0)
+                             + (0.0 if sharded else 2 * reduced1))
             t_reduce += reduce_copies * grad_bytes / bw
             if not sharded:
                 t_gather += 2 * gathered * (1 + 1 / zero_degree) * param_bytes / bw

@@ -1892,8 +1892,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "without fully_shard, ZeRO-3's (two gathers more) less ZeRO-2's, "
                        "replicate's (one all-reduce of both units) less the units without "
                        "it, each less the raw collectives of the same bytes, per call and per "
-                       "byte "
-                       "from the two widths, the median of "
+                       "byte from the two widths, the median of "
                        f"{_FSDP_ROUNDS} rounds" if "fsdp_gather_call_s" in worst else "")
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
                        "each rank free-running, every rank busy, the fastest of a few windows "
