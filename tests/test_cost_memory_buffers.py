@@ -63,7 +63,9 @@ def test_pipeline_receive_buffers_per_micro_batch_as_torch_keeps_them(tp):
     from autoplan.cost.toy import toy_cluster
     cluster = toy_cluster(devices_per_node=2 * tp)
     s = Strategy(pp=2, tp=tp, micro_batch=2, global_batch=16, precision="fp32")
-    own = estimate(_graph(), cluster, s, calibration=None)
+    # (without the accumulated gradients' fresh one: the test below)
+    own = estimate(_graph(), cluster, s, calibration=None,
+                   options=CostOptions(grad_accumulate_add=False))
     mega = estimate(_graph(), cluster, s, calibration=None,
                     options=CostOptions(stack="megatron-core"))
     cut = 2 * 16 * 32 * 4            # micro-batch x seq x hidden x fp32 bytes at the cut
@@ -134,3 +136,26 @@ def test_fsdp2_copies_through_its_flat_buffers(zero):
     assert copies.comm_total["dp_comm_s"] - views.comm_total["dp_comm_s"] == pytest.approx(
         m * per_micro_batch + per_step, rel=1e-9)
     assert CostOptions().zero_buffer_copies and not CostOptions(stack="megatron-core").zero_buffer_copies
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_accumulated_gradients_hold_one_fresh_module_gradient(zero):
+    """With micro-batches after the first, torch's AccumulateGrad (the autoplan stack's
+    ``grad_accumulate_add``) adds a module's new gradient, a tensor of its own, to the
+    accumulated one: the largest module's gradient more in the buffers under ZeRO-0/1;
+    none with one micro-batch, none where ZeRO-3's unsharded gradients already hold it,
+    none on a stack that accumulates in place (Megatron's main_grad)."""
+    from autoplan.cost import CostOptions
+    cluster = load_cluster("a100-sxm4-80gb")
+
+    def buffers(global_batch: int, options=None) -> float:
+        s = Strategy(dp=8, micro_batch=1, global_batch=global_batch, zero=zero,
+                     precision="fp32")
+        return estimate(_graph(), cluster, s, calibration=None,
+                        options=options).stages[0].memory.buffers_bytes
+    largest = max(l.largest_module_params for l in summarize(_graph()).layers)
+    fresh = largest * load_constants().model_states.fp32_grad_bytes if zero <= 1 else 0.0
+    assert largest > 0
+    assert buffers(16) - buffers(8) == pytest.approx(fresh, rel=1e-12, abs=1e-6)
+    megatron = CostOptions(stack="megatron-core")
+    assert buffers(16, megatron) == pytest.approx(buffers(8, megatron), rel=1e-12)

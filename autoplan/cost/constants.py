@@ -277,7 +277,9 @@ class CostOptions(Record):
         ``optimizer_s``): the whole gradients under ZeRO-0/1 (DDP's ``no_sync``, FSDP2
         without gradient sync), the reduce-scattered shard under ZeRO-2/3; fp32 under
         ``autocast``.  On 4 CPU ranks of the confirm models it is 2-3% of a step of four
-        one-sequence micro-batches.  ``False`` where the stack accumulates inside the
+        one-sequence micro-batches.  Memory: until it is added, a module's new gradient
+        is a tensor of its own, so ZeRO-0/1 ranks hold the largest module's gradient more
+        (in ``buffers_bytes``).  ``False`` where the stack accumulates inside the
         weight-gradient GEMM (Megatron's ``gradient_accumulation_fusion``) or in its
         reduction buffers.
     stack : str

@@ -1405,6 +1405,7 @@ class CostEngine:
         act_per_mb = 0.0                        # saved activation bytes of one micro-batch
         work = 0.0                              # one layer's working set (full recompute)
         max_layer_params = 0.0
+        largest_accumulated = 0.0               # the largest module whose gradients accumulate
         cut_out = 0.0
         recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
         p2p_fwd = p2p_bwd = 0.0                 # pipeline sends of one micro-batch
@@ -1500,6 +1501,11 @@ class CostEngine:
                             acc[0] += count * len(l.sp_params)
                             acc[1] += count * sum(l.sp_params)
                     max_layer_params = max(max_layer_params, gather_unit_params)
+                    if seg.zero <= 1 and l.largest_module_params:
+                        largest_accumulated = max(
+                            largest_accumulated, l.largest_module_params
+                            / (t if l.largest_module_sharded else 1)
+                            / (ep if l.largest_module_expert else 1))
                     act_per_mb += count * saved_bytes
                     if working_bytes > saved_bytes:
                         work = max(work, working_bytes - saved_bytes)
@@ -1739,6 +1745,14 @@ class CostEngine:
             buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
         if autocast:
             buffers += AUTOCAST_COPY_BYTES * computed   # its cache of bf16 weight copies
+        if opts.grad_accumulate_add and micro_batches > 1:
+            # a later micro-batch's gradient of a module lands in a tensor of its own before
+            # it is added to the accumulated one (torch's AccumulateGrad; ZeRO-2/3's
+            # unsharded gradients are the buffers above): the largest module's, in the
+            # weights' dtype (fp32 under autocast).  Measured: an embedding's dense
+            # gradient at the peak of a tp2 pp2 pipeline's first stage (local_truth --memory)
+            buffers += largest_accumulated * (Precision.FP32.bytes if autocast
+                                              else recipe.grad_bytes)
         # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
         head_tp = next((sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers)), None)
         if opts.loss_fp32_copy and s.loss_logits and head_tp is not None:
