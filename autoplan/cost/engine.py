@@ -131,9 +131,10 @@ keeps each block's input) times the micro-batches in flight, plus one layer's
 working set under full recompute, and on the stage computing the loss its fp32 logits
 (``CostOptions.loss_fp32_copy``, :func:`loss_bytes_per_logit`); buffers (gathered ZeRO-3
 layers, gradient buckets or, where ZeRO-1/2 reduce-scatter per layer, one layer's
-unsharded gradients, pipeline send/receive, and under ``CostOptions.autocast`` the bf16
-weight copies torch.autocast caches) and the runtime reserve from
-``profiles/cost/cost-model.yaml``.
+unsharded gradients, pipeline send/receive, under ``CostOptions.autocast`` the bf16
+weight copies torch.autocast caches, and under ``CostOptions.grad_accumulate_add`` the
+largest ZeRO-0/1 module's fresh gradient of a later micro-batch) and the runtime reserve
+from ``profiles/cost/cost-model.yaml``.
 
 The host
 --------
