@@ -44,3 +44,33 @@ def test_a_rank_that_aborts_is_reported_with_its_stack():
     text = str(failure.value)
     assert "rank 1: died of SIGABRT" in text
     assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text
+
+
+def _abort_once_on_rank_1(rank: int, world: int, marker: str) -> int:
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()      # the first run only: a native crash that does not repeat
+    return rank
+
+
+def test_a_native_crash_that_does_not_repeat_is_run_again(tmp_path, capsys):
+    marker = str(tmp_path / "crashed")
+    assert run(_abort_once_on_rank_1, 2, marker, timeout=120, pg_timeout=30) == [0, 1]
+    err = capsys.readouterr().err
+    assert "crashed natively; running _abort_once_on_rank_1 again" in err
+    assert "rank 1: died of SIGABRT" in err
+
+
+def _raise_on_rank_1(rank: int, world: int, marker: str) -> int:
+    if rank == 1:
+        with open(marker, "a") as f:
+            f.write("x")
+        raise ValueError("an error of the test's own")
+    return rank
+
+
+def test_a_python_error_is_not_run_again(tmp_path):
+    marker = tmp_path / "runs"
+    with pytest.raises(DistributedFailure, match="an error of the test's own"):
+        run(_raise_on_rank_1, 2, str(marker), timeout=120, pg_timeout=30)
+    assert marker.read_text() == "x"   # one run
