@@ -13,7 +13,9 @@ group, and returns the per-rank return values.  What makes it reliable:
 - a worker ends with ``barrier(); destroy_process_group(); flush; os._exit``,
   which avoids gloo's SIGABRT at interpreter exit;
 - results and tracebacks come back through files; a failure reports every
-  rank's traceback, exit code and the tail of its output.
+  rank's traceback, exit code and the tail of its output;
+- a run in which a rank dies of a signal (torch or gloo crashing natively) runs
+  again once in fresh processes, its report on stderr (see :func:`run`).
 
 ``fn`` must be importable by the workers (a module-level function, or a
 ``functools.partial`` of one to pass keyword arguments).
