@@ -243,8 +243,8 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
     error of ``fn``'s own) runs again in fresh processes, up to ``native_retries`` times,
     its report written to stderr: torch 2.13's gloo path on CPU crashes so now and then in
     8-rank runs (``malloc(): unaligned tcache chunk`` in a DTensor redistribute, a C++
-    terminate in a tensor-parallel all-gather; three CI runs of 2026-11-25..28 red on one
-    such rank, every rerun of the test passing).  A crash that repeats fails.
+    terminate in a tensor-parallel all-gather: CI runs of 2026-11-26 and 2026-11-28 went
+    red on one such rank, every rerun of the test passing).  A crash that repeats fails.
     """
     name = getattr(getattr(fn, "func", fn), "__name__", "fn")   # functools.partial too
     for attempt in range(native_retries + 1):
