@@ -386,6 +386,13 @@ def _local_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
             expert / ep)
 
 
+def _largest_module_local(layer: LayerCost, tp: int, ep: int) -> float:
+    """Parameters of ``layer``'s largest module on one device (tensor parallelism shards
+    it by ``tp`` where it is sharded, expert parallelism by ``ep`` where it is a bank)."""
+    return (layer.largest_module_params / (tp if layer.largest_module_sharded else 1)
+            / (ep if layer.largest_module_expert else 1))
+
+
 def _selective_dispatch_s(overhead, layer: LayerCost, captured_ops: int,
                           activation_bytes: float = 0.0) -> float:
     """Host seconds torch's selective checkpoint adds to one micro-batch of a block: its
@@ -1134,8 +1141,7 @@ class CostEngine:
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
         local_params, local_expert_params = _local_params(layer, t, ep)
         if opts.zero3_gather_unit == "module":
-            gather_unit = layer.largest_module_params / (t if layer.largest_module_sharded else 1) \
-                / (ep if layer.largest_module_expert else 1)
+            gather_unit = _largest_module_local(layer, t, ep)
         else:
             gather_unit = local_params + local_expert_params
         forward_with_comm = forward + tp_forward_exposed + cp_forward + ep_forward
@@ -1406,7 +1412,9 @@ class CostEngine:
         act_per_mb = 0.0                        # saved activation bytes of one micro-batch
         work = 0.0                              # one layer's working set (full recompute)
         max_layer_params = 0.0
-        largest_accumulated = 0.0               # the largest module whose gradients accumulate
+        # the largest module whose gradients accumulate over micro-batches (memory below)
+        accumulates = opts.grad_accumulate_add and micro_batches > 1
+        largest_accumulated = 0.0
         cut_out = 0.0
         recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
         p2p_fwd = p2p_bwd = 0.0                 # pipeline sends of one micro-batch
@@ -1502,11 +1510,9 @@ class CostEngine:
                             acc[0] += count * len(l.sp_params)
                             acc[1] += count * sum(l.sp_params)
                     max_layer_params = max(max_layer_params, gather_unit_params)
-                    if seg.zero <= 1 and l.largest_module_params:
-                        largest_accumulated = max(
-                            largest_accumulated, l.largest_module_params
-                            / (t if l.largest_module_sharded else 1)
-                            / (ep if l.largest_module_expert else 1))
+                    if accumulates and seg.zero <= 1:
+                        largest_accumulated = max(largest_accumulated,
+                                                  _largest_module_local(l, t, ep))
                     act_per_mb += count * saved_bytes
                     if working_bytes > saved_bytes:
                         work = max(work, working_bytes - saved_bytes)
@@ -1746,7 +1752,7 @@ class CostEngine:
             buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
         if autocast:
             buffers += AUTOCAST_COPY_BYTES * computed   # its cache of bf16 weight copies
-        if opts.grad_accumulate_add and micro_batches > 1:
+        if accumulates:
             # a later micro-batch's gradient of a module lands in a tensor of its own before
             # it is added to the accumulated one (torch's AccumulateGrad; ZeRO-2/3's
             # unsharded gradients are the buffers above): the largest module's, in the
