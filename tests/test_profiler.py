@@ -793,6 +793,11 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     # and replicate's around its all-reduce
     assert o.replicate_measured and "replicate's (one all-reduce" in o.source
     assert 0 <= o.replicate_call_s < 0.5 and 0 <= o.replicate_byte_s < 1e-7
+    # and context parallelism's collectives in a step beyond back to back (0 where the
+    # ranks have cores of their own and lose nothing to each other's turns)
+    assert "context-parallel collectives in a step" in o.source
+    assert 0 <= o.cp_gather_call_s < 0.5 and 0 <= o.cp_scatter_call_s < 0.5
+    assert 0 <= o.cp_gather_byte_s < 1e-7 and 0 <= o.cp_scatter_byte_s < 1e-7
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
     monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))

@@ -446,6 +446,8 @@ class _LayerTerms(NamedTuple):
     ep_exposed_s: float
     local_expert_params: float  # parameters on this device in expert banks (ZeRO shards
                                 # them over the edp group, the rest over dp x cp)
+    cp_waits_s: float           # the part of cp_exposed_s that ranks sharing cores wait
+                                # for each other's turn (OpOverhead.cp_gather_call_s)
 
 
 class _RankGroups(NamedTuple):
@@ -477,6 +479,7 @@ class _RankEval:
     tp_total: float = 0.0
     cp_exposed: float = 0.0
     cp_total: float = 0.0
+    cp_waits: float = 0.0         # of cp_exposed: the turns of ranks sharing cores
     ep_exposed: float = 0.0       # expert-parallel token all-to-alls (blocking: all exposed)
     ep_total: float = 0.0
     zero_exposed: float = 0.0     # ZeRO-2/3 per-micro-batch collectives, exposed
@@ -857,6 +860,10 @@ class CostEngine:
         ranks = sum(len(devices) for devices in lay.rank_devices)
         return (ranks, cores) if cores < ranks else None
 
+    def _node_devices(self, device: int) -> int:
+        """Devices on the node of ``device``."""
+        return self.cluster.profile_of(device).node.devices_per_node
+
     def _dp_concurrency(self, group: tuple[int, ...]) -> int | None:
         """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
         if not self.options.dp_nic_per_device:
@@ -923,12 +930,21 @@ class CostEngine:
                 # figures written into the older profiles: the one-micro-batch tp2 pp2 and
                 # pp2 cp2 pipelines from 10% fast on average to within 8%, 1038 of 1053
                 # within 15% to 1042, 2026-11-27)
+                # Context parallelism's waits for the peers' turns on the cores
+                # (OpOverhead.cp_gather_call_s) are paid only while the other ranks
+                # compute: not on the critical path where they idle, but in the busiest
+                # rank's work.
                 ranks_on_node, cores = shared
                 c = ranks[crit]
-                waits = min(1.0, (c.tp_exposed + c.cp_exposed + c.ep_exposed) / times[crit]) \
-                    if times[crit] > 0 else 0.0
+                alone, t_alone = times, t_pipe
+                if any(rk.cp_waits for rk in ranks):
+                    alone = [t - rk.cp_waits for t, rk in zip(times, ranks)]
+                    t_alone = pipeline_time(lay.schedule, alone, m, virtual_stages=v,
+                                            zb_excess_s=zb_excess)
+                waits = min(1.0, (c.tp_exposed + c.cp_exposed - c.cp_waits + c.ep_exposed)
+                            / alone[crit]) if alone[crit] > 0 else 0.0
                 time_share = cores / ranks_on_node + (1 - cores / ranks_on_node) * waits
-                t_pipe = max(t_pipe * time_share, m * max(times))
+                t_pipe = max(t_alone * time_share, m * max(times))
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
             tail, slack, tail_rank, hidden = 0.0, 0.0, 0, 0.0
             for p, rk in enumerate(ranks):
@@ -1113,7 +1129,7 @@ class CostEngine:
         # context parallelism: all-gather of the block's keys/values (this rank's heads,
         # whole sequences) in the forward, reduce-scatter of their gradients in the
         # backward; the attention core depends on them, so they are exposed
-        cp_forward = cp_backward = cp_exposed = 0.0
+        cp_forward = cp_backward = cp_exposed = cp_waits = 0.0
         if cp > 1 and core > 0 and layer.is_block:
             kv_bytes = s.kv_bytes_per_token * act_scale * s.seq_len * b / t  # type: ignore[operator]
             # and the runtime's copies around them (autoplan.runtime.cp.gather_sequence),
@@ -1125,8 +1141,24 @@ class CostEngine:
                           + (2 * kv_bytes / cp + 2 * kv_bytes) / bw)
             cp_backward = (self.collective_time("reduce_scatter", groups.cp, kv_bytes)
                            + 4 * kv_bytes / bw)
+            gather_waits = scatter_waits = 0.0
+            if (overhead is not None and not ahead and overhead.cp_measured
+                    and len(groups.cp) < self._node_devices(groups.cp[0])):
+                # where ranks share cores, a collective between compute waits for its peers
+                # to be scheduled while the node's other ranks compute: what a step pays
+                # beyond the back-to-back time, measured in place on pairs of ranks
+                # (OpOverhead.cp_gather_call_s).  Not where the group holds every rank of
+                # the node: none computes meanwhile (the 18 stored confirm passes priced
+                # the layouts of cp = 4 on 4 ranks 3% fast on average without the
+                # figures, 6% slow with them; those of cp pairs 4-12% fast without them,
+                # 0-3% with them; 2026-11-28)
+                gather_waits, scatter_waits = overhead.cp_collectives_s(kv_bytes)
+            cp_forward += gather_waits
+            cp_backward += scatter_waits
+            cp_waits = gather_waits + scatter_waits
             if seg.recompute is Recompute.FULL:
                 cp_backward += cp_forward   # the recomputed forward gathers again
+                cp_waits += gather_waits
             cp_exposed = cp_forward + cp_backward
         # expert parallelism: the token dispatch and combine all-to-alls over the ep group
         # in the forward, their transposes in the backward (again under full recompute);
@@ -1220,7 +1252,7 @@ class CostEngine:
             zero_total, zero_forward_exposed + zero_backward_exposed,
             forward_with_comm + zero_forward_exposed, backward_with_comm + zero_backward_exposed,
             local_params, gather_unit, saved, working,
-            ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params)
+            ep_forward + ep_backward, ep_forward + ep_backward, local_expert_params, cp_waits)
 
     def module_shares(self, template: str) -> tuple[float, ...]:
         """Each weight-carrying module's share of ``template``'s weight matmul FLOPs, in
@@ -1456,7 +1488,7 @@ class CostEngine:
         # per-micro-batch sums, in locals (the hot loop of a search)
         n_layers = 0
         forward_compute = backward_compute = recompute = weight_grad = 0.0
-        tp_total = tp_exposed = cp_total = cp_exposed = 0.0
+        tp_total = tp_exposed = cp_total = cp_exposed = cp_waits = 0.0
         ep_total = ep_exposed = zero_total = zero_exposed = 0.0
         forward = backward = 0.0
         for chunk, k in zip(chunks, mine):
@@ -1478,7 +1510,7 @@ class CostEngine:
                      tp_total_s, tp_exposed_s, cp_total_s, cp_exposed_s, zero_total_s,
                      zero_exposed_s, forward_s, backward_s, local_params, gather_unit_params,
                      saved_bytes, working_bytes, ep_total_s, ep_exposed_s,
-                     local_expert_params) = terms
+                     local_expert_params, cp_waits_s) = terms
                     forward_compute += count * forward_compute_s
                     backward_compute += count * backward_compute_s
                     recompute += count * recompute_s
@@ -1487,6 +1519,7 @@ class CostEngine:
                     tp_exposed += count * tp_exposed_s
                     cp_total += count * cp_total_s
                     cp_exposed += count * cp_exposed_s
+                    cp_waits += count * cp_waits_s
                     ep_total += count * ep_total_s
                     ep_exposed += count * ep_exposed_s
                     zero_total += count * zero_total_s
@@ -1562,7 +1595,7 @@ class CostEngine:
         ev.fwd_compute, ev.bwd_compute = forward_compute, backward_compute
         ev.recompute, ev.wgrad = recompute, weight_grad
         ev.tp_total, ev.tp_exposed = tp_total, tp_exposed
-        ev.cp_total, ev.cp_exposed = cp_total, cp_exposed
+        ev.cp_total, ev.cp_exposed, ev.cp_waits = cp_total, cp_exposed, cp_waits
         ev.ep_total, ev.ep_exposed = ep_total, ep_exposed
         ev.zero_total, ev.zero_exposed = zero_total, zero_exposed
         ev.fwd, ev.bwd = forward, backward

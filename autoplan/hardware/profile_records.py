@@ -326,6 +326,23 @@ class OpOverhead(Record):
         once-a-step part: with them there the stored passes priced the two-stage
         pipelines of two replicas 9-28% slow, where without them they lie within 10%).
         0 in GPU profiles and in profiles measured before them.
+    cp_gather_call_s, cp_gather_byte_s, cp_scatter_call_s, cp_scatter_byte_s : float
+        Context parallelism's all-gather of a block's keys and values (forward) and the
+        reduce-scatter of their gradients (backward) as a step runs them, beyond the
+        collectives timed back to back (which the link model prices): seconds per call and
+        per byte of the gathered (whole-sequence) keys and values.  Where ranks share
+        cores, a collective between compute waits for its peers to be scheduled: the
+        pairs' collectives in a context-parallel block cost about twice their
+        back-to-back time.  Measured on a CPU as an attention core with
+        :func:`autoplan.runtime.cp.gather_sequence` between linears, on pairs of ranks,
+        every pair at once, each rank's clock: forward, and forward + backward, less the
+        same with a local stand-in for the collective (the same copies), less the raw
+        collective of the same bytes, at two payloads
+        (:func:`autoplan.hardware.profiler._measure_cp_overhead`).  2026-11-28, 4
+        processes on 2 cores: the pair's all-gather and reduce-scatter together 8-10 ms
+        in a step at 512 KiB and 11.3-11.4 ms at 1 MiB, against 4.1 and 5.1 ms back to
+        back.  The cost model adds them to the context-parallel collectives of CPU ranks.
+        0 in GPU profiles and in profiles measured before them.
     layer_forward_scale, layer_backward_scale : float or None
         A transformer layer's measured time against the sum of its parts as this profile
         prices them (matmuls by the efficiency table, memory-bound operators by their
@@ -368,6 +385,10 @@ class OpOverhead(Record):
     fsdp_reduce_byte_s: float = 0.0
     replicate_call_s: float = 0.0
     replicate_byte_s: float = 0.0
+    cp_gather_call_s: float = 0.0
+    cp_gather_byte_s: float = 0.0
+    cp_scatter_call_s: float = 0.0
+    cp_scatter_byte_s: float = 0.0
     tp_shared_linear_forward_s: float | None = None
     tp_shared_linear_backward_s: float | None = None
     layer_forward_scale: float | None = None
@@ -380,7 +401,9 @@ class OpOverhead(Record):
                      "forward_dispatch_s", "backward_node_s", "optimizer_element_s",
                      "pipeline_action_s", "pipeline_message_s", "zero_bubble_node_s",
                      "fsdp_gather_call_s", "fsdp_gather_byte_s", "fsdp_reduce_call_s",
-                     "fsdp_reduce_byte_s", "replicate_call_s", "replicate_byte_s"):
+                     "fsdp_reduce_byte_s", "replicate_call_s", "replicate_byte_s",
+                     "cp_gather_call_s", "cp_gather_byte_s", "cp_scatter_call_s",
+                     "cp_scatter_byte_s"):
             value = getattr(self, name)
             _require(_finite_nonnegative(value), name,
                      f"expected seconds >= 0, got {value!r}")
@@ -409,6 +432,19 @@ class OpOverhead(Record):
     def replicate_measured(self) -> bool:
         """Whether the profile measured ``replicate``'s work beyond its all-reduce."""
         return bool(self.replicate_call_s or self.replicate_byte_s)
+
+    @property
+    def cp_measured(self) -> bool:
+        """Whether the profile measured context parallelism's collectives in a step."""
+        return bool(self.cp_gather_call_s or self.cp_gather_byte_s
+                    or self.cp_scatter_call_s or self.cp_scatter_byte_s)
+
+    def cp_collectives_s(self, nbytes: float) -> tuple[float, float]:
+        """Context parallelism's seconds beyond its collectives' back-to-back time for
+        one block gathering ``nbytes`` of keys and values (the whole sequences'),
+        ``(forward all-gather, backward reduce-scatter)``."""
+        return (self.cp_gather_call_s + nbytes * self.cp_gather_byte_s,
+                self.cp_scatter_call_s + nbytes * self.cp_scatter_byte_s)
 
     def fsdp_gather_s(self, nbytes: float, calls: float = 1.0) -> float:
         """FSDP2's seconds beyond the collective for ``calls`` all-gathers gathering

@@ -314,6 +314,14 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
                                          "rank's gradients"),
                       ("replicate_byte", "replicate's extra seconds per byte of gradients "
                                          "it all-reduces"),
+                      ("cp_gather_call", "extra seconds per context-parallel all-gather in "
+                                         "a step"),
+                      ("cp_gather_byte", "extra seconds per byte a context-parallel "
+                                         "all-gather gathers"),
+                      ("cp_scatter_call", "extra seconds per context-parallel "
+                                          "reduce-scatter in a step"),
+                      ("cp_scatter_byte", "extra seconds per byte a context-parallel "
+                                          "reduce-scatter reduces"),
                       ("tp_shared_linear_forward", "extra seconds per column linear sharing "
                                                    "its region's input, in the forward"),
                       ("tp_shared_linear_backward", "extra seconds per column linear sharing "
@@ -564,6 +572,11 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  **({"replicate_call_s": o.replicate_call_s,
                                      "replicate_byte_s": o.replicate_byte_s}
                                     if o.replicate_measured else {}),
+                                 **({"cp_gather_call_s": o.cp_gather_call_s,
+                                     "cp_gather_byte_s": o.cp_gather_byte_s,
+                                     "cp_scatter_call_s": o.cp_scatter_call_s,
+                                     "cp_scatter_byte_s": o.cp_scatter_byte_s}
+                                    if o.cp_measured else {}),
                                  **({"tp_shared_linear_forward_s": o.tp_shared_linear_forward_s,
                                      "tp_shared_linear_backward_s": o.tp_shared_linear_backward_s}
                                     if o.tp_shared_linear_forward_s is not None else {}),

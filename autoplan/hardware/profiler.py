@@ -1299,6 +1299,122 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
                  for i in range(6))
 
 
+#: Context parallelism's collectives in a step (:func:`_measure_cp_overhead`): tokens per
+#: sequence, heads and head width of the attention (the confirm models' GPT), the
+#: sequences a call takes (512 KiB and 1 MiB of fp32 keys and values gathered), linears of
+#: the attention's width run before it (a block's other work), calls per timed window and
+#: rounds (the median is kept)
+_CP_SHAPE = (128, 4, 64)
+_CP_BATCHES = (2, 4)
+_CP_LINEARS = 6
+_CP_CALLS = 10
+_CP_ROUNDS = 5
+
+
+def _cp_bytes(batch: int) -> int:
+    """Bytes of fp32 keys and values a pair gathers for ``batch`` sequences of
+    :data:`_CP_SHAPE` (whole sequences, both ranks' tokens)."""
+    seq, heads, head = _CP_SHAPE
+    return 2 * 4 * batch * seq * heads * head
+
+
+def _measure_cp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], float],
+                         rounds: int = _CP_ROUNDS) -> tuple[float, float, float, float]:
+    """Context parallelism's collectives in a step beyond their back-to-back time,
+    ``(all-gather per call, per byte, reduce-scatter per call, per byte)``
+    (``OpOverhead.cp_*``), per byte of the keys and values gathered (whole sequences).
+
+    On ``pair`` (every pair at once, every rank busy), each rank's clock over
+    :data:`_CP_CALLS` calls (the same count on both ranks of a pair: each call runs their
+    collectives), the ranks' mean: :data:`_CP_LINEARS` linears, then an attention core
+    over the keys and values that :func:`autoplan.runtime.cp.gather_sequence` gathers
+    (local queries, causal mask of the global positions), as :mod:`autoplan.runtime.cp`
+    runs a block; the forward, and forward + backward.  Less the same with a local
+    stand-in for the collective (the same buffers and copies), less the raw
+    ``all_gather_single`` (forward) and ``reduce_scatter_single`` (the backward's
+    extra) of the same bytes timed back to back; per call and per byte from the two
+    payloads of :data:`_CP_BATCHES` (a line through the medians of ``rounds`` at each,
+    at least 0).
+
+    Where ranks share cores a collective between compute costs more than back to back:
+    each transfer waits for its peer to be scheduled while the other ranks compute.
+    On 4 CPU ranks of 2 cores the pairs' all-gather and reduce-scatter together read
+    8.3-10.0 ms in a step at 512 KiB and 11.3-11.4 ms at 1 MiB, against 4.1 and 5.1 ms
+    back to back (2026-11-28), where the stored confirm passes had priced the layouts
+    with context parallelism in pairs 7-14% fast on average."""
+    from ..runtime import cp as cpm
+
+    seq, heads, head = _CP_SHAPE
+    width = heads * head
+    ctx = cpm.CPContext(pair, 2, dist.get_rank(pair), seq)
+    local = ctx.local_len
+
+    class Stand(torch.autograd.Function):
+        """The all-gather's stand-in: this rank's tensor in every rank's place."""
+
+        @staticmethod
+        def forward(_, x):
+            out = x.new_empty((ctx.cp * x.shape[0], *x.shape[1:]))
+            for i in range(ctx.cp):
+                out[i * x.shape[0]:(i + 1) * x.shape[0]].copy_(x)
+            return out.view(ctx.cp, *x.shape)
+
+        @staticmethod
+        def backward(_, grad):
+            out = grad.new_empty(grad.shape[1:])
+            out.copy_(grad[0])
+            return out
+
+    def wall(fn: Callable[[], Any], calls: int = _CP_CALLS) -> float:
+        fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return agreed_mean((time.perf_counter() - t0) / calls)
+
+    def extras(batch: int) -> tuple[float, float, float]:
+        """(bytes gathered, all-gather extra, reduce-scatter extra) at ``batch``."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            linears = torch.nn.Sequential(*(torch.nn.Linear(width, width)
+                                            for _ in range(_CP_LINEARS)))
+            x = torch.randn(batch, local, width, requires_grad=True)
+            q, k, v = (torch.randn(batch, heads, local, head, requires_grad=True)
+                       for _ in range(3))
+        blocked = ~ctx.allowed
+
+        def step(gathered: bool, backward: bool) -> Callable[[], None]:
+            def run() -> None:
+                kv = torch.stack([k, v])
+                if gathered:
+                    kk, vv = cpm.gather_sequence(kv, ctx, 3).unbind(0)
+                else:
+                    kk, vv = cpm._PositionOrder.apply(Stand.apply(kv), 3, ctx.runs).unbind(0)
+                scores = (q @ kk.transpose(-2, -1)).masked_fill(blocked, float("-inf"))
+                loss = linears(x).sum() + (torch.softmax(scores, dim=-1) @ vv).sum()
+                if backward:
+                    loss.backward()
+            return run
+
+        t = {(g, b): wall(step(g, b)) for g in (True, False) for b in (False, True)}
+        shard = torch.randn(2 * batch * heads * local * head)
+        whole = torch.empty(ctx.cp * shard.numel())
+        raw_gather = wall(lambda: dist.all_gather_single(whole, shard, group=pair),
+                          4 * _CP_CALLS)
+        raw_scatter = wall(lambda: dist.reduce_scatter_single(shard, whole, group=pair),
+                           4 * _CP_CALLS)
+        gather = t[True, False] - t[False, False]
+        scatter = t[True, True] - t[False, True] - gather
+        return float(_cp_bytes(batch)), gather - raw_gather, scatter - raw_scatter
+
+    readings = [[extras(n) for n in _CP_BATCHES] for _ in range(max(1, rounds))]
+    (b0, g0, s0), (b1, g1, s1) = (
+        tuple(statistics.median(r[i][j] for r in readings) for j in range(3))
+        for i in range(len(_CP_BATCHES)))
+    return _line(b0, g0, b1, g1) + _line(b0, s0, b1, s1)
+
+
 def _line(x0: float, y0: float, x1: float, y1: float) -> tuple[float, float]:
     """``(intercept, slope)`` of the line through two points, each at least 0 (a negative
     intercept: the line through the origin and the larger point)."""
@@ -1650,6 +1766,15 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                 f"{g_byte * 2**20 * 1e3:.2f} ms per MiB, reduce-scatter {r_call * 1e3:.2f} ms "
                 f"+ {r_byte * 2**20 * 1e3:.2f} ms per MiB, replicate's all-reduce "
                 f"{a_call * 1e3:.2f} ms + {a_byte * 2**20 * 1e3:.2f} ms per MiB")
+            # context parallelism's collectives in a step, on the same pairs
+            cg_call, cg_byte, cs_call, cs_byte = _measure_cp_overhead(torch, dist, pair,
+                                                                      agreed_mean)
+            overhead.update(cp_gather_call_s=cg_call, cp_gather_byte_s=cg_byte,
+                            cp_scatter_call_s=cs_call, cp_scatter_byte_s=cs_byte)
+            say(f"context-parallel collectives in a step: all-gather {cg_call * 1e3:.2f} ms "
+                f"+ {cg_byte * 2**20 * 1e3:.2f} ms per MiB, reduce-scatter "
+                f"{cs_call * 1e3:.2f} ms + {cs_byte * 2**20 * 1e3:.2f} ms per MiB beyond "
+                "back to back")
 
     if cuda:
         props = torch.cuda.get_device_properties(rank)
@@ -1894,6 +2019,16 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "it, each less the raw collectives of the same bytes, per call and per "
                        "byte from the two widths, the median of "
                        f"{_FSDP_ROUNDS} rounds" if "fsdp_gather_call_s" in worst else "")
+                    + ("; context-parallel collectives in a step: linears then an attention "
+                       "core over keys and values gathered by the runtime's "
+                       "gather_sequence on pairs of ranks, every pair at once, each rank's "
+                       f"clock over {_CP_CALLS} calls, forward and forward + backward, less "
+                       "the same with a local stand-in for the collective, less the raw "
+                       "all-gather and reduce-scatter of the same bytes back to back, per "
+                       "call and per byte gathered from "
+                       + " and ".join(_fmt_bytes(_cp_bytes(b)) for b in _CP_BATCHES)
+                       + f", the medians of {_CP_ROUNDS} rounds"
+                       if "cp_gather_call_s" in worst else "")
                     + ("; the ranks share cores: all but the tensor-parallel figures timed "
                        "each rank free-running, every rank busy, the fastest of a few windows "
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
@@ -2131,7 +2266,12 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
               if d.op_overhead.fsdp_measured else "")
            + (f"; replicate +{d.op_overhead.replicate_call_s * 1e3:.2f} ms + "
               f"{d.op_overhead.replicate_byte_s * 2**20 * 1e3:.2f} ms/MiB an all-reduce"
-              if d.op_overhead.replicate_measured else "")]
+              if d.op_overhead.replicate_measured else "")
+           + (f"; context parallelism in a step +{d.op_overhead.cp_gather_call_s * 1e3:.2f} "
+              f"ms + {d.op_overhead.cp_gather_byte_s * 2**20 * 1e3:.2f} ms/MiB an all-gather, "
+              f"+{d.op_overhead.cp_scatter_call_s * 1e3:.2f} ms + "
+              f"{d.op_overhead.cp_scatter_byte_s * 2**20 * 1e3:.2f} ms/MiB a reduce-scatter"
+              if d.op_overhead.cp_measured else "")]
           if d.op_overhead else []),
     ])
 
