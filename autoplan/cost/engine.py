@@ -1148,10 +1148,11 @@ class CostEngine:
                 # to be scheduled while the node's other ranks compute: what a step pays
                 # beyond the back-to-back time, measured in place on pairs of ranks
                 # (OpOverhead.cp_gather_call_s).  Not where the group holds every rank of
-                # the node: none computes meanwhile (the 18 stored confirm passes priced
-                # the layouts of cp = 4 on 4 ranks 3% fast on average without the
-                # figures, 6% slow with them; those of cp pairs 4-12% fast without them,
-                # 0-3% with them; 2026-11-28)
+                # the node: none computes meanwhile.  (The 18 stored confirm passes of
+                # 2026-11-27/28, re-priced with the figures measured on 2026-11-28
+                # written into their profiles: the layouts of cp = 4 on 4 ranks 4-6% fast
+                # on average without them, 3-10% slow with them; those of cp pairs 4-12%
+                # fast without them, -2% to +5% with them but tp2 cp2 5-8% fast.)
                 gather_waits, scatter_waits = overhead.cp_collectives_s(kv_bytes)
             cp_forward += gather_waits
             cp_backward += scatter_waits

@@ -341,8 +341,11 @@ class OpOverhead(Record):
         (:func:`autoplan.hardware.profiler._measure_cp_overhead`).  2026-11-28, 4
         processes on 2 cores: the pair's all-gather and reduce-scatter together 8-10 ms
         in a step at 512 KiB and 11.3-11.4 ms at 1 MiB, against 4.1 and 5.1 ms back to
-        back.  The cost model adds them to the context-parallel collectives of CPU ranks.
-        0 in GPU profiles and in profiles measured before them.
+        back.  The cost model adds them to the context-parallel collectives of CPU ranks
+        whose group leaves other ranks of the node computing (not to a group of every
+        rank: none computes meanwhile), and on a pipeline whose ranks share cores keeps
+        them off the critical path where the other stages idle.  0 in GPU profiles and in
+        profiles measured before them.
     layer_forward_scale, layer_backward_scale : float or None
         A transformer layer's measured time against the sum of its parts as this profile
         prices them (matmuls by the efficiency table, memory-bound operators by their

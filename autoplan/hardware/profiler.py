@@ -1341,7 +1341,7 @@ def _measure_cp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], 
     On 4 CPU ranks of 2 cores the pairs' all-gather and reduce-scatter together read
     8.3-10.0 ms in a step at 512 KiB and 11.3-11.4 ms at 1 MiB, against 4.1 and 5.1 ms
     back to back (2026-11-28), where the stored confirm passes had priced the layouts
-    with context parallelism in pairs 7-14% fast on average."""
+    with context parallelism in pairs 4-12% fast on average."""
     from ..runtime import cp as cpm
 
     seq, heads, head = _CP_SHAPE
