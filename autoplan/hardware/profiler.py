@@ -1120,6 +1120,20 @@ def _measure_arrival(work: Callable[[], Any], collectives: Sequence[Callable[[],
     return max(0.0, statistics.fmean(extras))
 
 
+def _wall_per_call(fn: Callable[[], Any], calls: int, barrier: Callable[[], None],
+                   agreed_mean: Callable[[float], float]) -> float:
+    """Seconds per call of ``fn`` after a warm-up call and a common start (``barrier``),
+    each rank's clock over ``calls`` calls, the ranks' mean.  Every rank makes the same
+    number of calls, so ``fn`` may run collectives (a window of each rank's own length,
+    :func:`_free_running`, may not)."""
+    fn()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return agreed_mean((time.perf_counter() - t0) / calls)
+
+
 #: The pipeline's host work (:func:`_measure_pipeline_overhead`): micro-batches per step
 #: of the two-stage 1F1B pipeline, steps per timed round, rounds (the median is kept).
 _PIPELINE_MICRO_BATCHES = 8
@@ -1247,12 +1261,7 @@ def _measure_fsdp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float]
     world = dist.get_world_size(pair)
 
     def wall(fn: Callable[[], Any]) -> float:
-        fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(_FSDP_CALLS):
-            fn()
-        return agreed_mean((time.perf_counter() - t0) / _FSDP_CALLS)
+        return _wall_per_call(fn, _FSDP_CALLS, dist.barrier, agreed_mean)
 
     def extras(width: int) -> tuple[float, float, float, float]:
         """(unit bytes, gather extra per call, reduce extra per call, replicate extra per
@@ -1366,12 +1375,7 @@ def _measure_cp_overhead(torch, dist, pair: Any, agreed_mean: Callable[[float], 
             return out
 
     def wall(fn: Callable[[], Any], calls: int = _CP_CALLS) -> float:
-        fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return agreed_mean((time.perf_counter() - t0) / calls)
+        return _wall_per_call(fn, calls, dist.barrier, agreed_mean)
 
     def extras(batch: int) -> tuple[float, float, float]:
         """(bytes gathered, all-gather extra, reduce-scatter extra) at ``batch``."""
