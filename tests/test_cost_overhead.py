@@ -873,15 +873,14 @@ def test_a_shared_core_pipelines_collective_waits_do_not_speed_up(graph):
         assert e.breakdown["bubble_s"] + per_mb[crit] == pytest.approx(expected, rel=1e-9)
 
 
-
 def _cp_waits(graph, s: Strategy, **cluster) -> tuple:
     """(without the figures, with them, one block's waits per micro-batch, the bytes of
     keys and values it gathers) for ``s``."""
+    from autoplan.cost.api import engine_for
     base = estimate(graph, _with(OVERHEAD, **cluster), s, calibration=None,
                     options=NO_AUTOCAST)
     host = estimate(graph, _with({**OVERHEAD, **CP_WAITS}, **cluster), s, calibration=None,
                     options=NO_AUTOCAST)
-    from autoplan.cost.api import engine_for
     summary = summarize(graph)
     scale = engine_for(graph, _with(OVERHEAD, **cluster), options=NO_AUTOCAST,
                        calibration=None).precision_costs(s.precision).activation_scale
