@@ -868,7 +868,7 @@ class CostEngine:
         """``concurrent_groups`` for data-parallel collectives (see ``dp_nic_per_device``)."""
         if not self.options.dp_nic_per_device:
             return None
-        return self.cluster.profile_of(group[0]).node.devices_per_node
+        return self._node_devices(group[0])
 
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, lay: Layout, full: bool):
