@@ -1290,6 +1290,10 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
 #: How a CPU profile's source states the reference timing its layer scales came from
 #: (:mod:`autoplan.hardware.profiler`: "... timed whole (X ms forward, Y ms backward").
 _REFERENCE_TIMING = re.compile(r"timed whole \(([\d.]+) ms forward, ([\d.]+) ms backward")
+#: and, since 2026-11-28, the same at a micro-batch of one ("; and on 1 x 128 tokens timed
+#: whole (X ms forward, Y ms backward)"), which gives the host scales
+_SMALL_TIMING = re.compile(r"and on \d+ x \d+ tokens timed whole \(([\d.]+) ms forward, "
+                           r"([\d.]+) ms backward")
 
 
 def _rescaled(cluster):
@@ -1308,13 +1312,18 @@ def _rescaled(cluster):
     overhead = profile.device.op_overhead
     if overhead is None or overhead.layer_forward_scale is None:
         return cluster, None
-    timing = _REFERENCE_TIMING.search(" ".join(overhead.source.split()))
+    source = " ".join(overhead.source.split())
+    timing = _REFERENCE_TIMING.search(source)
     if timing is None:
         return cluster, None
-    fwd, bwd, _ = _reference_scales(profile.device, (float(timing.group(1)) / 1e3,
-                                                     float(timing.group(2)) / 1e3))
+    small = _SMALL_TIMING.search(source)
+    fwd, bwd, _, host = _reference_scales(
+        profile.device, tuple(float(t) / 1e3 for t in timing.groups()
+                              + (small.groups() if small else ())))
     device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
-        overhead, layer_forward_scale=fwd, layer_backward_scale=bwd))
+        overhead, layer_forward_scale=fwd, layer_backward_scale=bwd,
+        host_forward_scale=host[0] if host else None,
+        host_backward_scale=host[1] if host else None))
     # as load_cluster makes the cluster of a node profile
     rescaled = compose_cluster([NodeGroup(dataclasses.replace(profile, device=device),
                                           len(cluster.nodes))], name=cluster.name)

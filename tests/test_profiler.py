@@ -188,8 +188,8 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
                               devices_per_node=2, quick=True, copy_bytes=2**20)
     assert plain.device.op_overhead.layer_forward_scale is None
-    _, _, (fwd, bwd) = _reference_scales(plain.device, (1.0, 1.0))
-    assert fwd > 0 and bwd > 0
+    _, _, (fwd, bwd), host = _reference_scales(plain.device, (1.0, 1.0))
+    assert fwd > 0 and bwd > 0 and host is None
     for i, r in enumerate(measured["ranks"]):
         r["reference"] = [1.3 * fwd * (1 - 0.1 * i), 0.9 * bwd * (1 - 0.1 * i)]
     scaled, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
@@ -202,6 +202,61 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     assert o.selective_byte_s == 0.0 and "selective recompute per" not in o.source
     with pytest.raises(ProfilingFailed, match="no layer scale"):
         _reference_scales(plain.device, (0.0, 1.0))
+
+
+def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arithmetic():
+    """Timed at micro-batches 4 and 1, the reference blocks' price splits into host work
+    (the same at both) and the rest: made-up timings of 1.1x the rest plus 2x the host work
+    (forward) and 0.9x plus 2.5x (backward) give those four figures back, in the YAML and
+    the summary; a layer then prices its host work at its own scale.  Timings whose split
+    is not positive (the small micro-batch as slow as the large) fall back to one scale."""
+    from dataclasses import replace
+
+    from autoplan.hardware.profiler import (_REFERENCE_SMALL_BATCH, _reference_engine,
+                                            _reference_scales, _reference_stack, _summary)
+    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
+                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
+                "backward_node_s": 8e-6}
+    measured = synthetic_measurements(overhead=[overhead] * 2)
+    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    engine = _reference_engine(plain.device)
+    host = engine.model_host_s()
+    large, small = engine.model_compute_s(4), engine.model_compute_s(_REFERENCE_SMALL_BATCH)
+    assert host[0] > 0 and host[1] > 0 and small[0] < large[0]
+
+    def timing(priced, arithmetic, host_scale, i):
+        return arithmetic * (priced[i] - host[i]) + host_scale * host[i]
+
+    for r in measured["ranks"]:
+        r["reference"] = [timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1), 0.0,
+                          timing(small, 1.1, 2.0, 0), timing(small, 0.9, 2.5, 1)]
+    profile, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                                devices_per_node=2, quick=True, copy_bytes=2**20)
+    o = profile.device.op_overhead
+    assert (o.layer_forward_scale, o.layer_backward_scale) == (pytest.approx(1.1),
+                                                              pytest.approx(0.9))
+    assert (o.host_forward_scale, o.host_backward_scale) == (pytest.approx(2.0),
+                                                            pytest.approx(2.5))
+    assert "on 1 x 128 tokens timed whole" in o.source
+    assert "host work x2.00, x2.50" in _summary(profile, Path("p.yaml"), 1.0)
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    # the cost model prices the reference as measured at both micro-batches
+    import torch
+    from autoplan.capture import trace
+    from autoplan.cost.engine import CostEngine
+    stack, x = _reference_stack(torch)
+    graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum())
+    cluster = compose_cluster([NodeGroup(replace(engine.cluster.profile_of(0),
+                                                 device=profile.device), 1)])
+    priced = CostEngine(graph, cluster, calibration=None)
+    for b, price in ((4, large), (_REFERENCE_SMALL_BATCH, small)):
+        assert priced.model_compute_s(b) == (
+            pytest.approx(timing(price, 1.1, 2.0, 0)), pytest.approx(timing(price, 0.9, 2.5, 1)))
+    # no positive split: the large micro-batch's ratio scales both, no host scales
+    fwd, bwd, _, split = _reference_scales(plain.device, (large[0], large[1], 4 * large[0],
+                                                          4 * large[1]), engine)
+    assert split is None and (fwd, bwd) == (pytest.approx(1.0), pytest.approx(1.0))
 
 
 def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byte():
@@ -224,7 +279,7 @@ def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byt
     nbytes = sum(engine.activation_bytes(l, 1, False, Recompute.NONE, 1)
                  for l in blocks) * _REFERENCE_SHAPE[0] * 4 / engine.summary.activation_bytes
     assert ops > 0 and nbytes > 0
-    _, _, (fwd, bwd) = _reference_scales(plain.device, (1.0, 1.0), engine)
+    _, _, (fwd, bwd), _ = _reference_scales(plain.device, (1.0, 1.0), engine)
     extra = ops * 100e-6 + 2e-9 * nbytes
     for i, r in enumerate(measured["ranks"]):
         r["reference"] = [fwd, bwd, extra * (1 - 0.2 * i)]

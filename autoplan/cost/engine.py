@@ -646,6 +646,24 @@ class CostEngine:
             bwd += count * t.backward_s
         return fwd, bwd
 
+    def model_host_s(self) -> tuple[float, float]:
+        """The host seconds of the whole model's forward and backward on the first device
+        of the cluster (a CPU's ``OpOverhead`` per dispatched operator and autograd node,
+        unscaled; whatever the micro-batch), which :meth:`model_compute_s` includes; 0 on
+        a device without them or whose host runs ahead (GPUs)."""
+        device = self.device_of((0,))
+        overhead = device.op_overhead
+        if overhead is None or host_runs_ahead(device):
+            return 0.0, 0.0
+        fwd = bwd = 0.0
+        for template, count in self.layer_counts(0, len(self.summary.layers)):
+            host_fwd, host_bwd = _host_s(overhead, self._templates[template],
+                                         self.summary.op_counts[template][0],
+                                         self._host_counted)
+            fwd += count * host_fwd
+            bwd += count * host_bwd
+        return fwd, bwd
+
     def device_of(self, devices: tuple[int, ...]):
         """The :class:`~autoplan.hardware.DeviceType` that prices work spread over
         ``devices``: the slowest among them (lowest bf16-or-best peak, then least memory)."""
@@ -816,11 +834,17 @@ class CostEngine:
             bwd += host_bwd
             if overhead.layer_forward_scale is not None:
                 # the layer whole against its parts as priced, measured on a reference
-                # stack of blocks (OpOverhead.layer_forward_scale)
+                # stack of blocks at two micro-batches: the arithmetic by the layer scales,
+                # the host work by its own where measured (OpOverhead.host_forward_scale)
                 scale_fwd, scale_bwd = overhead.layer_forward_scale, overhead.layer_backward_scale
                 assert scale_bwd is not None
-                fwd, core, bwd, wgrad = (fwd * scale_fwd, core * scale_fwd, bwd * scale_bwd,
-                                         wgrad * scale_bwd)
+                host_scale_fwd, host_scale_bwd = (
+                    (overhead.host_forward_scale, overhead.host_backward_scale)
+                    if overhead.host_forward_scale is not None else (scale_fwd, scale_bwd))
+                assert host_scale_bwd is not None
+                fwd = (fwd - host_fwd) * scale_fwd + host_fwd * host_scale_fwd
+                bwd = (bwd - host_bwd) * scale_bwd + host_bwd * host_scale_bwd
+                core, wgrad = core * scale_fwd, wgrad * scale_bwd
             if tp > 1:
                 # a column linear sharing its region's input pays its own matmul's DTensor
                 # work, not the region's wrapping and gradient reduction (OpOverhead)

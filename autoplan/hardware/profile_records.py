@@ -359,8 +359,23 @@ class OpOverhead(Record):
         processes of 2 cores the reference read 1.12-1.25 forward and 0.96-1.09 backward in
         four profiles and runs, the confirm models' blocks 1.1-1.3 forward; on 2 processes
         with cores of their own 1.04 and 0.96).  The cost model multiplies each layer's
-        compute and host time by them where the host is the device (CPUs).  ``None``
-        where not measured (GPU profiles, profiles measured before them): no scaling.
+        compute by them where the host is the device (CPUs), and its host time too where
+        the profile has no ``host_forward_scale``.  ``None`` where not measured (GPU
+        profiles, profiles measured before them): no scaling.
+    host_forward_scale, host_backward_scale : float or None
+        A transformer layer's host work (``forward_dispatch_s`` per dispatched operator,
+        ``backward_node_s`` per autograd node) at a model's width against the same
+        figures measured on tiny blocks, forward and backward: the reference stack timed
+        at two micro-batches (1 and 4 sequences), the host work being the same at both and
+        the arithmetic four times, gives the layer scales (what grows with the micro-batch)
+        and these (what does not).  An operator on real tensors costs the host more than on
+        tiny ones (allocation and kernel set-up grow with the operands), which a small
+        micro-batch pays per sequence four times over (2026-11-28, 4 processes on 2 cores
+        of an AMD EPYC: the confirm models' blocks at one sequence a micro-batch measured
+        16-21% more per sequence than at four, priced 9-15% more with the layer scales on
+        host and arithmetic alike; the reference read x1.8-2.0 forward and x2.3-2.6
+        backward).  ``None`` where not measured (GPU profiles, profiles measured before
+        them): the host time is scaled as the arithmetic.
     source : str
         How the figures were measured.
     """
@@ -396,6 +411,8 @@ class OpOverhead(Record):
     tp_shared_linear_backward_s: float | None = None
     layer_forward_scale: float | None = None
     layer_backward_scale: float | None = None
+    host_forward_scale: float | None = None
+    host_backward_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "tp_linear_forward_s", "tp_linear_backward_s",
@@ -415,7 +432,9 @@ class OpOverhead(Record):
                 (("tp_shared_linear_forward_s", "tp_shared_linear_backward_s"),
                  _finite_nonnegative, "seconds >= 0", "shared-linear figures"),
                 (("layer_forward_scale", "layer_backward_scale"),
-                 _finite_positive, "a ratio > 0", "layer scales")):
+                 _finite_positive, "a ratio > 0", "layer scales"),
+                (("host_forward_scale", "host_backward_scale"),
+                 _finite_positive, "a ratio > 0", "host scales")):
             values = [getattr(self, name) for name in names]
             for name, value in zip(names, values):
                 _require(value is None or check(value), name,

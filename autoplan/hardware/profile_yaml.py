@@ -330,7 +330,11 @@ def _parse_op_overhead(sec: _Section) -> OpOverhead:
             values[f"{key}_s"] = sec.quantity(key, _LATENCY, what, _nonnegative, ">= 0")
     for key, what in (("layer_forward_scale", "a layer's measured forward over its parts' sum"),
                       ("layer_backward_scale", "a layer's measured backward over its parts' "
-                                               "sum")):
+                                               "sum"),
+                      ("host_forward_scale", "a layer's host work in the forward over the "
+                                             "tiny blocks' figures"),
+                      ("host_backward_scale", "a layer's host work in the backward over the "
+                                              "tiny blocks' figures")):
         value = sec.number(key, what, _positive, "> 0", required=False)
         if value is not None:
             values[key] = value
@@ -583,6 +587,9 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
                                  **({"layer_forward_scale": o.layer_forward_scale,
                                      "layer_backward_scale": o.layer_backward_scale}
                                     if o.layer_forward_scale is not None else {}),
+                                 **({"host_forward_scale": o.host_forward_scale,
+                                     "host_backward_scale": o.host_backward_scale}
+                                    if o.host_forward_scale is not None else {}),
                                  "source": o.source}
     node: dict[str, Any] = {
         "devices_per_node": n.devices_per_node, "topology": n.topology.value,

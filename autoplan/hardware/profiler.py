@@ -310,6 +310,10 @@ _OVERHEAD_BLOCKS = 4
 #: width, ``(micro-batch, sequence, width)`` inputs.
 _REFERENCE_SHAPE = (4, 128, 256)
 _REFERENCE_BLOCKS = 2
+#: The micro-batch the reference stack is timed at besides ``_REFERENCE_SHAPE``'s: the
+#: host work is the same at both and the arithmetic four times, which separates the two
+#: (``OpOverhead.host_forward_scale``)
+_REFERENCE_SMALL_BATCH = 1
 #: Seconds each of its timings takes at least (windows of ~100 ms calls): its selective
 #: checkpoint's extra is the difference of two of them, ~25% of either; at the quick
 #: profile's 0.45 s (three windows of four calls) three profiles read 20-30 ms for it
@@ -325,37 +329,42 @@ def _reference_stack(torch) -> tuple[Any, Any]:
 
 
 def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
-                              ) -> tuple[float, float, float]:
+                              ) -> tuple[float, float, float, float, float]:
     """Seconds of the forward and of the backward (forward + backward less the forward) of
     the reference stack (:func:`_reference_stack`; ``timed(fn)`` is seconds per call), the
-    gradients dropped before each call as a step's first micro-batch finds them; and the
+    gradients dropped before each call as a step's first micro-batch finds them; the
     seconds its forward + backward takes more with each block wrapped as
     :func:`autoplan.parallelize` wraps a block under selective recompute, with an empty
     attention core (nothing recomputed: the checkpoint's own cost, as
-    ``OpOverhead.selective_byte_s`` prices it beyond its per-operator figure)."""
+    ``OpOverhead.selective_byte_s`` prices it beyond its per-operator figure); and the
+    forward and backward again at a micro-batch of :data:`_REFERENCE_SMALL_BATCH`."""
     from ..graph import AttentionCore
     from ..runtime.ac import apply_ac
     from ..strategy import Recompute
 
     stack, x = _reference_stack(torch)
     x.requires_grad_(True)
+    small = x[:_REFERENCE_SMALL_BATCH].detach().clone().requires_grad_(True)
     nothing = AttentionCore(nodes=(), ops=(), calls={})
     selective = torch.nn.Sequential(*(apply_ac(block, Recompute.SELECTIVE, core=nothing)
                                       for block in _reference_stack(torch)[0]))
 
-    def forward():
-        return stack(x).sum()
+    def forward(inputs) -> Callable[[], Any]:
+        return lambda: stack(inputs).sum()
 
-    def both(model) -> Callable[[], None]:
+    def both(model, inputs) -> Callable[[], None]:
         def run() -> None:
             model.zero_grad(set_to_none=True)
-            x.grad = None
-            model(x).sum().backward()
+            inputs.grad = None
+            model(inputs).sum().backward()
         return run
 
-    fwd = timed(forward)
-    whole = timed(both(stack))
-    return fwd, max(0.0, whole - fwd), max(0.0, timed(both(selective)) - whole)
+    fwd = timed(forward(x))
+    whole = timed(both(stack, x))
+    extra = max(0.0, timed(both(selective, x)) - whole)
+    fwd_small = timed(forward(small))
+    return (fwd, max(0.0, whole - fwd), extra, fwd_small,
+            max(0.0, timed(both(stack, small)) - fwd_small))
 
 
 def _reference_engine(device: DeviceType):
@@ -372,31 +381,60 @@ def _reference_engine(device: DeviceType):
                   title="reference blocks")
     plain = device if device.op_overhead is None else replace(
         device, op_overhead=replace(device.op_overhead, layer_forward_scale=None,
-                                    layer_backward_scale=None))
+                                    layer_backward_scale=None, host_forward_scale=None,
+                                    host_backward_scale=None))
     profile = Profile(name="reference", description="the reference blocks' device",
                       device=plain, node=_one_device_node(plain.memory_bw_bytes_per_s,
                                                           "reference", False), network=None)
     return CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
 
 
-def _reference_scales(device: DeviceType, measured: tuple[float, float], engine=None
-                      ) -> tuple[float, float, tuple[float, float]]:
-    """``(forward scale, backward scale, (priced forward, priced backward))``: the reference
-    stack's measured seconds (:func:`_measure_reference_layers`) over the cost model's price
-    for it on ``device`` (one device, fp32, without the scales; ``engine``: its
-    :func:`_reference_engine`, made here if not given), as
-    ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``.
+def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=None
+                      ) -> tuple[float, float, tuple[float, float],
+                                 tuple[float, float] | None]:
+    """``(forward scale, backward scale, (priced forward, priced backward), host scales)``
+    from the reference stack's measured seconds (:func:`_measure_reference_layers`:
+    forward and backward at ``_REFERENCE_SHAPE``, then optionally at
+    :data:`_REFERENCE_SMALL_BATCH`) and the cost model's price for it on ``device`` (one
+    device, fp32, without the scales; ``engine``: its :func:`_reference_engine`, made here
+    if not given).
+
+    With one micro-batch: its measured seconds over its price, as
+    ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale`` (they then scale the host
+    work too), and no host scales.  With two, per direction, the price splits into host
+    work ``H`` (:meth:`~autoplan.cost.engine.CostEngine.model_host_s`, the same at both)
+    and the rest ``A(b)``, and ``measured(b) = s A(b) + h H`` at both gives the layer scale
+    ``s`` and the host scale ``h`` (``OpOverhead.host_forward_scale``); where either comes
+    out <= 0 (the two micro-batches measured too close for the split, or no host work
+    priced) the larger micro-batch's ratio scales both, as with one, and host scales are
+    ``None``.
 
     Raises
     ------
     ProfilingFailed
         When either price or measurement is not a positive time."""
     engine = engine or _reference_engine(device)
-    fwd, bwd = engine.model_compute_s(_REFERENCE_SHAPE[0])
-    if not (fwd > 0 and bwd > 0 and measured[0] > 0 and measured[1] > 0):
-        raise ProfilingFailed(f"the reference blocks priced {fwd!r} + {bwd!r} s and measured "
-                              f"{measured[0]!r} + {measured[1]!r} s: no layer scale from them")
-    return measured[0] / fwd, measured[1] / bwd, (fwd, bwd)
+    priced = engine.model_compute_s(_REFERENCE_SHAPE[0])
+    if not (all(p > 0 for p in priced) and len(measured) in (2, 4)
+            and all(m > 0 for m in measured)):
+        raise ProfilingFailed(f"the reference blocks priced {priced[0]!r} + {priced[1]!r} s and "
+                              f"measured {', '.join(map(repr, measured))} s: no layer scale "
+                              "from them")
+    whole = (measured[0] / priced[0], measured[1] / priced[1])
+    if len(measured) == 2:
+        return whole[0], whole[1], priced, None
+    small = engine.model_compute_s(_REFERENCE_SMALL_BATCH)
+    host = engine.model_host_s()
+    split = []
+    for i in (0, 1):
+        arithmetic = ((measured[i] - measured[2 + i]) / (priced[i] - small[i])
+                      if priced[i] > small[i] else 0.0)
+        host_scale = ((measured[i] - arithmetic * (priced[i] - host[i])) / host[i]
+                      if host[i] > 0 else 0.0)
+        split.append((arithmetic, host_scale))
+    if not all(a > 0 and h > 0 for a, h in split):
+        return whole[0], whole[1], priced, None
+    return split[0][0], split[1][0], priced, (split[0][1], split[1][1])
 
 
 def _reference_selective_byte_s(device: DeviceType, extra_s: float, engine=None
@@ -1620,7 +1658,9 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                                     local=True))
         say(f"reference blocks {'x'.join(map(str, _REFERENCE_SHAPE))}: "
             f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward, "
-            f"{reference[2] * 1e3:.2f} ms more under selective checkpoints")
+            f"{reference[2] * 1e3:.2f} ms more under selective checkpoints; at micro-batch "
+            f"{_REFERENCE_SMALL_BATCH}: {reference[3] * 1e3:.2f} ms forward, "
+            f"{reference[4] * 1e3:.2f} ms backward")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -2053,8 +2093,10 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         # the slowest rank's reference blocks against their price from the figures above
         assert op_overhead is not None
         engine = _reference_engine(device)
-        scale_fwd, scale_bwd, priced = _reference_scales(device, (reference[0], reference[1]),
-                                                         engine)
+        # measurements taken before the small micro-batch have three figures
+        two = len(reference) > 4
+        scale_fwd, scale_bwd, priced, host = _reference_scales(
+            device, tuple(reference[:2]) + (tuple(reference[3:5]) if two else ()), engine)
         b, seq, width = _REFERENCE_SHAPE
         selective = ""
         if len(reference) > 2:      # measurements taken before it have two figures
@@ -2065,8 +2107,22 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                          f"{reference[2] * 1e3:.2f} ms more forward + backward, less "
                          f"{ops_s * 1e3:.2f} ms for their operators at the per-operator figure, "
                          f"over the {nbytes / 2**20:.1f} MiB they save without recompute")
+        if host is not None:
+            split = (f"; and on {_REFERENCE_SMALL_BATCH} x {seq} tokens timed whole "
+                     f"({reference[3] * 1e3:.2f} ms forward, {reference[4] * 1e3:.2f} ms "
+                     f"backward): the price's host work, the same at both, and the rest, fitted "
+                     f"to both: layers x{scale_fwd:.3f} forward, x{scale_bwd:.3f} backward, "
+                     f"their host work x{host[0]:.3f}, x{host[1]:.3f}")
+        elif two:
+            split = (f"; on {_REFERENCE_SMALL_BATCH} x {seq} tokens ({reference[3] * 1e3:.2f} "
+                     f"ms forward, {reference[4] * 1e3:.2f} ms backward) no positive split of "
+                     "host work and arithmetic: the larger micro-batch's ratio scales both")
+        else:
+            split = ""
         op_overhead = replace(
             op_overhead, layer_forward_scale=scale_fwd, layer_backward_scale=scale_bwd,
+            host_forward_scale=host[0] if host else None,
+            host_backward_scale=host[1] if host else None,
             source=op_overhead.source + (
                 f"; layer scales: {_REFERENCE_BLOCKS} such blocks at width {width} on "
                 f"{b} x {seq} tokens timed whole ({reference[0] * 1e3:.2f} ms forward, "
@@ -2074,7 +2130,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                 + (", each rank free-running, every rank busy" if raw.get("shares_cores")
                    else "")
                 + f") over the cost model's price for them from this profile's other figures "
-                f"({priced[0] * 1e3:.2f} + {priced[1] * 1e3:.2f} ms)" + selective))
+                f"({priced[0] * 1e3:.2f} + {priced[1] * 1e3:.2f} ms){split}" + selective))
         device = replace(device, op_overhead=op_overhead)
 
     backend = "NCCL" if cuda else "gloo"
@@ -2261,6 +2317,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
               f"x{d.op_overhead.layer_backward_scale:.2f} backward their parts' sum"
               if d.op_overhead.layer_forward_scale is not None
               and d.op_overhead.layer_backward_scale is not None else "")
+           + (f", their host work x{d.op_overhead.host_forward_scale:.2f}, "
+              f"x{d.op_overhead.host_backward_scale:.2f}"
+              if d.op_overhead.host_forward_scale is not None
+              and d.op_overhead.host_backward_scale is not None else "")
            + (f"; selective recompute +{d.op_overhead.selective_byte_s * 1e9:.2f} ns per "
               "activation byte" if d.op_overhead.selective_byte_s else "")
            + (f"; FSDP2 +{d.op_overhead.fsdp_gather_call_s * 1e3:.2f} ms + "
