@@ -1301,9 +1301,10 @@ def _rescaled(cluster):
     (``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``: the reference blocks
     timed whole over their price from the profile's other figures) re-derived with this
     code's price from the reference timing its source states, as a profile measured now
-    would have them; ``scales`` ``((stored forward, backward), (re-derived ...))``, or the
-    cluster as it is and ``None`` when the profile has no layer scales or states no
-    timing."""
+    would have them (with the host scales, ``OpOverhead.host_forward_scale``, where its
+    source states the timing at a micro-batch of one too); ``scales`` ``((stored forward,
+    backward), (re-derived ...), re-derived host scales or None)``, or the cluster as it is
+    and ``None`` when the profile has no layer scales or states no timing."""
     import dataclasses
 
     from autoplan.hardware import NodeGroup, compose_cluster
@@ -1327,7 +1328,8 @@ def _rescaled(cluster):
     # as load_cluster makes the cluster of a node profile
     rescaled = compose_cluster([NodeGroup(dataclasses.replace(profile, device=device),
                                           len(cluster.nodes))], name=cluster.name)
-    return rescaled, ((overhead.layer_forward_scale, overhead.layer_backward_scale), (fwd, bwd))
+    return rescaled, ((overhead.layer_forward_scale, overhead.layer_backward_scale), (fwd, bwd),
+                      host)
 
 
 def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
@@ -1352,9 +1354,10 @@ def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
               f"this code ({'; '.join(parts) or 'no measured rows'})"
               + (f"; {unpriced} no longer ranked by the search" if unpriced else ""))
         if res["scales"] is not None:
-            (f0, b0), (f1, b1) = res["scales"]
+            (f0, b0), (f1, b1), host = res["scales"]
             print(f"    layer scales re-derived from its reference timing: x{f0:.3f} forward, "
-                  f"x{b0:.3f} backward as stored -> x{f1:.3f}, x{b1:.3f}")
+                  f"x{b0:.3f} backward as stored -> x{f1:.3f}, x{b1:.3f}"
+                  + (f"; host work x{host[0]:.3f}, x{host[1]:.3f}" if host else ""))
         for r in sorted(priced, key=lambda r: r["error"]):
             if abs(r["error"]) > TIME_TARGET:
                 print(f"    miss: {r['model']} {r['label']} {r['error']:+.1%}")

@@ -436,9 +436,11 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     re-deriving them again changes nothing.  A profile without them is used as it is."""
     from autoplan import load_cluster
     from autoplan.hardware.profiler import _REFERENCE_SHAPE, _reference_engine
-    path = sorted((REPO / "benchmarks" / "confirm_passes").glob("*/profile.yaml"))[-1]
+    path = [p for p in sorted((REPO / "benchmarks" / "confirm_passes").glob("*/profile.yaml"))
+            if lt._SMALL_TIMING.search(" ".join(p.read_text().split())) is None][-1]
     cluster, scales = lt._rescaled(load_cluster(str(path)))
-    (f0, b0), (f1, b1) = scales
+    (f0, b0), (f1, b1), host = scales
+    assert host is None     # no timing at a micro-batch of one: one scale for both
     overhead = load_cluster(str(path)).profile_of(0).device.op_overhead
     assert (f0, b0) == (overhead.layer_forward_scale, overhead.layer_backward_scale)
     timing = lt._REFERENCE_TIMING.search(" ".join(overhead.source.split()))
@@ -450,5 +452,21 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
             device.op_overhead.layer_backward_scale) == (f1, b1)
     _, again = lt._rescaled(cluster)
     assert again[1] == pytest.approx((f1, b1), rel=1e-12)
+    # a source that states the micro-batch of one too: host scales, re-derived alike
+    split = lt._rescaled(load_cluster(str(path)))[0]
+    source = (overhead.source + "; and on 1 x 128 tokens timed whole "
+              f"({float(timing.group(1)) * 0.31:.2f} ms forward, "
+              f"{float(timing.group(2)) * 0.29:.2f} ms backward)")
+    import dataclasses
+
+    from autoplan.hardware import NodeGroup, compose_cluster
+    profile = split.profile_of(0)
+    stated = compose_cluster([NodeGroup(dataclasses.replace(profile, device=dataclasses.replace(
+        profile.device, op_overhead=dataclasses.replace(profile.device.op_overhead,
+                                                        source=source))), 1)])
+    rescaled, (_, (f2, b2), host) = lt._rescaled(stated)
+    assert host is not None and host[0] > 0 and host[1] > 0 and (f2, b2) != (f1, b1)
+    assert rescaled.profile_of(0).device.op_overhead.host_forward_scale == host[0]
+    assert lt._rescaled(rescaled)[1][2] == pytest.approx(host, rel=1e-12)
     plain = load_cluster(str(profile4))      # a GPU profile: no layer scales
     assert lt._rescaled(plain) == (plain, None)

@@ -175,18 +175,25 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert plain.device.op_overhead is None
 
 
+def _cpu_reference_profile(**figures: float):
+    """``(measured, profile)``: synthetic two-rank CPU measurements with a host overhead
+    (``figures`` added to it) and the profile built from them, without layer scales."""
+    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
+                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
+                "backward_node_s": 8e-6, **figures}
+    measured = synthetic_measurements(overhead=[overhead] * 2)
+    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    return measured, plain
+
+
 def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     """The layer scales are the reference blocks' measured forward and backward over the
     cost model's price for them from the profile's own figures: made-up measurements at
     1.3 and 0.9 times that price give scales 1.3 and 0.9, the slowest rank's deciding;
     a profile whose ranks did not time them has none."""
     from autoplan.hardware.profiler import _reference_scales
-    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
-                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
-                "backward_node_s": 8e-6}
-    measured = synthetic_measurements(overhead=[overhead] * 2)
-    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    measured, plain = _cpu_reference_profile()
     assert plain.device.op_overhead.layer_forward_scale is None
     _, _, (fwd, bwd), host = _reference_scales(plain.device, (1.0, 1.0))
     assert fwd > 0 and bwd > 0 and host is None
@@ -214,12 +221,7 @@ def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arit
 
     from autoplan.hardware.profiler import (_REFERENCE_SMALL_BATCH, _reference_engine,
                                             _reference_scales, _reference_stack, _summary)
-    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
-                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
-                "backward_node_s": 8e-6}
-    measured = synthetic_measurements(overhead=[overhead] * 2)
-    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    measured, plain = _cpu_reference_profile()
     engine = _reference_engine(plain.device)
     host = engine.model_host_s()
     large, small = engine.model_compute_s(4), engine.model_compute_s(_REFERENCE_SMALL_BATCH)
@@ -267,12 +269,7 @@ def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byt
     from autoplan.hardware.profiler import (_REFERENCE_SHAPE, _reference_engine,
                                             _reference_selective_byte_s, _reference_scales)
     from autoplan.strategy import Recompute
-    overhead = {"forward_s": 10e-6, "backward_s": 30e-6, "tp_linear_forward_s": 0.0,
-                "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
-                "backward_node_s": 8e-6, "selective_dispatch_s": 100e-6}
-    measured = synthetic_measurements(overhead=[overhead] * 2)
-    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    measured, plain = _cpu_reference_profile(selective_dispatch_s=100e-6)
     engine = _reference_engine(plain.device)
     blocks = [l for l in engine.summary.layers if l.is_block]
     ops = sum(l.dispatched_ops for l in blocks)

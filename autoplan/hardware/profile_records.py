@@ -371,11 +371,12 @@ class OpOverhead(Record):
         and these (what does not).  An operator on real tensors costs the host more than on
         tiny ones (allocation and kernel set-up grow with the operands), which a small
         micro-batch pays per sequence four times over (2026-11-28, 4 processes on 2 cores
-        of an AMD EPYC: the confirm models' blocks at one sequence a micro-batch measured
-        16-21% more per sequence than at four, priced 9-15% more with the layer scales on
-        host and arithmetic alike; the reference read x1.8-2.0 forward and x2.3-2.6
-        backward).  ``None`` where not measured (GPU profiles, profiles measured before
-        them): the host time is scaled as the arithmetic.
+        of an AMD EPYC: the confirm models at one sequence a micro-batch measured 25-37%
+        more per sequence than at four in the forward and 16-21% in the backward, priced
+        15-28% and 9-15% with the layer scales on host and arithmetic alike; the
+        reference read x1.8-2.0 forward and x2.3-2.6 backward).  ``None`` where not
+        measured (GPU profiles, profiles measured before them): the host time is scaled
+        as the arithmetic.
     source : str
         How the figures were measured.
     """
