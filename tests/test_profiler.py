@@ -259,6 +259,8 @@ def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arit
     fwd, bwd, _, split = _reference_scales(plain.device, (large[0], large[1], 4 * large[0],
                                                           4 * large[1]), engine)
     assert split is None and (fwd, bwd) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert _reference_scales(plain.device, (large[0], large[1], 0.0, small[1]),
+                             engine)[3] is None
 
 
 def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byte():

@@ -368,9 +368,10 @@ class OpOverhead(Record):
         figures measured on tiny blocks, forward and backward: the reference stack timed
         at two micro-batches (1 and 4 sequences), the host work being the same at both and
         the arithmetic four times, gives the layer scales (what grows with the micro-batch)
-        and these (what does not).  An operator on real tensors costs the host more than on
-        tiny ones (allocation and kernel set-up grow with the operands), which a small
-        micro-batch pays per sequence four times over (2026-11-28, 4 processes on 2 cores
+        and these (what does not).  An operator on real tensors costs more, beyond its
+        arithmetic, than on tiny ones (its output's allocation and its kernel's set-up
+        grow with the operands; not separated here), which a small micro-batch pays per
+        sequence four times over (2026-11-28, 4 processes on 2 cores
         of an AMD EPYC: the confirm models at one sequence a micro-batch measured 25-37%
         more per sequence than at four in the forward and 16-21% in the backward, priced
         15-28% and 9-15% with the layer scales on host and arithmetic alike; the

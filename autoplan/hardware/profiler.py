@@ -406,8 +406,8 @@ def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=No
     and the rest ``A(b)``, and ``measured(b) = s A(b) + h H`` at both gives the layer scale
     ``s`` and the host scale ``h`` (``OpOverhead.host_forward_scale``); where either comes
     out <= 0 (the two micro-batches measured too close for the split, or no host work
-    priced) the larger micro-batch's ratio scales both, as with one, and host scales are
-    ``None``.
+    priced) or the small micro-batch's timing is not positive, the larger micro-batch's
+    ratio scales both, as with one, and host scales are ``None``.
 
     Raises
     ------
@@ -416,12 +416,12 @@ def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=No
     engine = engine or _reference_engine(device)
     priced = engine.model_compute_s(_REFERENCE_SHAPE[0])
     if not (all(p > 0 for p in priced) and len(measured) in (2, 4)
-            and all(m > 0 for m in measured)):
+            and measured[0] > 0 and measured[1] > 0):
         raise ProfilingFailed(f"the reference blocks priced {priced[0]!r} + {priced[1]!r} s and "
                               f"measured {', '.join(map(repr, measured))} s: no layer scale "
                               "from them")
     whole = (measured[0] / priced[0], measured[1] / priced[1])
-    if len(measured) == 2:
+    if len(measured) == 2 or not (measured[2] > 0 and measured[3] > 0):
         return whole[0], whole[1], priced, None
     small = engine.model_compute_s(_REFERENCE_SMALL_BATCH)
     host = engine.model_host_s()
