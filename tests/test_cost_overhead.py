@@ -621,6 +621,43 @@ def test_layer_scales_multiply_a_layers_parts(graph, tp):
     assert scaled.core_forward_s == pytest.approx(1.2 * plain.core_forward_s, rel=1e-12)
 
 
+HOST_SCALES = {"host_forward_scale": 2.0, "host_backward_scale": 2.5}
+
+
+def test_host_scales_multiply_a_layers_host_work_apart(graph):
+    """With host scales (the reference blocks timed at two micro-batches), a layer's host
+    work is multiplied by them and the rest by the layer scales; both or neither, each a
+    positive ratio, and they survive a YAML round trip."""
+    import yaml
+
+    from autoplan.cost.engine import CostEngine, _host_s
+    from autoplan.errors import ProfileError
+    from autoplan.hardware import OpOverhead
+    from autoplan.hardware.profile_yaml import parse_profile, profile_to_yaml
+    times = {}
+    for name, overhead in (("plain", OVERHEAD), ("split", {**OVERHEAD, **SCALES, **HOST_SCALES})):
+        engine = CostEngine(graph, cpu_cluster(2, overhead=overhead), calibration=None)
+        device = engine.device_of((0,))
+        times[name] = engine.template_time("blocks.0", 2, 1, 1, device, "fp32")
+    host_fwd, host_bwd = _host_s(device.op_overhead, engine._templates["blocks.0"],
+                                 engine.summary.op_counts["blocks.0"][0], engine._host_counted)
+    plain, split = times["plain"], times["split"]
+    assert 0 < host_fwd < plain.forward_s and 0 < host_bwd < plain.backward_s
+    assert split.forward_s == pytest.approx(1.2 * (plain.forward_s - host_fwd) + 2.0 * host_fwd,
+                                            rel=1e-12)
+    assert split.backward_s == pytest.approx(1.1 * (plain.backward_s - host_bwd)
+                                             + 2.5 * host_bwd, rel=1e-12)
+    base = dict(forward_s=0.0, backward_s=0.0, tp_linear_forward_s=0.0,
+                tp_linear_backward_s=0.0, source="x")
+    with pytest.raises(ProfileError, match="both host scales"):
+        OpOverhead(**base, host_forward_scale=2.0)
+    with pytest.raises(ProfileError, match="host_backward_scale"):
+        OpOverhead(**base, host_forward_scale=2.0, host_backward_scale=-1.0)
+    p = next(iter(_with({**OVERHEAD, **SCALES, **HOST_SCALES}).profiles.values()))
+    o = parse_profile(yaml.safe_load(profile_to_yaml(p))).device.op_overhead
+    assert (o.host_forward_scale, o.host_backward_scale) == (2.0, 2.5)
+
+
 def test_layer_scales_come_in_pairs_and_round_trip():
     """Both layer scales or neither, each a positive ratio (clear ProfileErrors); they
     survive a YAML round trip, and a profile without them writes none."""
