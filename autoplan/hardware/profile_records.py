@@ -375,7 +375,9 @@ class OpOverhead(Record):
         of an AMD EPYC: the confirm models at one sequence a micro-batch measured 25-37%
         more per sequence than at four in the forward and 16-21% in the backward, priced
         15-28% and 9-15% with the layer scales on host and arithmetic alike; the
-        reference read x1.8-2.0 forward and x2.3-2.6 backward).  ``None`` where not
+        reference read x1.5-2.0 forward and x2.3-2.7 backward in four profiles and runs,
+        one profile x5.4 backward: the host work is ~8% of the small micro-batch's time,
+        so the split amplifies the host's noise).  ``None`` where not
         measured (GPU profiles, profiles measured before them): the host time is scaled
         as the arithmetic.
     source : str
