@@ -1290,10 +1290,10 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
 #: How a CPU profile's source states the reference timing its layer scales came from
 #: (:mod:`autoplan.hardware.profiler`: "... timed whole (X ms forward, Y ms backward").
 _REFERENCE_TIMING = re.compile(r"timed whole \(([\d.]+) ms forward, ([\d.]+) ms backward")
-#: and, since 2026-11-28, the same at a micro-batch of one ("; and on 1 x 128 tokens timed
-#: whole (X ms forward, Y ms backward)"), which gives the host scales
-_SMALL_TIMING = re.compile(r"and on \d+ x \d+ tokens timed whole \(([\d.]+) ms forward, "
-                           r"([\d.]+) ms backward")
+#: and, since 2026-11-28, the same at a second shape ("; and on 1 x 128 tokens timed whole
+#: (X ms forward, Y ms backward)", 1 x 32 since 2026-11-28-1100), which gives the host scales
+_SMALL_TIMING = re.compile(r"and on (\d+) x (\d+) tokens timed whole "
+                           r"\(([\d.]+) ms forward, ([\d.]+) ms backward")
 
 
 def _rescaled(cluster):
@@ -1302,7 +1302,7 @@ def _rescaled(cluster):
     timed whole over their price from the profile's other figures) re-derived with this
     code's price from the reference timing its source states, as a profile measured now
     would have them (with the host scales, ``OpOverhead.host_forward_scale``, where its
-    source states the timing at a micro-batch of one too); ``scales`` ``((stored forward,
+    source states the timing at a second shape too, at that shape); ``scales`` ``((stored forward,
     backward), (re-derived ...), re-derived host scales or None)``, or the cluster as it is
     and ``None`` when the profile has no layer scales or states no timing."""
     import dataclasses
@@ -1320,7 +1320,8 @@ def _rescaled(cluster):
     small = _SMALL_TIMING.search(source)
     fwd, bwd, _, host = _reference_scales(
         profile.device, tuple(float(t) / 1e3 for t in timing.groups()
-                              + (small.groups() if small else ())))
+                              + (small.groups()[2:] if small else ())),
+        **({"small_shape": (int(small.group(1)), int(small.group(2)))} if small else {}))
     device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
         overhead, layer_forward_scale=fwd, layer_backward_scale=bwd,
         host_forward_scale=host[0] if host else None,

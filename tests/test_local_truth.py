@@ -468,5 +468,17 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     assert host is not None and host[0] > 0 and host[1] > 0 and (f2, b2) != (f1, b1)
     assert rescaled.profile_of(0).device.op_overhead.host_forward_scale == host[0]
     assert lt._rescaled(rescaled)[1][2] == pytest.approx(host, rel=1e-12)
+    # the second shape is read from the source: the same timings at 1 x 32 split apart
+    from autoplan.hardware.profiler import _reference_scales
+    at_32 = compose_cluster([NodeGroup(dataclasses.replace(profile, device=dataclasses.replace(
+        profile.device, op_overhead=dataclasses.replace(
+            profile.device.op_overhead, source=source.replace("1 x 128", "1 x 32")))), 1)])
+    host_32 = lt._rescaled(at_32)[1][2]
+    assert host_32 != pytest.approx(host, rel=1e-3)
+    assert host_32 == pytest.approx(_reference_scales(
+        profile.device, (float(timing.group(1)) / 1e3, float(timing.group(2)) / 1e3,
+                         round(float(timing.group(1)) * 0.31, 2) / 1e3,
+                         round(float(timing.group(2)) * 0.29, 2) / 1e3),
+        small_shape=(1, 32))[3], rel=1e-12)
     plain = load_cluster(str(profile4))      # a GPU profile: no layer scales
     assert lt._rescaled(plain) == (plain, None)

@@ -212,22 +212,27 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
 
 
 def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arithmetic():
-    """Timed at micro-batches 4 and 1, the reference blocks' price splits into host work
-    (the same at both) and the rest: made-up timings of 1.1x the rest plus 2x the host work
-    (forward) and 0.9x plus 2.5x (backward) give those four figures back, in the YAML and
-    the summary; a layer then prices its host work at its own scale.  Timings whose split
-    is not positive (the small micro-batch as slow as the large) fall back to one scale."""
+    """Timed at 4 x 128 and 1 x 32 tokens, the reference blocks' price splits into host
+    work (the same at both) and the rest: made-up timings of 1.1x the rest plus 2x the
+    host work (forward) and 0.9x plus 2.5x (backward) give those four figures back, in the
+    YAML and the summary; a layer then prices its host work at its own scale, at both
+    shapes.  Timings whose split is not positive (the small shape as slow as the large)
+    fall back to one scale; a stored profile's 1 x 128 timing splits at its own shape."""
     from dataclasses import replace
 
-    from autoplan.hardware.profiler import (_REFERENCE_SMALL_BATCH, _reference_engine,
+    from autoplan.hardware.profiler import (_REFERENCE_SMALL_SHAPE, _reference_engine,
                                             _reference_scales, _reference_stack, _summary)
     measured, plain = _cpu_reference_profile()
     engine = _reference_engine(plain.device)
-    host = engine.model_host_s()
-    large, small = engine.model_compute_s(4), engine.model_compute_s(_REFERENCE_SMALL_BATCH)
-    assert host[0] > 0 and host[1] > 0 and small[0] < large[0]
+    small_engine = _reference_engine(plain.device, _REFERENCE_SMALL_SHAPE)
+    # a micro-batch of one dispatches a few operators less (views that are no-ops)
+    hosts = {4: engine.model_host_s(), 1: small_engine.model_host_s()}
+    large = engine.model_compute_s(4)
+    small = small_engine.model_compute_s(_REFERENCE_SMALL_SHAPE[0])
+    assert hosts[1][0] > 0 and hosts[1][1] > 0 and small[0] < large[0] / 8
 
-    def timing(priced, arithmetic, host_scale, i):
+    def timing(priced, arithmetic, host_scale, i, b=None):
+        host = hosts[b or (4 if priced is large else 1)]
         return arithmetic * (priced[i] - host[i]) + host_scale * host[i]
 
     for r in measured["ranks"]:
@@ -240,21 +245,29 @@ def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arit
                                                               pytest.approx(0.9))
     assert (o.host_forward_scale, o.host_backward_scale) == (pytest.approx(2.0),
                                                             pytest.approx(2.5))
-    assert "on 1 x 128 tokens timed whole" in o.source
+    assert "on 1 x 32 tokens timed whole" in o.source
     assert "host work x2.00, x2.50" in _summary(profile, Path("p.yaml"), 1.0)
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
     # the cost model prices the reference as measured at both micro-batches
     import torch
     from autoplan.capture import trace
     from autoplan.cost.engine import CostEngine
-    stack, x = _reference_stack(torch)
-    graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum())
     cluster = compose_cluster([NodeGroup(replace(engine.cluster.profile_of(0),
                                                  device=profile.device), 1)])
-    priced = CostEngine(graph, cluster, calibration=None)
-    for b, price in ((4, large), (_REFERENCE_SMALL_BATCH, small)):
-        assert priced.model_compute_s(b) == (
+    for shape, price in (((4, 128), large), (_REFERENCE_SMALL_SHAPE, small)):
+        stack, x = _reference_stack(torch, shape)
+        graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum())
+        priced = CostEngine(graph, cluster, calibration=None)
+        assert priced.model_compute_s(shape[0]) == (
             pytest.approx(timing(price, 1.1, 2.0, 0)), pytest.approx(timing(price, 0.9, 2.5, 1)))
+    # a stored profile's second timing at one sequence of 128 tokens: split at that shape
+    # (priced on the 4 x 128 capture, as the code of its day did)
+    at_128 = engine.model_compute_s(1)
+    _, _, _, split = _reference_scales(
+        plain.device, (timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1),
+                       timing(at_128, 1.1, 2.0, 0, 4),
+                       timing(at_128, 0.9, 2.5, 1, 4)), engine, small_shape=(1, 128))
+    assert split == (pytest.approx(2.0), pytest.approx(2.5))
     # no positive split: the large micro-batch's ratio scales both, no host scales
     fwd, bwd, _, split = _reference_scales(plain.device, (large[0], large[1], 4 * large[0],
                                                           4 * large[1]), engine)

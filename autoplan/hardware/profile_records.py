@@ -366,9 +366,9 @@ class OpOverhead(Record):
         A transformer layer's host work (``forward_dispatch_s`` per dispatched operator,
         ``backward_node_s`` per autograd node) at a model's width against the same
         figures measured on tiny blocks, forward and backward: the reference stack timed
-        at two micro-batches (1 and 4 sequences), the host work being the same at both and
-        the arithmetic four times, gives the layer scales (what grows with the micro-batch)
-        and these (what does not).  An operator on real tensors costs more, beyond its
+        at two shapes (4 x 128 and 1 x 32 tokens), the host work being about the same at
+        both and the arithmetic 16 times, gives the layer scales (what grows with the
+        tokens) and these (what does not).  An operator on real tensors costs more, beyond its
         arithmetic, than on tiny ones (its output's allocation and its kernel's set-up
         grow with the operands; not separated here), which a small micro-batch pays per
         sequence four times over (2026-11-28, 4 processes on 2 cores
@@ -376,8 +376,10 @@ class OpOverhead(Record):
         more per sequence than at four in the forward and 16-21% in the backward, priced
         15-28% and 9-15% with the layer scales on host and arithmetic alike; the
         reference read x1.5-2.0 forward and x2.3-2.7 backward in four profiles and runs,
-        one profile x5.4 backward: the host work is ~8% of the small micro-batch's time,
-        so the split amplifies the host's noise).  ``None`` where not
+        one profile x5.4 backward: at 1 x 128 tokens, the first second shape, the host
+        work is ~13% of the price, so the split amplified the host's noise; at 1 x 32 it
+        is ~37%, and one pair of scales fitted 4 x 128, 1 x 128, 1 x 32 and 1 x 8 tokens'
+        backward within 1.5%, the forward at 1 x 128 within 1.4%).  ``None`` where not
         measured (GPU profiles, profiles measured before them): the host time is scaled
         as the arithmetic.
     source : str

@@ -310,10 +310,16 @@ _OVERHEAD_BLOCKS = 4
 #: width, ``(micro-batch, sequence, width)`` inputs.
 _REFERENCE_SHAPE = (4, 128, 256)
 _REFERENCE_BLOCKS = 2
-#: The micro-batch the reference stack is timed at besides ``_REFERENCE_SHAPE``'s: the
-#: host work is the same at both and the arithmetic four times, which separates the two
-#: (``OpOverhead.host_forward_scale``)
-_REFERENCE_SMALL_BATCH = 1
+#: The ``(micro-batch, sequence)`` the reference stack is timed at besides
+#: ``_REFERENCE_SHAPE``'s: the host work is the same at both and the arithmetic 16 times
+#: less, which separates the two (``OpOverhead.host_forward_scale``).  Host work is ~37%
+#: of its price (13% at one sequence of 128 tokens, the first form: there a 1% timing
+#: error moved the host scale ~0.3, and one profile's backward read 5.4 against 2.5).
+#: On the 2-core AMD VM, 4 ranks at once timed these blocks at 4x128, 1x128, 1x32 and
+#: 1x8 tokens alternately: one arithmetic and one host scale fitted all four backward
+#: within 1.5%; fitted on 4x128 and 1x32 they priced 1x128 within 1.4% forward, 0.4%
+#: backward (the forward at 1x8 reads 16% over the line; 2026-11-28)
+_REFERENCE_SMALL_SHAPE = (1, 32)
 #: Seconds each of its timings takes at least (windows of ~100 ms calls): its selective
 #: checkpoint's extra is the difference of two of them, ~25% of either; at the quick
 #: profile's 0.45 s (three windows of four calls) three profiles read 20-30 ms for it
@@ -321,10 +327,12 @@ _REFERENCE_SMALL_BATCH = 1
 _REFERENCE_TARGET_S = 1.2
 
 
-def _reference_stack(torch) -> tuple[Any, Any]:
+def _reference_stack(torch, shape: tuple[int, int] | None = None) -> tuple[Any, Any]:
     """The reference stack, :data:`_REFERENCE_BLOCKS` :func:`_overhead_model` blocks, and
-    an input of :data:`_REFERENCE_SHAPE`."""
+    an input of :data:`_REFERENCE_SHAPE` (or of ``shape``, ``(micro-batch, sequence)``, at
+    its width)."""
     b, seq, width = _REFERENCE_SHAPE
+    b, seq = shape or (b, seq)
     return _overhead_model(torch, width, _REFERENCE_BLOCKS), torch.randn(b, seq, width)
 
 
@@ -337,14 +345,15 @@ def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
     :func:`autoplan.parallelize` wraps a block under selective recompute, with an empty
     attention core (nothing recomputed: the checkpoint's own cost, as
     ``OpOverhead.selective_byte_s`` prices it beyond its per-operator figure); and the
-    forward and backward again at a micro-batch of :data:`_REFERENCE_SMALL_BATCH`."""
+    forward and backward again at :data:`_REFERENCE_SMALL_SHAPE`."""
     from ..graph import AttentionCore
     from ..runtime.ac import apply_ac
     from ..strategy import Recompute
 
     stack, x = _reference_stack(torch)
     x.requires_grad_(True)
-    small = x[:_REFERENCE_SMALL_BATCH].detach().clone().requires_grad_(True)
+    b, seq = _REFERENCE_SMALL_SHAPE
+    small = x[:b, :seq].detach().clone().requires_grad_(True)
     nothing = AttentionCore(nodes=(), ops=(), calls={})
     selective = torch.nn.Sequential(*(apply_ac(block, Recompute.SELECTIVE, core=nothing)
                                       for block in _reference_stack(torch)[0]))
@@ -367,16 +376,17 @@ def _measure_reference_layers(torch, timed: Callable[[Callable[[], Any]], float]
             max(0.0, timed(both(stack, small)) - fwd_small))
 
 
-def _reference_engine(device: DeviceType):
-    """The cost model of the reference stack (:func:`_reference_stack`, traced) on one
-    ``device``, without its layer scales."""
+def _reference_engine(device: DeviceType, shape: tuple[int, int] | None = None):
+    """The cost model of the reference stack (:func:`_reference_stack`, traced at its
+    input's shape or at ``shape``, ``(micro-batch, sequence)``) on one ``device``, without
+    its layer scales."""
     import torch
 
     from ..capture import trace
     from ..cost.engine import CostEngine
     from .cluster import NodeGroup, compose_cluster
 
-    stack, x = _reference_stack(torch)
+    stack, x = _reference_stack(torch, shape)
     graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum(),
                   title="reference blocks")
     plain = device if device.op_overhead is None else replace(
@@ -389,25 +399,26 @@ def _reference_engine(device: DeviceType):
     return CostEngine(graph, compose_cluster([NodeGroup(profile, 1)]), calibration=None)
 
 
-def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=None
+def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=None, *,
+                      small_shape: tuple[int, int] = _REFERENCE_SMALL_SHAPE
                       ) -> tuple[float, float, tuple[float, float],
                                  tuple[float, float] | None]:
     """``(forward scale, backward scale, (priced forward, priced backward), host scales)``
     from the reference stack's measured seconds (:func:`_measure_reference_layers`:
-    forward and backward at ``_REFERENCE_SHAPE``, then optionally at
-    :data:`_REFERENCE_SMALL_BATCH`) and the cost model's price for it on ``device`` (one
-    device, fp32, without the scales; ``engine``: its :func:`_reference_engine`, made here
-    if not given).
+    forward and backward at ``_REFERENCE_SHAPE``, then optionally at ``small_shape``,
+    ``(micro-batch, sequence)``: :data:`_REFERENCE_SMALL_SHAPE`, or what a stored profile
+    states it timed) and the cost model's price for it on ``device`` (one device, fp32,
+    without the scales; ``engine``: its :func:`_reference_engine`, made here if not given).
 
-    With one micro-batch: its measured seconds over its price, as
+    With one shape: its measured seconds over its price, as
     ``OpOverhead.layer_forward_scale`` / ``layer_backward_scale`` (they then scale the host
-    work too), and no host scales.  With two, per direction, the price splits into host
-    work ``H`` (:meth:`~autoplan.cost.engine.CostEngine.model_host_s`, the same at both)
-    and the rest ``A(b)``, and ``measured(b) = s A(b) + h H`` at both gives the layer scale
-    ``s`` and the host scale ``h`` (``OpOverhead.host_forward_scale``); where either comes
-    out <= 0 (the two micro-batches measured too close for the split, or no host work
-    priced) or the small micro-batch's timing is not positive, the larger micro-batch's
-    ratio scales both, as with one, and host scales are ``None``.
+    work too), and no host scales.  With two, per direction, each shape's price splits into
+    host work ``H`` (:meth:`~autoplan.cost.engine.CostEngine.model_host_s`) and the rest
+    ``A``, and ``measured = s A + h H`` at both gives the layer scale ``s`` and the host
+    scale ``h`` (``OpOverhead.host_forward_scale``); where either comes out <= 0 (the two
+    shapes measured too close for the split, or no host work priced) or the small shape's
+    timing is not positive, the larger shape's ratio scales both, as with one, and host
+    scales are ``None``.
 
     Raises
     ------
@@ -423,15 +434,19 @@ def _reference_scales(device: DeviceType, measured: tuple[float, ...], engine=No
     whole = (measured[0] / priced[0], measured[1] / priced[1])
     if len(measured) == 2 or not (measured[2] > 0 and measured[3] > 0):
         return whole[0], whole[1], priced, None
-    small = engine.model_compute_s(_REFERENCE_SMALL_BATCH)
-    host = engine.model_host_s()
+    small_engine = (engine if small_shape[1] == _REFERENCE_SHAPE[1]
+                    else _reference_engine(device, small_shape))
+    small = small_engine.model_compute_s(small_shape[0])
+    host, small_host = engine.model_host_s(), small_engine.model_host_s()
     split = []
     for i in (0, 1):
-        arithmetic = ((measured[i] - measured[2 + i]) / (priced[i] - small[i])
-                      if priced[i] > small[i] else 0.0)
-        host_scale = ((measured[i] - arithmetic * (priced[i] - host[i])) / host[i]
-                      if host[i] > 0 else 0.0)
-        split.append((arithmetic, host_scale))
+        # measured[i] = s (priced - host) + h host, and the same at the small shape
+        a, h, a_small, h_small = (priced[i] - host[i], host[i],
+                                  small[i] - small_host[i], small_host[i])
+        det = a * h_small - a_small * h
+        split.append(((measured[i] * h_small - measured[2 + i] * h) / det,
+                      (a * measured[2 + i] - a_small * measured[i]) / det)
+                     if det > 0 else (0.0, 0.0))
     if not all(a > 0 and h > 0 for a, h in split):
         return whole[0], whole[1], priced, None
     return split[0][0], split[1][0], priced, (split[0][1], split[1][1])
@@ -1658,8 +1673,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                                     local=True))
         say(f"reference blocks {'x'.join(map(str, _REFERENCE_SHAPE))}: "
             f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward, "
-            f"{reference[2] * 1e3:.2f} ms more under selective checkpoints; at micro-batch "
-            f"{_REFERENCE_SMALL_BATCH}: {reference[3] * 1e3:.2f} ms forward, "
+            f"{reference[2] * 1e3:.2f} ms more under selective checkpoints; at "
+            f"{'x'.join(map(str, _REFERENCE_SMALL_SHAPE))}: {reference[3] * 1e3:.2f} ms forward, "
             f"{reference[4] * 1e3:.2f} ms backward")
 
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
@@ -2098,6 +2113,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
         scale_fwd, scale_bwd, priced, host = _reference_scales(
             device, tuple(reference[:2]) + (tuple(reference[3:5]) if two else ()), engine)
         b, seq, width = _REFERENCE_SHAPE
+        small_b, small_seq = _REFERENCE_SMALL_SHAPE
         selective = ""
         if len(reference) > 2:      # measurements taken before it have two figures
             per_byte, ops_s, nbytes = _reference_selective_byte_s(device, reference[2], engine)
@@ -2108,13 +2124,13 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                          f"{ops_s * 1e3:.2f} ms for their operators at the per-operator figure, "
                          f"over the {nbytes / 2**20:.1f} MiB they save without recompute")
         if host is not None:
-            split = (f"; and on {_REFERENCE_SMALL_BATCH} x {seq} tokens timed whole "
+            split = (f"; and on {small_b} x {small_seq} tokens timed whole "
                      f"({reference[3] * 1e3:.2f} ms forward, {reference[4] * 1e3:.2f} ms "
                      f"backward): the price's host work, the same at both, and the rest, fitted "
                      f"to both: layers x{scale_fwd:.3f} forward, x{scale_bwd:.3f} backward, "
                      f"their host work x{host[0]:.3f}, x{host[1]:.3f}")
         elif two:
-            split = (f"; on {_REFERENCE_SMALL_BATCH} x {seq} tokens ({reference[3] * 1e3:.2f} "
+            split = (f"; on {small_b} x {small_seq} tokens ({reference[3] * 1e3:.2f} "
                      f"ms forward, {reference[4] * 1e3:.2f} ms backward) no positive split of "
                      "host work and arithmetic: the larger micro-batch's ratio scales both")
         else:
