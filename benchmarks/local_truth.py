@@ -86,6 +86,11 @@ between passes), without running anything (seconds).  This VM's passes are kept 
 ``benchmarks/confirm_passes/`` (its README says which code each ran).
 
     python benchmarks/local_truth.py --reprice a.csv a.yaml --reprice b.csv b.yaml   # seconds
+
+``--host-split`` prices the layers' host work apart from their arithmetic where a pass's
+profile states the reference blocks' timing at a second shape
+(:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: what profiles measure but do
+not apply).
 """
 
 from __future__ import annotations
@@ -1244,8 +1249,8 @@ def _read_pass(csv_path: Path) -> list[dict]:
     return out
 
 
-def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | None = None
-            ) -> list[dict]:
+def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | None = None,
+            *, host_split: bool = False) -> list[dict]:
     """Price every measured layout of stored confirm passes again with this code.
 
     ``passes``: ``(csv, profile)`` pairs, each pass's rows (``--csv``) and the profile it
@@ -1253,7 +1258,8 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     here if not given).  Each layout is priced as the pass priced it
     (:func:`confirm_layouts` on the pass's profile, every ranked layout; the profile's
     layer scales re-derived with this code from the reference timing it states,
-    :func:`_rescaled`), so a change to the cost model can be judged on several passes of
+    :func:`_rescaled`, with ``host_split`` its host work apart), so a change to the cost
+    model can be judged on several passes of
     the machine rather than one.  One dict per pass: ``csv``, ``rows`` (``model``,
     ``label``, ``measured_s``, ``predicted_s`` and ``error``, or ``predicted_s`` ``None``
     where the search no longer ranks the layout) and ``scales`` (:func:`_rescaled`).
@@ -1268,7 +1274,7 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     for csv_path, profile in passes:
         rows = [r for r in _read_pass(csv_path) if r["model"] in models]
         cluster = load_cluster(str(profile))
-        cluster, scales = _rescaled(cluster)
+        cluster, scales = _rescaled(cluster, host_split)
         for name in sorted({r["model"] for r in rows}):
             if name not in graphs:
                 graphs[name] = trace(_confirm_model(name), seq_len=CONFIG.seq_len)
@@ -1296,13 +1302,15 @@ _SMALL_TIMING = re.compile(r"and on (\d+) x (\d+) tokens timed whole "
                            r"\(([\d.]+) ms forward, ([\d.]+) ms backward")
 
 
-def _rescaled(cluster):
+def _rescaled(cluster, host_split: bool = False):
     """``(cluster, scales)``: a stored pass's one-profile ``cluster`` with its layer scales
     (``OpOverhead.layer_forward_scale`` / ``layer_backward_scale``: the reference blocks
     timed whole over their price from the profile's other figures) re-derived with this
     code's price from the reference timing its source states, as a profile measured now
-    would have them (with the host scales, ``OpOverhead.host_forward_scale``, where its
-    source states the timing at a second shape too, at that shape); ``scales`` ``((stored forward,
+    would have them (host work scaled as the arithmetic, ``OpOverhead.host_forward_scale``
+    unset); with ``host_split``, fitted apart where its source states the timing at a second
+    shape too, at that shape (the split :data:`autoplan.hardware.profiler.
+    HOST_SPLIT_NOT_APPLIED` says profiles do not apply); ``scales`` ``((stored forward,
     backward), (re-derived ...), re-derived host scales or None)``, or the cluster as it is
     and ``None`` when the profile has no layer scales or states no timing."""
     import dataclasses
@@ -1317,7 +1325,7 @@ def _rescaled(cluster):
     timing = _REFERENCE_TIMING.search(source)
     if timing is None:
         return cluster, None
-    small = _SMALL_TIMING.search(source)
+    small = _SMALL_TIMING.search(source) if host_split else None
     fwd, bwd, _, host = _reference_scales(
         profile.device, tuple(float(t) / 1e3 for t in timing.groups()
                               + (small.groups()[2:] if small else ())),
@@ -1333,13 +1341,14 @@ def _rescaled(cluster):
                       host)
 
 
-def reprice_main(passes: list[tuple[Path, Path]], models: list[str]) -> int:
+def reprice_main(passes: list[tuple[Path, Path]], models: list[str], *,
+                 host_split: bool = False) -> int:
     """``--reprice``: each pass's count within :data:`TIME_TARGET` priced with this code
     (its profile's layer scales re-derived with it, :func:`_rescaled`), per model its
     median error, its misses; then the layouts whose error averages beyond
     :data:`SYSTEMATIC` over the passes."""
     t0 = time.perf_counter()
-    results = reprice(passes, models)
+    results = reprice(passes, models, host_split=host_split)
     by_layout: dict[tuple[str, str], list[float]] = {}
     for res in results:
         priced = [r for r in res["rows"] if r["error"] is not None]
@@ -1449,6 +1458,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="price a stored confirm pass again with this code: its rows (--csv) "
                          "and the profile it measured (--keep-profile); repeat for several "
                          "passes")
+    ap.add_argument("--host-split", action="store_true",
+                    help="with --reprice: price the layers' host work apart from their "
+                         "arithmetic where a pass's profile timed the reference blocks at two "
+                         "shapes (the split profiles state but do not apply)")
     ap.add_argument("--plain", action="store_true",
                     help=f"the confirm models' single-process step on {CONFIRM_WORLD} processes "
                          "at once against one device of the profile: the compute alone")
@@ -1463,13 +1476,16 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep_profile.parent.is_dir():
             ap.error(f"--keep-profile {args.keep_profile}: no directory "
                      f"{args.keep_profile.parent} to write it in")
+    if args.host_split and not args.reprice:
+        ap.error("--host-split goes with --reprice (it re-prices stored passes)")
     if args.reprice:
         if args.confirm or args.plain or args.memory is not None or args.profile is not None:
             ap.error("--reprice prices stored passes with their own profiles: not with "
                      "--confirm, --plain, --memory or --profile")
         from autoplan.errors import AutoplanError
         try:
-            return reprice_main([tuple(p) for p in args.reprice], args.models)
+            return reprice_main([tuple(p) for p in args.reprice], args.models,
+                                host_split=args.host_split)
         except AutoplanError as exc:
             print(f"local_truth.py: error: {exc}", file=sys.stderr)
             return 2

@@ -411,6 +411,9 @@ def test_reprice_says_what_is_wrong_with_its_input(profile4: Path, tmp_path: Pat
     with pytest.raises(SystemExit):
         lt.main(["--reprice", str(good), str(profile4), "--confirm"])
     assert "not with --confirm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lt.main(["--host-split"])
+    assert "--host-split goes with --reprice" in capsys.readouterr().err
 
 
 def test_the_stored_passes_still_load_and_price(gpt_rows):
@@ -464,16 +467,19 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     stated = compose_cluster([NodeGroup(dataclasses.replace(profile, device=dataclasses.replace(
         profile.device, op_overhead=dataclasses.replace(profile.device.op_overhead,
                                                         source=source))), 1)])
-    rescaled, (_, (f2, b2), host) = lt._rescaled(stated)
+    # as a profile measured now would: the split stated, not applied
+    assert lt._rescaled(stated)[1][1:] == ((f1, b1), None)
+    rescaled, (_, (f2, b2), host) = lt._rescaled(stated, host_split=True)
     assert host is not None and host[0] > 0 and host[1] > 0 and (f2, b2) != (f1, b1)
     assert rescaled.profile_of(0).device.op_overhead.host_forward_scale == host[0]
-    assert lt._rescaled(rescaled)[1][2] == pytest.approx(host, rel=1e-12)
+    assert lt._rescaled(rescaled, host_split=True)[1][2] == pytest.approx(host, rel=1e-12)
+    assert lt._rescaled(rescaled)[0].profile_of(0).device.op_overhead.host_forward_scale is None
     # the second shape is read from the source: the same timings at 1 x 32 split apart
     from autoplan.hardware.profiler import _reference_scales
     at_32 = compose_cluster([NodeGroup(dataclasses.replace(profile, device=dataclasses.replace(
         profile.device, op_overhead=dataclasses.replace(
             profile.device.op_overhead, source=source.replace("1 x 128", "1 x 32")))), 1)])
-    host_32 = lt._rescaled(at_32)[1][2]
+    host_32 = lt._rescaled(at_32, host_split=True)[1][2]
     assert host_32 != pytest.approx(host, rel=1e-3)
     assert host_32 == pytest.approx(_reference_scales(
         profile.device, (float(timing.group(1)) / 1e3, float(timing.group(2)) / 1e3,

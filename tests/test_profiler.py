@@ -211,17 +211,20 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
         _reference_scales(plain.device, (0.0, 1.0))
 
 
-def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arithmetic():
+def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic():
     """Timed at 4 x 128 and 1 x 32 tokens, the reference blocks' price splits into host
-    work (the same at both) and the rest: made-up timings of 1.1x the rest plus 2x the
-    host work (forward) and 0.9x plus 2.5x (backward) give those four figures back, in the
-    YAML and the summary; a layer then prices its host work at its own scale, at both
-    shapes.  Timings whose split is not positive (the small shape as slow as the large)
-    fall back to one scale; a stored profile's 1 x 128 timing splits at its own shape."""
+    work (about the same at both) and the rest: made-up timings of 1.1x the rest plus 2x
+    the host work (forward) and 0.9x plus 2.5x (backward) give those four figures back.
+    The profile states them in its source but prices with the 4 x 128 ratio on both
+    (``HOST_SPLIT_NOT_APPLIED``); a profile that sets them (by hand) prices each layer's
+    host work at its own scale, as measured at both shapes, and says so in its summary.
+    Timings whose split is not positive (the small shape as slow as the large) give no
+    split; a stored profile's 1 x 128 timing splits at its own shape."""
     from dataclasses import replace
 
-    from autoplan.hardware.profiler import (_REFERENCE_SMALL_SHAPE, _reference_engine,
-                                            _reference_scales, _reference_stack, _summary)
+    from autoplan.hardware.profiler import (HOST_SPLIT_NOT_APPLIED, _REFERENCE_SMALL_SHAPE,
+                                            _reference_engine, _reference_scales,
+                                            _reference_stack, _summary)
     measured, plain = _cpu_reference_profile()
     engine = _reference_engine(plain.device)
     small_engine = _reference_engine(plain.device, _REFERENCE_SMALL_SHAPE)
@@ -235,17 +238,27 @@ def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arit
         host = hosts[b or (4 if priced is large else 1)]
         return arithmetic * (priced[i] - host[i]) + host_scale * host[i]
 
+    timed = (timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1),
+             timing(small, 1.1, 2.0, 0), timing(small, 0.9, 2.5, 1))
+    fwd, bwd, _, split = _reference_scales(plain.device, timed, engine)
+    assert (fwd, bwd) == (pytest.approx(1.1), pytest.approx(0.9))
+    assert split == (pytest.approx(2.0), pytest.approx(2.5))
     for r in measured["ranks"]:
-        r["reference"] = [timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1), 0.0,
-                          timing(small, 1.1, 2.0, 0), timing(small, 0.9, 2.5, 1)]
-    profile, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                                devices_per_node=2, quick=True, copy_bytes=2**20)
-    o = profile.device.op_overhead
-    assert (o.layer_forward_scale, o.layer_backward_scale) == (pytest.approx(1.1),
-                                                              pytest.approx(0.9))
-    assert (o.host_forward_scale, o.host_backward_scale) == (pytest.approx(2.0),
-                                                            pytest.approx(2.5))
+        r["reference"] = [*timed[:2], 0.0, *timed[2:]]
+    stated, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                               devices_per_node=2, quick=True, copy_bytes=2**20)
+    o = stated.device.op_overhead
+    assert (o.layer_forward_scale, o.layer_backward_scale) == (
+        pytest.approx(timed[0] / large[0]), pytest.approx(timed[1] / large[1]))
+    assert o.host_forward_scale is None and o.host_backward_scale is None
     assert "on 1 x 32 tokens timed whole" in o.source
+    assert ("would scale the layers x1.100 forward, x0.900 backward and their host work "
+            "x2.000, x2.500 (not applied: " + HOST_SPLIT_NOT_APPLIED) in " ".join(o.source.split())
+    assert "host work x" not in _summary(stated, Path("p.yaml"), 1.0)
+    assert parse_profile(yaml.safe_load(profile_to_yaml(stated))) == stated
+    profile = replace(stated, device=replace(stated.device, op_overhead=replace(
+        o, layer_forward_scale=1.1, layer_backward_scale=0.9, host_forward_scale=2.0,
+        host_backward_scale=2.5)))
     assert "host work x2.00, x2.50" in _summary(profile, Path("p.yaml"), 1.0)
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
     # the cost model prices the reference as measured at both micro-batches
@@ -268,7 +281,7 @@ def test_reference_blocks_at_two_micro_batches_split_the_host_work_from_the_arit
                        timing(at_128, 1.1, 2.0, 0, 4),
                        timing(at_128, 0.9, 2.5, 1, 4)), engine, small_shape=(1, 128))
     assert split == (pytest.approx(2.0), pytest.approx(2.5))
-    # no positive split: the large micro-batch's ratio scales both, no host scales
+    # no positive split: the large shape's ratio scales both, no host scales
     fwd, bwd, _, split = _reference_scales(plain.device, (large[0], large[1], 4 * large[0],
                                                           4 * large[1]), engine)
     assert split is None and (fwd, bwd) == (pytest.approx(1.0), pytest.approx(1.0))

@@ -379,9 +379,12 @@ class OpOverhead(Record):
         one profile x5.4 backward: at 1 x 128 tokens, the first second shape, the host
         work is ~13% of the price, so the split amplified the host's noise; at 1 x 32 it
         is ~37%, and one pair of scales fitted 4 x 128, 1 x 128, 1 x 32 and 1 x 8 tokens'
-        backward within 1.5%, the forward at 1 x 128 within 1.4%).  ``None`` where not
-        measured (GPU profiles, profiles measured before them): the host time is scaled
-        as the arithmetic.
+        backward within 1.5%, the forward at 1 x 128 within 1.4%).  ``autoplan profile``
+        states the split in its source but does not set these
+        (:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: in two confirm passes
+        it priced the layouts worse, the Llama's most); a profile written by hand may.
+        ``None`` (GPU profiles, measured profiles): the host time is scaled as the
+        arithmetic.
     source : str
         How the figures were measured.
     """
