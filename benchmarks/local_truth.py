@@ -1259,8 +1259,7 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     (:func:`confirm_layouts` on the pass's profile, every ranked layout; the profile's
     layer scales re-derived with this code from the reference timing it states,
     :func:`_rescaled`, with ``host_split`` its host work apart), so a change to the cost
-    model can be judged on several passes of
-    the machine rather than one.  One dict per pass: ``csv``, ``rows`` (``model``,
+    model can be judged on several passes of the machine rather than one.  One dict per pass: ``csv``, ``rows`` (``model``,
     ``label``, ``measured_s``, ``predicted_s`` and ``error``, or ``predicted_s`` ``None``
     where the search no longer ranks the layout) and ``scales`` (:func:`_rescaled`).
 

@@ -311,8 +311,10 @@ _OVERHEAD_BLOCKS = 4
 _REFERENCE_SHAPE = (4, 128, 256)
 _REFERENCE_BLOCKS = 2
 #: The ``(micro-batch, sequence)`` the reference stack is timed at besides
-#: ``_REFERENCE_SHAPE``'s: the host work is the same at both and the arithmetic 16 times
-#: less, which separates the two (``OpOverhead.host_forward_scale``).  Host work is ~37%
+#: ``_REFERENCE_SHAPE``'s: the host work is about the same at both (a micro-batch of one
+#: dispatches 48 operators a block, not 51: views that are no-ops) and the arithmetic 16
+#: times less, which separates the two (``OpOverhead.host_forward_scale``; stated in the
+#: profile's source, not applied: ``HOST_SPLIT_NOT_APPLIED``).  Host work is ~37%
 #: of its price (13% at one sequence of 128 tokens, the first form: there a 1% timing
 #: error moved the host scale ~0.3, and one profile's backward read 5.4 against 2.5).
 #: On the 2-core AMD VM, 4 ranks at once timed these blocks at 4x128, 1x128, 1x32 and
