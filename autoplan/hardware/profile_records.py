@@ -381,7 +381,7 @@ class OpOverhead(Record):
         is ~37%, and one pair of scales fitted 4 x 128, 1 x 128, 1 x 32 and 1 x 8 tokens'
         backward within 1.5%, the forward at 1 x 128 within 1.4%).  ``autoplan profile``
         states the split in its source but does not set these
-        (:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: in two confirm passes
+        (:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: in three confirm passes
         it priced the layouts worse, the Llama's most); a profile written by hand may.
         ``None`` (GPU profiles, measured profiles): the host time is scaled as the
         arithmetic.

@@ -324,15 +324,15 @@ _REFERENCE_BLOCKS = 2
 _REFERENCE_SMALL_SHAPE = (1, 32)
 #: Why a profile states the host split (``OpOverhead.host_forward_scale``, fitted on the
 #: two shapes) in its source but prices with the larger shape's ratio on host work and
-#: arithmetic alike: in the two confirm passes whose profiles timed the second shape
+#: arithmetic alike: in the three confirm passes whose profiles timed the second shape
 #: (``benchmarks/local_truth.py --confirm``, 4 processes on 2 cores of an AMD EPYC VM,
 #: 2026-11-28), the layouts priced nearer what they measured without the split, 70 against
-#: 64 and 67 against 51 of 81 within 15% (the Llama most: 93 dispatched operators a block,
-#: many on tiny tensors, against the reference's 48).  ``local_truth.py --reprice
+#: 64, 67 against 51 and 66 against 60 of 81 within 15% (the Llama most: 93 dispatched
+#: operators a block, many on tiny tensors, against the reference's 48).  ``local_truth.py --reprice
 #: --host-split`` prices stored passes with it.
-HOST_SPLIT_NOT_APPLIED = ("it priced two confirm passes of 4 processes on 2 cores worse than "
-                          "one ratio for both, 64 and 51 of 81 layouts within 15% against 70 "
-                          "and 67")
+HOST_SPLIT_NOT_APPLIED = ("it priced three confirm passes of 4 processes on 2 cores worse "
+                          "than one ratio for both, 64, 51 and 60 of 81 layouts within 15% "
+                          "against 70, 67 and 66")
 #: Seconds each of its timings takes at least (windows of ~100 ms calls): its selective
 #: checkpoint's extra is the difference of two of them, ~25% of either; at the quick
 #: profile's 0.45 s (three windows of four calls) three profiles read 20-30 ms for it
