@@ -261,7 +261,7 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
         host_backward_scale=2.5)))
     assert "host work x2.00, x2.50" in _summary(profile, Path("p.yaml"), 1.0)
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
-    # the cost model prices the reference as measured at both micro-batches
+    # a profile with the host scales set prices the reference as measured at both shapes
     import torch
     from autoplan.capture import trace
     from autoplan.cost.engine import CostEngine
@@ -277,8 +277,7 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
     # (priced on the 4 x 128 capture, as the code of its day did)
     at_128 = engine.model_compute_s(1)
     _, _, _, split = _reference_scales(
-        plain.device, (timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1),
-                       timing(at_128, 1.1, 2.0, 0, 4),
+        plain.device, (*timed[:2], timing(at_128, 1.1, 2.0, 0, 4),
                        timing(at_128, 0.9, 2.5, 1, 4)), engine, small_shape=(1, 128))
     assert split == (pytest.approx(2.0), pytest.approx(2.5))
     # no positive split: the large shape's ratio scales both, no host scales
