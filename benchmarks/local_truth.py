@@ -1259,9 +1259,10 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
     (:func:`confirm_layouts` on the pass's profile, every ranked layout; the profile's
     layer scales re-derived with this code from the reference timing it states,
     :func:`_rescaled`, with ``host_split`` its host work apart), so a change to the cost
-    model can be judged on several passes of the machine rather than one.  One dict per pass: ``csv``, ``rows`` (``model``,
-    ``label``, ``measured_s``, ``predicted_s`` and ``error``, or ``predicted_s`` ``None``
-    where the search no longer ranks the layout) and ``scales`` (:func:`_rescaled`).
+    model can be judged on several passes of the machine rather than one.  One dict per
+    pass: ``csv``, ``rows`` (``model``, ``label``, ``measured_s``, ``predicted_s`` and
+    ``error``, or ``predicted_s`` ``None`` where the search no longer ranks the layout) and
+    ``scales`` (:func:`_rescaled`).
 
     Raises
     ------
@@ -1315,7 +1316,7 @@ def _rescaled(cluster, host_split: bool = False):
     import dataclasses
 
     from autoplan.hardware import NodeGroup, compose_cluster
-    from autoplan.hardware.profiler import _reference_scales
+    from autoplan.hardware.profiler import _REFERENCE_SMALL_SHAPE, _reference_scales
     profile = cluster.profile_of(0)
     overhead = profile.device.op_overhead
     if overhead is None or overhead.layer_forward_scale is None:
@@ -1325,10 +1326,13 @@ def _rescaled(cluster, host_split: bool = False):
     if timing is None:
         return cluster, None
     small = _SMALL_TIMING.search(source) if host_split else None
+    seconds = [float(t) / 1e3 for t in timing.groups()]
+    if small:       # (micro-batch, sequence, forward ms, backward ms)
+        seconds += [float(t) / 1e3 for t in small.groups()[2:]]
     fwd, bwd, _, host = _reference_scales(
-        profile.device, tuple(float(t) / 1e3 for t in timing.groups()
-                              + (small.groups()[2:] if small else ())),
-        **({"small_shape": (int(small.group(1)), int(small.group(2)))} if small else {}))
+        profile.device, tuple(seconds),
+        small_shape=(int(small.group(1)), int(small.group(2))) if small
+        else _REFERENCE_SMALL_SHAPE)
     device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
         overhead, layer_forward_scale=fwd, layer_backward_scale=bwd,
         host_forward_scale=host[0] if host else None,

@@ -2140,7 +2140,7 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                          f"{reference[2] * 1e3:.2f} ms more forward + backward, less "
                          f"{ops_s * 1e3:.2f} ms for their operators at the per-operator figure, "
                          f"over the {nbytes / 2**20:.1f} MiB they save without recompute")
-        if fit is not None and host is not None:
+        if host is not None:
             split = (f"; and on {small_b} x {small_seq} tokens timed whole "
                      f"({reference[3] * 1e3:.2f} ms forward, {reference[4] * 1e3:.2f} ms "
                      f"backward): the price's host work and the rest fitted to both would "
