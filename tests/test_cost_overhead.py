@@ -894,8 +894,9 @@ def test_a_shared_core_pipelines_collective_waits_do_not_speed_up(graph):
     other's ranks wait, and the working ranks' compute runs at a whole core's speed (twice
     the every-rank-busy figures), but not their tensor-parallel collectives' waits: the
     critical path is the stages' forward + backward times (1/2 + 1/2 x the critical
-    stage's exposed tensor-parallel share), unless one stage's work at the every-rank-busy
-    speed is longer.  Without tensor parallelism the whole path speeds up."""
+    stage's exposed tensor-parallel share), unless one stage's work at the speed of the
+    ranks that run at once (one stage's two, a core each: 1/2) is longer.  Without tensor
+    parallelism the whole path speeds up."""
     opts = dataclasses.replace(NO_AUTOCAST, step_loss_all_reduce=False)
     for tp in (1, 2):
         s = Strategy(tp=tp, pp=2, dp=2 // tp, micro_batch=4 // (2 // tp), global_batch=4,
@@ -906,8 +907,28 @@ def test_a_shared_core_pipelines_collective_waits_do_not_speed_up(graph):
         crit = max(range(2), key=lambda p: per_mb[p])
         share = e.breakdown["tp_comm_s"] / per_mb[crit]
         assert (share > 0) == (tp == 2)
-        expected = max(sum(per_mb) * (0.5 + 0.5 * share), per_mb[crit])
+        expected = max(sum(per_mb) * (0.5 + 0.5 * share), per_mb[crit] / 2)
         assert e.breakdown["bubble_s"] + per_mb[crit] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_fewer_micro_batches_than_stages_run_fewer_ranks_at_once(graph, m):
+    """4 ranks on 2 cores, 4 stages of one rank each: with m micro-batches only min(m, 4)
+    stages ever run at once, so the busiest rank's work bounds the pipeline at the speed
+    of that many ranks on the 2 cores (a whole core each while they are no more than the
+    cores: 2/4 of the every-rank-busy figure for m <= 2, 3/4 for m = 3, all of it from
+    m = 4); the critical path at a whole core's speed bounds it too."""
+    from autoplan.cost import pipeline_time
+    from autoplan.strategy import Schedule
+
+    s = Strategy(pp=4, micro_batch=1, global_batch=m, schedule="gpipe", precision="fp32")
+    alone = estimate(graph, _shared(None), s, calibration=None, options=NO_OVERLAP)
+    shared = estimate(graph, _shared(2), s, calibration=None, options=NO_OVERLAP)
+    times = [st.forward_s + st.backward_s for st in alone.stages]
+    t_pipe = pipeline_time(Schedule.GPIPE, times, m)
+    speed = max(2, min(m, 4)) / 4
+    expected = max(t_pipe * 2 / 4, m * max(times) * speed)
+    assert alone.step_time_s - shared.step_time_s == pytest.approx(t_pipe - expected, rel=1e-9)
 
 
 def _cp_waits(graph, s: Strategy, **cluster) -> tuple:

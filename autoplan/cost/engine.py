@@ -940,11 +940,19 @@ class CostEngine:
                 # ranks sharing fewer cores: while a rank waits in the pipeline's bubble
                 # the others run faster than measured (every rank busy at once).  The
                 # step is bounded by the critical path at a whole core's speed and by
-                # the busiest rank's work at the measured speed.  (The total work over
-                # the ranks, m x the ranks' mean, never exceeds the latter.  The busiest
-                # rank's work at the all-busy speed is pessimistic where the others idle
-                # and lend it their cores, but it offsets what the pipelines leave
-                # unpriced: bounded by the total work instead, five confirm passes'
+                # the busiest rank's work at the speed of the ranks that can run at once:
+                # every rank where the pipeline fills (m >= pp); with fewer micro-batches
+                # than stages only m stages ever run at once, and their ranks share the
+                # cores with no others (one micro-batch: one stage's ranks, a core each
+                # where they are no more than the cores).  (That bound at every rank's
+                # speed whatever m: the four stored confirm passes of the 2-core AMD VM
+                # re-priced read 268 of 324 runs within 15% against 278; all 22 stored
+                # passes 1691 of 1782 against 1692, the Xeon's one-micro-batch ZeRO-2/3
+                # pipelines measuring slower than either prices, 2026-11-28.  The total
+                # work over the ranks, m x the ranks' mean, never exceeds the bound at
+                # every rank's speed, which is pessimistic where the others idle and
+                # lend the busiest rank their cores, but it offsets what the pipelines
+                # leave unpriced: bounded by the total work instead, five confirm passes'
                 # runs re-priced read 65, 70, 76, 55 and 68 of 81 within 15%, against
                 # 60, 74, 72, 70 and 78, 2026-11-26.)  The exposed tensor, context and
                 # expert-parallel collectives inside a stage's micro-batch are not CPU
@@ -968,7 +976,9 @@ class CostEngine:
                 waits = min(1.0, (c.tp_exposed + c.cp_exposed - c.cp_waits + c.ep_exposed)
                             / alone[crit]) if alone[crit] > 0 else 0.0
                 time_share = cores / ranks_on_node + (1 - cores / ranks_on_node) * waits
-                t_pipe = max(t_alone * time_share, m * max(times))
+                busy = ranks_on_node * min(m, pp) / pp
+                t_pipe = max(t_alone * time_share,
+                             m * max(times) * max(cores, busy) / ranks_on_node)
             # rank p finishes its last backward sum_{q<p} B_q before rank 0 (1F1B drain)
             tail, slack, tail_rank, hidden = 0.0, 0.0, 0, 0.0
             for p, rk in enumerate(ranks):
