@@ -386,6 +386,15 @@ def test_reprice_prices_a_stored_pass_with_its_profile(gpt_rows, profile4: Path,
     assert out.count(f"miss: gpt {a['label']} +20.0%") == 2
     assert "layouts measured in two or more whose error averages beyond 10%: 1" in out
     assert f"gpt {a['label']}: mean +20.0% over 2 (+20.0% to +20.0%)" in out
+    assert "repeatability" not in out                     # two passes: no ceiling
+
+    # from three passes, each priced by the others' measurements too: the same pass
+    # three times measured the same, and the unranked layout counts there
+    assert lt.main(["--models", "gpt"] + ["--reprice", str(stored), str(profile4)] * 3) == 0
+    out = capsys.readouterr().out
+    assert "the machine's own repeatability" in out
+    assert out.count(f"{stored}: 4 of 4 within 15% (4 at the pass's speed); this code 2 of "
+                     "3") == 3
 
 
 def test_reprice_says_what_is_wrong_with_its_input(profile4: Path, tmp_path: Path, capsys):
@@ -430,6 +439,31 @@ def test_the_stored_passes_still_load_and_price(gpt_rows):
         assert {r["model"] for r in priced} == set(lt.CONFIRM_MODELS), p.name
         assert len(priced) >= 0.9 * len(res["rows"]) and all(math.isfinite(r["error"])
                                                              for r in priced), p.name
+
+
+def test_repeatability_prices_each_layout_by_the_other_passes():
+    """The machine's own ceiling: each layout priced by the geometric mean of what it
+    measured in the other passes (at least two), times the pass's median ratio to those
+    figures; a layout that measured 40% apart in one pass misses there, and a pass that
+    ran uniformly 20% slower misses nothing."""
+    steady = {("gpt", f"layout {i}"): 0.1 * (i + 1) for i in range(5)}
+    slow = {k: 1.2 * v for k, v in steady.items()}
+    odd = {**steady, ("gpt", "layout 0"): 0.14}
+    once = {("llama", "only here"): 1.0}
+    got = lt.repeatability([steady, slow, {**odd, **once}, steady])
+    assert [len(c["keys"]) for c in got] == [5, 5, 5, 5]   # "only here": no other pass
+    assert got[1]["scale"] == pytest.approx(1.2)             # the others: 1 x steady
+    assert got[2]["scale"] == pytest.approx(1.2 ** (-1 / 3))  # the others: 1.2^(1/3) x
+    # "odd" priced at 0.1 against its 0.14; elsewhere its 0.14 moves layout 0 by 12%
+    assert [c["within_scaled"] for c in got] == [5, 5, 4, 5]
+    # without the pass's speed: "slow" priced 1/1.2 of what it measured, 16.7% off, but
+    # its layout 0 at 1.4^(1/3) x 0.1 within 7%; "steady" priced layout 0 at
+    # (1.2 x 1.4)^(1/3) x 0.1, 18.9% off
+    assert [c["within"] for c in got] == [4, 1, 4, 4]
+    # from the two others, (1.2 x 1.4)^(1/2) / 1.2^(1/2) x 0.1 = 0.118: 18% off
+    assert lt.repeatability([steady, slow, odd])[0]["within_scaled"] == 4
+    assert lt.repeatability([steady, once]) == [
+        {"keys": [], "scale": None, "within": 0, "within_scaled": 0}] * 2
 
 
 def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(profile4: Path):
