@@ -445,7 +445,8 @@ def test_repeatability_prices_each_layout_by_the_other_passes():
     """The machine's own ceiling: each layout priced by the geometric mean of what it
     measured in the other passes (at least two), times the pass's median ratio to those
     figures; a layout that measured 40% apart in one pass misses there, and a pass that
-    ran uniformly 20% slower misses nothing at its own speed (everything without it)."""
+    ran uniformly 20% slower misses nothing at its own speed, and without it whatever
+    the others measured 20% faster."""
     steady = {("gpt", f"layout {i}"): 0.1 * (i + 1) for i in range(5)}
     slow = {k: 1.2 * v for k, v in steady.items()}
     odd = {**steady, ("gpt", "layout 0"): 0.14}
