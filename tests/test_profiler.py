@@ -953,3 +953,90 @@ def test_the_fsdp_figures_are_a_line_through_two_unit_sizes():
     assert _line(1e6, 3e-3, 4e6, 9e-3) == pytest.approx((1e-3, 2e-9))
     assert _line(1e6, 3e-3, 4e6, 2e-3) == (3e-3, 0.0)
     assert _line(1e6, 1e-3, 4e6, 8e-3) == pytest.approx((0.0, 2e-9))
+
+
+def test_sigterm_interrupts_while_the_ranks_run():
+    """While ``_run_ranks`` has ranks out, SIGTERM raises KeyboardInterrupt (its ``finally``
+    stops them, as on Ctrl-C); the handler before it is back afterwards."""
+    import os
+    import signal
+
+    from autoplan.hardware.profiler import _terminate_as_interrupt
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _terminate_as_interrupt():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):      # the handler runs between bytecodes
+                pass
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of ``pid``'s living children that multiprocessing spawned (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_profile_leaves_no_rank_running(tmp_path, how):
+    """``autoplan profile`` stopped while its ranks measure: by SIGTERM (a ``kill``, a job
+    scheduler) it stops them as on Ctrl-C and says so (exit 130, no traceback); by SIGKILL
+    (no chance to) each rank sees its parent gone and ends within a second or so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ranks: list[int] = []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autoplan.cli", "profile", "--quick", "--nproc", "2",
+         "--device", "cpu", "--out", str(tmp_path / "p.yaml")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            ranks = _children(proc.pid)
+        assert len(ranks) == 2, "the profile never started its two ranks"
+        time.sleep(1.0)
+        os.kill(proc.pid, getattr(signal, how))
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 10
+        while any(_running(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(r) for r in ranks), f"ranks {ranks} still running after {how}"
+        if how == "SIGTERM":
+            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err)
+            assert "Traceback" not in err
+        assert not (tmp_path / "p.yaml").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        for r in ranks:       # (what a failure left: not the next test's load)
+            if _running(r):
+                os.kill(r, signal.SIGKILL)

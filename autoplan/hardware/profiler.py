@@ -84,10 +84,12 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -1066,9 +1068,28 @@ def _measure_elementwise(torch, timed: Callable[[Callable[[], Any]], float], dev
     return out
 
 
+#: Seconds between a rank's looks at whether the process that started it is still there.
+_PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this rank once the process that started it (pid ``parent``) is gone: killed
+    without the chance to stop its ranks (SIGKILL, a scheduler's hard limit), it would
+    leave them measuring, all cores busy, for minutes.  A daemon thread, waking every
+    :data:`_PARENT_POLL_S`."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="autoplan-parent-watch", daemon=True).start()
+
+
 def _worker(rank: int, world: int, init_method: str, backend: str, cuda: bool, threads: int,
-            plan: MeasurementPlan, result_dir: str, start: float) -> None:
-    """One rank: measure compute, memory and collectives; rank 0 writes ``result.json``."""
+            plan: MeasurementPlan, result_dir: str, start: float, parent: int) -> None:
+    """One rank: measure compute, memory and collectives; rank 0 writes ``result.json``.
+    It ends itself if ``parent`` (the launching process's pid) goes away."""
+    _exit_with_parent(parent)
     try:
         _worker_body(rank, world, init_method, backend, cuda, threads, plan, result_dir, start)
     except BaseException:  # report to the parent, which tears the others down
@@ -1899,21 +1920,44 @@ class ProfilingFailed(RuntimeError):
     """A rank failed or timed out; the message carries its traceback."""
 
 
+class _terminate_as_interrupt:
+    """While active (in the main thread), SIGTERM raises :class:`KeyboardInterrupt`, so that
+    a profile stopped by ``kill`` or a job scheduler stops its ranks as Ctrl-C does rather
+    than leaving them running; the previous handler is restored on exit."""
+
+    def __enter__(self) -> "_terminate_as_interrupt":
+        self.installed = threading.current_thread() is threading.main_thread()
+        if self.installed:
+            self.previous = signal.signal(signal.SIGTERM, self._interrupt)
+        return self
+
+    @staticmethod
+    def _interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:   # (None: a handler not set from Python; the default then)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None
+                          else self.previous)
+
+
 def _run_ranks(nproc: int, backend: str, cuda: bool, threads: int, plan: MeasurementPlan,
                timeout_s: float, start: float) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="autoplan-profile-") as result_dir:
+    with tempfile.TemporaryDirectory(prefix="autoplan-profile-") as result_dir, \
+            _terminate_as_interrupt():
         init = f"tcp://127.0.0.1:{_free_port()}"
         procs = [ctx.Process(target=_worker, args=(r, nproc, init, backend, cuda, threads, plan,
-                                                   result_dir, start), daemon=False)
+                                                   result_dir, start, os.getpid()),
+                             daemon=False)
                  for r in range(nproc)]
-        for p in procs:
-            p.start()
         deadline = time.monotonic() + timeout_s
         failure = None
         try:
+            for p in procs:
+                p.start()
             while True:
                 codes = [p.exitcode for p in procs]
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
@@ -1927,10 +1971,12 @@ def _run_ranks(nproc: int, backend: str, cuda: bool, threads: int, plan: Measure
                     break
                 time.sleep(0.05)
         finally:
-            for p in procs:  # the survivors of a failure, or everyone on Ctrl-C
+            for p in procs:  # the survivors of a failure, or everyone on Ctrl-C or SIGTERM
                 if p.is_alive():
                     p.terminate()
             for p in procs:
+                if p.pid is None:   # interrupted before it started
+                    continue
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
