@@ -1076,7 +1076,7 @@ def _exit_with_parent(parent: int) -> None:
     """End this rank once the process that started it (pid ``parent``) is gone: killed
     without the chance to stop its ranks (SIGKILL, a scheduler's hard limit), it would
     leave them measuring, all cores busy, for minutes.  A daemon thread, waking every
-    :data:`_PARENT_POLL_S`."""
+    :data:`_PARENT_POLL_S` seconds."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
