@@ -78,6 +78,7 @@ Without ``--out`` the profile goes to ``$AUTOPLAN_HOME/profiles/local-<host>.yam
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -95,7 +96,7 @@ import traceback
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
@@ -1920,25 +1921,23 @@ class ProfilingFailed(RuntimeError):
     """A rank failed or timed out; the message carries its traceback."""
 
 
-class _terminate_as_interrupt:
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
     """While active (in the main thread), SIGTERM raises :class:`KeyboardInterrupt`, so that
     a profile stopped by ``kill`` or a job scheduler stops its ranks as Ctrl-C does rather
     than leaving them running; the previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    def __enter__(self) -> "_terminate_as_interrupt":
-        self.installed = threading.current_thread() is threading.main_thread()
-        if self.installed:
-            self.previous = signal.signal(signal.SIGTERM, self._interrupt)
-        return self
-
-    @staticmethod
-    def _interrupt(signum, frame) -> None:
+    def interrupt(signum, frame) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    def __exit__(self, *exc) -> None:
-        if self.installed:   # (None: a handler not set from Python; the default then)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if self.previous is None
-                          else self.previous)
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:    # (None: a handler not set from Python; the default then)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _run_ranks(nproc: int, backend: str, cuda: bool, threads: int, plan: MeasurementPlan,
