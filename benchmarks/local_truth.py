@@ -100,7 +100,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import math
 import os
 import re
 import socket
@@ -1370,14 +1369,14 @@ def repeatability(passes: list[dict[tuple[str, str], float]]) -> list[dict]:
         for key in sorted(measured):
             seen = [q[key] for q in others if key in q]
             if len(seen) >= 2:
-                mean[key] = math.exp(statistics.fmean(math.log(t) for t in seen))
-        if not mean:
-            out.append({"keys": [], "scale": None, "within": 0, "within_scaled": 0})
-            continue
-        scale = statistics.median(measured[k] / mean[k] for k in mean)
-        out.append({"keys": list(mean), "scale": scale, "within": sum(
-            abs(mean[k] / measured[k] - 1) <= TIME_TARGET for k in mean), "within_scaled": sum(
-            abs(scale * mean[k] / measured[k] - 1) <= TIME_TARGET for k in mean)})
+                mean[key] = statistics.geometric_mean(seen)
+        scale = statistics.median(measured[k] / mean[k] for k in mean) if mean else None
+
+        def held(s: float) -> int:
+            return sum(abs(s * mean[k] / measured[k] - 1) <= TIME_TARGET for k in mean)
+
+        out.append({"keys": list(mean), "scale": scale, "within": held(1.0),
+                    "within_scaled": held(scale) if mean else 0})
     return out
 
 
