@@ -975,29 +975,34 @@ def test_sigterm_interrupts_while_the_ranks_run():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def _state_and_parent(pid: int | str) -> tuple[str, int] | None:
+    """A process's state letter and parent pid from Linux's /proc, or None once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def _children(pid: int) -> list[int]:
     """The pids of ``pid``'s living children that multiprocessing spawned (Linux /proc)."""
     out = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        got = _state_and_parent(entry.name) if entry.name.isdigit() else None
+        if got is None or got[1] != pid or got[0] == "Z":
             continue
         try:
-            stat = (entry / "stat").read_text()
             cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
+        if b"spawn_main" in cmd:
             out.append(int(entry.name))
     return out
 
 
 def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    got = _state_and_parent(pid)
+    return got is not None and got[0] != "Z"
 
 
 @pytest.mark.slow
