@@ -31,11 +31,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .cpu_heap import keep_cpu_heap
 from .loss import token_cross_entropy
 from ..errors import ConfigError, PlanMismatchError
-from ..graph import LayerKind, ModelGraph
+from ..graph import LayerKind, LinearRole, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
 from ..strategy import Precision, Recompute, Strategy, uses_ddp
@@ -164,6 +165,9 @@ class ParallelModel:
     steps: int = 0
     tied: Any = None                     # TiedGrads of cross-stage tied parameters
     aliases: dict[str, str] = field(default_factory=dict)   # stage copy -> canonical name
+    #: The logits stay sharded over the vocabulary and the loss runs under torch's
+    #: ``loss_parallel`` (the built-in loss under tensor parallelism)
+    vocab_parallel: bool = False
 
     # ------------------------------------------------------------ coordinates
     @property
@@ -235,6 +239,15 @@ class ParallelModel:
             out = part(input_ids=x, use_cache=False) if self.hf else part(x)
         return model_output(out)
 
+    def _loss_context(self):
+        """torch's ``loss_parallel`` around a loss and its backward over vocabulary-sharded
+        logits (:attr:`vocab_parallel`)."""
+        if not self.vocab_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def step(self, batch: Any) -> float:
         """One training step on the global ``batch``; returns the mean loss over it on every rank."""
         inputs, targets = self._local(batch)
@@ -253,11 +266,11 @@ class ParallelModel:
                 set_micro_batch_sync(part, last)
                 sync = (part.no_sync() if isinstance(part, nn.parallel.DistributedDataParallel)
                         and not last else contextlib.nullcontext())
-                with sync:
+                with sync, self._loss_context():
                     loss = self.loss_fn(self._forward(part, x), y)
                     (loss * (weight / m if i < m else 0.0)).backward()
                 if i < m:
-                    total += loss.detach().double()
+                    total += _local_value(loss).detach().double()
             local = total / m
         else:
             if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
@@ -274,11 +287,12 @@ class ParallelModel:
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, to merge them for a caller that
             # only needs the losses
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            with self._loss_context():
+                self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.tied is not None:
                 self.tied()
             # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
-            local = (torch.stack([l.detach().double() for l in losses]).sum() / weight
+            local = (torch.stack([_local_value(l).detach().double() for l in losses]).sum() / weight
                      if self.holds_loss else torch.zeros((), dtype=torch.float64,
                                                          device=self.device))
         reduce_partial_grads(self.parts)
@@ -469,6 +483,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
     banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn)
+    # the built-in loss over logits sharded on the vocabulary (torch's loss_parallel): no
+    # rank gathers the whole logits; a loss of the user's gets them whole
+    vocab_parallel = (loss_fn is None and uniform_degrees(plan)[0] > 1
+                      and any(l.role is LinearRole.VOCAB_HEAD
+                              for layer in graph.layers for l in layer.tp.linears))
     loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
     optimizer = optimizer or default_optimizer
     # ---- no collective before this point (but for a Cluster's plan broadcast)
@@ -485,11 +504,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         parts, ties = _build_stages(model, graph, plan, stage_ids, seq_len)
     for i, s in enumerate(stage_ids):
         parts[i] = _apply_parallelisms(parts[i], plan.stages[s].layers, model, graph, plan,
-                                       mesh, seq_len, banks, expert_mesh)
+                                       mesh, seq_len, banks, expert_mesh, vocab_parallel)
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
-                       hf=is_hf(model))
+                       hf=is_hf(model), vocab_parallel=vocab_parallel)
     if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm
@@ -581,7 +600,8 @@ def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
 def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
                         graph: ModelGraph, plan: Plan, mesh: DeviceMesh,
                         seq_len: int | None, banks: Sequence[ExpertBank] = (),
-                        expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None) -> nn.Module:
+                        expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None,
+                        vocab_parallel: bool = False) -> nn.Module:
     """Tensor/sequence parallelism, expert parallelism, then activation checkpointing,
     then data parallelism on one part (the model or a stage) holding the layers ``names``."""
     kinds = {l.name: l.kind for l in graph.layers}
@@ -593,7 +613,8 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
         first_block = next((l.name for l in graph.layers if l.kind is LayerKind.BLOCK), None)
         apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
                  sequence_parallel=sp, first_block=first_block,
-                 region_kwargs=adapter.region_kwargs if adapter is not None else {})
+                 region_kwargs=adapter.region_kwargs if adapter is not None else {},
+                 vocab_parallel_loss=vocab_parallel)
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], seq_len=seq_len)
     # (MoE layers are not tensor-parallel: an ep group holds ranks of one tp index)
@@ -687,6 +708,11 @@ def _root_view_warning_silenced(root: nn.Module):
         warnings.filterwarnings("ignore", category=UserWarning, message=(
             rf"FSDP2-wrapped module \({re.escape(type(root).__name__)}\) returned a view"))
         yield
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

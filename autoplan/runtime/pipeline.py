@@ -232,6 +232,33 @@ def build_schedule(schedule: Schedule, stages: list[PipelineStage], num_micro_ba
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+class _ZeroStage(PipelineStage):
+    """A pipeline stage whose FSDP2 units reduce and reshard after each micro-batch's
+    backward as their ZeRO stage asks (:func:`autoplan.runtime.fsdp.set_micro_batch_sync`:
+    ZeRO-2 and ZeRO-3 reduce-scatter every micro-batch, ZeRO-3 reshards), as the cost
+    model prices them.  torch's stage runs every backward without reduction or resharding
+    and reduces once at the step's end (``REDUCE_GRAD``), which keeps every unit's
+    gathered weights and whole gradients until then: ZeRO-2 and ZeRO-3 would save no
+    memory under a pipeline.  The step's ``REDUCE_GRAD`` then reduces what is left (the
+    ZeRO-0/1 units; a unit already reduced has nothing pending).  Split backwards
+    (zero-bubble schedules' input and weight passes) keep torch's handling."""
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
+                                   last_backward: bool = False):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.pipelining.stage import stage_backward
+
+        from .fsdp import set_micro_batch_sync
+
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)
+        set_micro_batch_sync(self.submod, last=False)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
+
+
 def make_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device,
                group) -> PipelineStage:
-    return PipelineStage(module, stage_index, num_stages, device, group=group)
+    return _ZeroStage(module, stage_index, num_stages, device, group=group)
