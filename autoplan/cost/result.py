@@ -7,9 +7,10 @@ Every record round-trips through JSON exactly (:class:`~autoplan.records.Record`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..records import Record
+from ..records import TRANSIENT, Record
 
 __all__ = ["MemoryBreakdown", "StageEstimate", "Estimate", "BREAKDOWN_KEYS", "COMM_KINDS"]
 
@@ -106,6 +107,10 @@ class Estimate(Record):
     fits: bool
     memory_fraction: float
     notes: tuple[str, ...] = ()
+    #: What every device moves over each group and computes in the step, as priced
+    #: (:class:`autoplan.cost.ledger.Ledger`); carried in memory, not in JSON (a plan's
+    #: file stays as it was; ``CostEngine.ledger`` rebuilds it)
+    ledger: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
 
     def stage_table(self):
         """One row per pipeline rank (pandas DataFrame): time, memory by kind, fit."""
