@@ -610,7 +610,8 @@ def _build_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
 
 
-_register("demo", "plan GPT-3 175B on 1024 A100 GPUs (offline) and explain the choice",
+_register("demo", "plan GPT-3 175B on 1024 A100 GPUs and explain the choice (offline, "
+                  "10-20 s on 2 cores)",
           _build_demo, _cmd_demo)
 _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd_trace)
 _register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
