@@ -716,7 +716,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     if moe:
         # what autoplan.parallelize runs on MoE blocks: no sequence parallelism (their
         # experts stay whole on every tp rank), no selective recompute (a Hugging Face MoE
-        # block's operators differ from the captured ones); see the README's limitations
+        # block's operators differ from the captured ones); see docs/limitations.md
         space = replace(space, sequence_parallel=(False,),
                         recompute=tuple(r for r in space.recompute if r is not Recompute.SELECTIVE))
     options = replace(options or CostOptions(), memory_fraction=memory_fraction)
