@@ -68,8 +68,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .cost.summary import GraphSummary
     from .hardware import Cluster
 
-__all__ = ["ClusterSummary", "ModelFingerprint", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS",
-           "even_block_counts", "chunk_bounds", "expert_counts", "split_layers"]
+__all__ = ["ClusterSummary", "ModelFingerprint", "MeshPlan", "StagePlan", "LayerPlacement", "Plan",
+           "MESH_DIMS", "even_block_counts", "chunk_bounds", "expert_counts", "split_layers"]
 
 #: Mesh dimensions, outermost first.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -498,8 +498,9 @@ class Plan(Record):
                 diffs.append(f"{len(mine)} layers (this model: {len(theirs)}), "
                              f"e.g. {sorted(set(mine) ^ set(theirs))[0]!r} in one only")
         if diffs:
-            raise PlanMismatchError(f"the plan was made for another model: {'; '.join(diffs[:3])}; "
-                                    "make a plan for this model (autoplan plan MODEL ...)")
+            raise PlanMismatchError("the plan was made for another model: "
+                                    f"{'; '.join(diffs[:3])}; make a plan for this model "
+                                    "(autoplan plan MODEL ...)")
 
     def check(self, graph: ModelGraph, cluster: "Cluster") -> None:
         """Raise :class:`PlanMismatchError` unless this plan fits ``graph`` and ``cluster``."""

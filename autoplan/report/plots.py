@@ -129,8 +129,8 @@ def plot_schedule(plan: Any, *, estimate: Estimate | None = None, path: str | No
         gid ``"kind/rank/chunk"`` (``"comm/rank/0"`` for the communication hatch).
     """
     tl = schedule_timeline(plan, estimate)
-    return _draw_timeline(tl, title=f"{model_name(plan)}: {plan_label(plan)}", path=path, width=width,
-                          label_micro_batches=label_micro_batches)
+    return _draw_timeline(tl, title=f"{model_name(plan)}: {plan_label(plan)}", path=path,
+                          width=width, label_micro_batches=label_micro_batches)
 
 
 def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
