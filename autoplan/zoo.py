@@ -18,13 +18,14 @@ import difflib
 import importlib.util
 import inspect
 import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, UserCodeError
 
 __all__ = ["ZOO", "TITLES", "ZooEntry", "build_model", "model_title", "parse_model_args", "trace"]
 
@@ -262,11 +263,8 @@ def _hf_fields(cfg_cls: type) -> tuple[dict[str, Any], dict[str, Any], dict[str,
 
 def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtype: torch.dtype,
               device: str = "meta", preset: Mapping[str, Any] | None = None) -> nn.Module:
-    try:
-        import transformers as tf
-    except ImportError:
-        raise ConfigError("hf: and zoo: models need the transformers package: "
-                          "pip install 'autoplan[hf]'") from None
+    from ._optional import require
+    tf = require("transformers", "zoo: and hf: models")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"unknown Hugging Face model type {model_type!r}"
@@ -318,15 +316,53 @@ def _file_model(spec: str, overrides: dict[str, Any]) -> nn.Module:
     module_spec = importlib.util.spec_from_file_location("_autoplan_user_model", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: their error, one line
+        raise user_code_error(exc, path, "importing the file") from exc
     factory: Callable | None = getattr(module, func, None)
     if factory is None:
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ConfigError(f"{path} has no function {func!r}{_closest(func, names)}")
-    model = factory(**overrides)
+    try:
+        model = factory(**overrides)
+    except Exception as exc:  # noqa: BLE001 - the user's factory: their error, one line
+        raise user_code_error(exc, path, f"calling {func}()") from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{spec} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def user_code_error(exc: BaseException, path: str, doing: str) -> UserCodeError:
+    """``exc``, raised by the user's code in ``path`` while ``doing`` something, as one line
+    that names the file and line in that code where it happened (the innermost frame
+    there; a syntax error's own position), the exception's type and its message.
+
+    Examples
+    --------
+    >>> err = user_code_error(ValueError("bad width"), "model.py", "calling make()")
+    >>> str(err)
+    'your model code failed (calling make()): model.py: ValueError: bad width'
+    """
+    line, where = None, ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        same = os.path.realpath(exc.filename) == os.path.realpath(path)
+        file, line = (path if same else exc.filename), exc.lineno
+        message = exc.msg
+    else:
+        file = path
+        mine = os.path.realpath(path)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if os.path.realpath(f.filename) == mine]
+        if frames:
+            line, where = frames[-1].lineno, f", in {frames[-1].name}"
+        message = str(exc)
+    message = " ".join(message.split())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    at = f"{file}, line {line}{where}" if line is not None else file
+    return UserCodeError(f"your model code failed ({doing}): {at}: {type(exc).__name__}"
+                         + (f": {message}" if message else ""), file=file, line=line)
 
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None,

@@ -401,7 +401,7 @@ class Stack:
     """A named software stack: what its implementation overlaps and fuses.
 
     ``settings`` are :class:`CostOptions` implementation fields; ``assumes`` says in
-    words what the stack runs (documented in the README's table of stacks).
+    words what the stack runs (documented in docs/stacks-and-precision.md).
     """
 
     name: str

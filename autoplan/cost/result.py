@@ -132,14 +132,30 @@ class Estimate(Record):
         return pd.DataFrame(rows)
 
     def summary(self) -> str:
-        """One line: step time, throughput, MFU, peak memory."""
-        fit = "fits" if self.fits else "DOES NOT FIT"
+        """One line: step time, throughput, MFU, peak memory and whether it fits: the
+        planning limit (``memory_fraction`` of a device) or the device itself."""
+        fit = "fits" if self.fits else self._misfit()
         # a CPU "device" runs at GFLOP/s: print what it does, not "0 TFLOP/s"
         rate = (f"{self.model_tflops_per_gpu:.0f} TFLOP/s/GPU" if self.model_tflops_per_gpu >= 1
                 else f"{self.model_tflops_per_gpu * 1e3:.3g} GFLOP/s/device")
         return (f"step {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tok/s, "
                 f"{rate}, MFU {self.mfu:.1%}, "
                 f"peak {self.peak_memory_bytes / 2**30:.1f} GiB ({fit})")
+
+    def _misfit(self) -> str:
+        """What a layout that does not fit exceeds: the device, or only the planning limit
+        (75.4 GiB on an 80 GiB A100 is over 90% of it, not over the card)."""
+        if not self.stages:
+            return "DOES NOT FIT"
+        worst = max(self.stages, key=lambda s: s.peak_memory_bytes / s.memory_capacity_bytes)
+        cap = worst.memory_capacity_bytes / 2**30
+        if worst.peak_memory_bytes > worst.memory_capacity_bytes:
+            return f"DOES NOT FIT the {cap:.3g} GiB device"
+        limit = cap * self.memory_fraction
+        if worst.peak_memory_bytes / 2**30 > limit:
+            return (f"over the planning limit, {self.memory_fraction:.0%} of {cap:.3g} GiB = "
+                    f"{limit:.1f} GiB; the {cap:.3g} GiB device holds it")
+        return "DOES NOT FIT"
 
     def report(self) -> str:
         """Several lines: the summary, the breakdown and the per-stage table."""

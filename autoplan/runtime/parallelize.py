@@ -104,6 +104,7 @@ def resolve_plan(model: nn.Module, target: Any, graph: ModelGraph, *, world_size
                               f"global_batch={target.global_batch}; they must agree")
         plan = plan_of(target, graph, world_size=world_size)
     elif isinstance(target, Plan):
+        target.check_model(graph)      # one line saying what differs, for another model's plan
         plan = target
     elif isinstance(target, Cluster):
         if global_batch is None:
