@@ -1,0 +1,141 @@
+"""Shared pieces of the sparse runtime's parity tests (importable by spawned ranks).
+
+:class:`ParityModel` holds one table per placement the runtime runs (table-, row- and
+column-wise in device memory, data-parallel, host memory with and without a device cache,
+table- and row-wise on parameter servers, and an ``nn.Embedding`` with a row per id),
+sum and mean pooling, and a small dense part.  :func:`reference` trains it in one
+process on the whole global batch (AdamW for the dense part, the sparse optimizer's
+reference for the tables); :func:`worker` trains the same steps under a plan and returns
+its losses and, on rank 0, every table and dense parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoplan.sparse.optim import SparseOptimizerConfig, reference_optimizer
+
+GLOBAL_BATCH = 12
+DIM = 8
+STEPS = 3
+ATOL = 1e-5
+DENSE_LR = 1e-2
+SPARSE_LR = 0.1
+#: name -> (rows, ids per sample, pooling); "seq" is an nn.Embedding (a row per id)
+TABLES = {
+    "tw": (40, 3, "sum"), "rw": (37, 4, "sum"), "cw": (30, 2, "mean"), "dp": (10, 2, "sum"),
+    "ps_tw": (50, 3, "sum"), "ps_rw": (45, 3, "mean"), "host": (25, 2, "sum"),
+    "cached": (60, 4, "sum"), "seq": (20, 2, "none"),
+}
+
+
+class ParityModel(nn.Module):
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(4, DIM), nn.ReLU())
+        self.tables = nn.ModuleDict({
+            name: (nn.Embedding(rows, DIM, sparse=sparse) if mode == "none"
+                   else nn.EmbeddingBag(rows, DIM, mode=mode, sparse=sparse))
+            for name, (rows, _, mode) in TABLES.items()})
+        self.top = nn.Sequential(nn.Linear(DIM * (len(TABLES) + 1), 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        parts = ids.split([hot for _, hot, _ in TABLES.values()], dim=1)
+        pooled = []
+        for (name, (_, _, mode)), part in zip(TABLES.items(), parts):
+            out = self.tables[name](part)
+            pooled.append(out.mean(dim=1) if mode == "none" else out)
+        return self.top(torch.cat([self.bottom(dense), *pooled], dim=1)).squeeze(-1)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(out, y)
+
+
+def make_model(sparse: bool = False) -> ParityModel:
+    torch.manual_seed(0)
+    return ParityModel(sparse=sparse)
+
+
+def batch(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    dense = torch.randn(GLOBAL_BATCH, 4, generator=g)
+    cols = []
+    for rows, hot, _ in TABLES.values():
+        # skewed ids: the lowest ids (the "hot" rows of a frequency-ranked vocabulary) most
+        u = torch.rand(GLOBAL_BATCH, hot, generator=g)
+        cols.append((u ** 2 * rows).long().clamp(max=rows - 1))
+    targets = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g).float()
+    return (dense, torch.cat(cols, dim=1)), targets
+
+
+def example_inputs():
+    return batch(0)[0]
+
+
+def config(kind: str) -> SparseOptimizerConfig:
+    return SparseOptimizerConfig(kind=kind, lr=SPARSE_LR)
+
+
+def reference(kind: str, steps: int = STEPS,
+              default_lr: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the whole global batch: losses, final parameters."""
+    from autoplan.runtime.optim import default_optimizer
+
+    model = make_model(sparse=kind == "adam")
+    tables = [m.weight for m in model.tables.values()]
+    ids = {id(p) for p in tables}
+    dense = default_optimizer([p for p in model.parameters() if id(p) not in ids], lr=DENSE_LR)
+    sparse = reference_optimizer(SparseOptimizerConfig(kind=kind) if default_lr else config(kind),
+                                 tables)
+    losses = []
+    for s in range(steps):
+        (x, i), y = batch(s)
+        loss = loss_fn(model(x, i), y)
+        loss.backward()
+        dense.step()
+        sparse.step()
+        dense.zero_grad(set_to_none=True)
+        sparse.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def worker(rank: int, world: int, plan_json: str, kind: str, steps: int = STEPS,
+           default_lr: bool = False) -> dict | None:
+    """One rank of a job running ``plan_json``: losses, and on rank 0 the state.
+
+    ``default_lr``: through :func:`autoplan.parallelize` with the sparse optimizer's
+    default hyper-parameters; otherwise :func:`parallelize_sparse` with :data:`SPARSE_LR`.
+    """
+    import functools
+
+    import autoplan
+    from autoplan.runtime.optim import default_optimizer
+    from autoplan.sparse import SparsePlan
+    from autoplan.sparse.runtime import parallelize_sparse
+
+    plan = SparsePlan.from_json(plan_json)
+    model = make_model()
+    dense_opt = functools.partial(default_optimizer, lr=DENSE_LR)
+    if default_lr:
+        pm = autoplan.parallelize(model, plan, loss_fn=loss_fn, optimizer=dense_opt)
+    else:
+        pm = parallelize_sparse(model, plan, loss_fn=loss_fn, optimizer=dense_opt,
+                                sparse_optimizer=config(kind))
+    if pm.is_server:
+        return None
+    losses = [pm.step(batch(s)) for s in range(steps)]
+    weights = pm.table_weights()
+    dense = None
+    module = pm.module.module if isinstance(pm.module, nn.parallel.DistributedDataParallel) \
+        else pm.module
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+             for k, v in module.state_dict().items()}
+    cache = pm.cache_stats()
+    pm.close()
+    if rank == 0:
+        dense = state
+    return {"losses": losses, "tables": weights, "dense": dense, "cache": cache}
