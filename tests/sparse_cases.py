@@ -22,7 +22,7 @@ DIM = 8
 STEPS = 3
 ATOL = 1e-5
 DENSE_LR = 1e-2
-SPARSE_LR = 0.1
+SPARSE_LR = {"sgd": 5.0, "rowwise_adagrad": 0.1, "adam": 0.1}   # each moves every table
 #: name -> (rows, ids per sample, pooling); "seq" is an nn.Embedding (a row per id)
 TABLES = {
     "tw": (40, 3, "sum"), "rw": (37, 4, "sum"), "cw": (30, 2, "mean"), "dp": (10, 2, "sum"),
@@ -76,7 +76,7 @@ def example_inputs():
 
 
 def config(kind: str) -> SparseOptimizerConfig:
-    return SparseOptimizerConfig(kind=kind, lr=SPARSE_LR)
+    return SparseOptimizerConfig(kind=kind, lr=SPARSE_LR[kind])
 
 
 def reference(kind: str, steps: int = STEPS,
@@ -139,3 +139,45 @@ def worker(rank: int, world: int, plan_json: str, kind: str, steps: int = STEPS,
     if rank == 0:
         dense = state
     return {"losses": losses, "tables": weights, "dense": dense, "cache": cache}
+
+
+# ---------------------------------------------------------------------------- plans
+def graph():
+    from autoplan.sparse import trace_sparse
+
+    return trace_sparse(make_model(), example_inputs())
+
+
+def plan_json(graph, workers: int, servers: int, kind: str, layout: dict, zero: int = 0) -> str:
+    """A hand-made plan: ``layout`` maps table -> (sharding, storage, devices[, cache]),
+    priced on ``workers`` A100s of one node and ``servers`` CPU servers."""
+    from autoplan.hardware import load_cluster
+    from autoplan.sparse import TablePlacement, estimate_sparse
+
+    cluster = load_cluster("a100-sxm4-80gb", devices_per_node=workers)
+    if servers:
+        cluster = cluster.with_servers("cpu-server-2s-epyc", servers)
+    placements = [TablePlacement(f"tables.{name}", sh, st, tuple(dev), *rest)
+                  for name, (sh, st, dev, *rest) in layout.items()]
+    return estimate_sparse(graph, cluster, placements, global_batch=GLOBAL_BATCH, zero=zero,
+                           optimizer=kind, precision="fp32").to_json()
+
+
+def expected_hits(layout_devices: tuple[int, ...], cache_fraction: float, steps: int = STEPS) -> dict[int, int]:
+    """Device cache hits of the row-wise ``cached`` table per owner: the distinct rows of a
+    step's lookups whose local id falls in the shard's cached rows (lookups gather
+    distinct rows)."""
+    from autoplan.sparse import Sharding, Storage, TablePlacement
+
+    rows = TABLES["cached"][0]
+    p = TablePlacement("tables.cached", Sharding.ROW_WISE, Storage.HOST_CACHED, layout_devices,
+                       cache_fraction)
+    col = list(TABLES).index("cached")
+    start = sum(h for _, h, _ in list(TABLES.values())[:col])
+    hits = {d: 0 for d in layout_devices}
+    for s in range(steps):
+        ids = batch(s)[0][1][:, start:start + TABLES["cached"][1]].reshape(-1)
+        for sh in p.shards(rows, DIM):
+            local = ids[(ids >= sh.row0) & (ids < sh.row1)].unique() - sh.row0
+            hits[sh.owner] += int((local < round(cache_fraction * sh.rows)).sum())
+    return hits
