@@ -32,3 +32,6 @@ __all__ = ["Pooling", "Sharding", "Storage", "SparseOptimizer", "TablePlacement"
 from .placement import Prices, estimate_sparse, greedy_plan, plan_sparse, table_options
 
 __all__ += ["Prices", "estimate_sparse", "greedy_plan", "plan_sparse", "table_options"]
+from .report import ServerSpec, plan_frame, plan_text, sparse_whatif, whatif_text
+
+__all__ += ["ServerSpec", "plan_frame", "plan_text", "sparse_whatif", "whatif_text"]
