@@ -45,6 +45,10 @@ __all__ = ["Prices", "table_options", "plan_sparse", "greedy_plan", "estimate_sp
 _TICKS_PER_S = 1e8
 _KIB = 1024
 _ZERO_STAGES = (0, 1, 2, 3)
+#: The share of free device memory TorchRec's planner keeps from tables
+#: (``HeuristicalStorageReservation(percentage=0.15)``, torchrec/distributed/planner/
+#: storage_reservations.py); the greedy baseline does the same.
+_TORCHREC_HBM_RESERVE = 0.15
 #: Deterministic seconds CP-SAT gets at least per window of a large problem (less finds
 #: nothing beyond its hint on 64 tables of 16 devices).
 _WINDOW_TIME_S = 0.5
@@ -298,6 +302,10 @@ def _greedy(prob: _Problem, storages: frozenset[Storage] | None = None) -> list[
     storing rows in ``storages`` only, when given)."""
     m = prob.model
     hbm, host, srv = prob.capacities(0)
+    # as TorchRec's planner, tables take at most (1 - reserve) of the free device memory;
+    # the reserve is the last resort of a table that fits nowhere else
+    reserve = hbm * _TORCHREC_HBM_RESERVE
+    table_hbm = hbm - reserve
     load = np.zeros(len(m.workers))
     sload = np.zeros(len(m.servers))
     # (the order is TorchRec's: by the cheapest option of any storage)
@@ -306,10 +314,12 @@ def _greedy(prob: _Problem, storages: frozenset[Storage] | None = None) -> list[
     for i in order:
         t = prob.tables[i]
         dev_hbm = t.device_hbm()
-        fits = ((dev_hbm <= hbm).all(axis=1) & (t.host <= host).all(axis=1)
-                & (t.smem <= srv).all(axis=1))
+        rest = (t.host <= host).all(axis=1) & (t.smem <= srv).all(axis=1)
         if storages is not None:
-            fits &= t.storage_in(storages)
+            rest &= t.storage_in(storages)
+        fits = (dev_hbm <= table_hbm).all(axis=1) & rest
+        if not fits.any():
+            fits = (dev_hbm <= table_hbm + reserve).all(axis=1) & rest
         for group in t.groups:
             fitting = group[fits[group]]
             if not len(fitting):
@@ -320,7 +330,9 @@ def _greedy(prob: _Problem, storages: frozenset[Storage] | None = None) -> list[
             o = int(fitting[int(np.argmin(busy))])
             load += t.device_s()[o]
             sload += t.srv[o]
-            hbm -= dev_hbm[o]
+            table_hbm -= dev_hbm[o]
+            reserve += np.minimum(table_hbm, 0.0)       # what the reserve lent
+            table_hbm = np.maximum(table_hbm, 0.0)
             host -= t.host[o]
             srv -= t.smem[o]
             chosen[i] = o
