@@ -312,16 +312,13 @@ def _as_call(example_inputs: Any) -> tuple[tuple, dict]:
 
 
 def _samples(args: tuple, kwargs: dict) -> int:
+    """The samples of a batch: its first tensor's first dimension (a jagged 1-D ids input
+    with offsets may follow; the runtime, which splits every input by rows, wants
+    ``(samples, ids)`` tensors padded with the table's ``padding_idx``)."""
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
         raise InputError("example_inputs needs a tensor whose first dimension is the samples")
-    n = int(tensors[0].shape[0])
-    bad = [tuple(t.shape) for t in tensors if t.dim() == 0 or int(t.shape[0]) != n]
-    if bad:
-        raise InputError(f"every input's first dimension is the samples ({n} in the first); "
-                         f"got shapes {bad}: pass ids as (samples, ids per sample) tensors "
-                         "(pad bags of uneven length with the table's padding_idx)")
-    return n
+    return int(tensors[0].shape[0])
 
 
 def _to_meta(value: Any) -> Any:
