@@ -26,7 +26,7 @@ SPARSE_LR = {"sgd": 5.0, "rowwise_adagrad": 0.1, "adam": 0.1}   # each moves eve
 #: name -> (rows, ids per sample, pooling); "seq" is an nn.Embedding (a row per id)
 TABLES = {
     "tw": (40, 3, "sum"), "rw": (37, 4, "sum"), "cw": (30, 2, "mean"), "dp": (10, 2, "sum"),
-    "ps_tw": (50, 3, "sum"), "ps_rw": (45, 3, "mean"), "host": (25, 2, "sum"),
+    "ps_tw": (2000, 3, "sum"), "ps_rw": (3000, 3, "mean"), "host": (25, 2, "sum"),
     "cached": (60, 4, "sum"), "seq": (20, 2, "none"),
 }
 

@@ -128,3 +128,40 @@ def test_bad_plans_are_refused_by_name(graph):
         TablePlacement("t", Sh.DATA_PARALLEL, St.HOST, (0, 1))
     with pytest.raises(ConfigError, match="cache_fraction"):
         TablePlacement("t", Sh.TABLE_WISE, St.HOST_CACHED, (0,))
+
+
+def _tiny_cluster(graph, workers: int, servers: int, table_room: int, host_room: int):
+    """Devices with room for the dense part's peak and ``table_room`` bytes of tables
+    (and ``host_room`` bytes of host memory): a model whose tables fit no one device."""
+    import dataclasses
+
+    from autoplan.cost.constants import CostOptions
+    from autoplan.hardware import NodeGroup, compose_cluster, load_profile
+    from autoplan.sparse import SparseCostModel
+
+    base = load_profile("a100-sxm4-80gb")
+    probe = SparseCostModel(graph, compose_cluster([NodeGroup(base, 1)]).subset(range(workers)),
+                            global_batch=sc.GLOBAL_BATCH, precision="fp32", options=CostOptions())
+    peak = min(probe.dense(z)[1].stages[0].peak_memory_bytes for z in (0, 1, 2, 3))
+    tiny = dataclasses.replace(
+        base, name="tiny-gpu",
+        device=dataclasses.replace(base.device, memory_bytes=int(peak + table_room)),
+        host=dataclasses.replace(base.host, memory_bytes=int(host_room / 0.8)))
+    cluster = compose_cluster([NodeGroup(tiny, 1)], name="tiny").subset(range(workers))
+    return cluster.with_servers("cpu-server-2s-epyc", servers)
+
+
+def test_a_searched_plan_beyond_one_device_runs_in_parity_with_servers(graph):
+    from autoplan.sparse import Storage, plan_sparse
+
+    # two tables of 64 and 96 KiB beside small ones; each device has room for 16 KiB of
+    # rows and buffers, its node's host memory for 1 KiB: the search must keep the large
+    # tables on the servers and shard the others over the devices
+    cluster = _tiny_cluster(graph, 2, 2, table_room=16384, host_room=1024)
+    plan = plan_sparse(graph, cluster, global_batch=sc.GLOBAL_BATCH, precision="fp32",
+                       optimizer="rowwise_adagrad")
+    assert plan.estimate.fits
+    storages = {p.storage for p in plan.tables}
+    assert Storage.SERVER in storages and Storage.HBM in storages
+    out = run(sc.worker, 4, plan.to_json(), "rowwise_adagrad")
+    _check(out, "rowwise_adagrad")

@@ -41,9 +41,8 @@ from .tables import EmbeddingTable, SparseGraph
 
 __all__ = ["Prices", "table_options", "plan_sparse", "greedy_plan", "estimate_sparse"]
 
-#: Integer units of the CP-SAT model: time in 10 ns ticks, memory in KiB.
+#: Integer units of the CP-SAT model: time in 10 ns ticks, memory in bytes.
 _TICKS_PER_S = 1e8
-_KIB = 1024
 _ZERO_STAGES = (0, 1, 2, 3)
 #: The share of free device memory TorchRec's planner keeps from tables
 #: (``HeuristicalStorageReservation(percentage=0.15)``, torchrec/distributed/planner/
@@ -368,7 +367,9 @@ def _hint(prob: _Problem) -> list[int]:
             score = prob.objective(chosen, 0)
             if best is None or score < best[0]:
                 best = (score, chosen)
-    return best[1] if best is not None else _greedy(prob)
+    if best is None:        # no greedy start fits: CP-SAT starts from the cheapest options
+        return [int(np.argmin(t.perf)) for t in prob.tables]
+    return best[1]
 
 
 def _improve(prob: _Problem, chosen: list[int], zero: int,
@@ -422,8 +423,8 @@ def _ticks(values: np.ndarray) -> np.ndarray:
     return np.rint(values * _TICKS_PER_S).astype(np.int64)
 
 
-def _kib(values: np.ndarray) -> np.ndarray:
-    return np.ceil(values / _KIB).astype(np.int64)
+def _bytes(values: np.ndarray) -> np.ndarray:
+    return np.ceil(values).astype(np.int64)
 
 
 def _solve(prob: _Problem, hint: list[int], hint_zero: int, free: Sequence[int], *,
@@ -444,9 +445,9 @@ def _solve(prob: _Problem, hint: list[int], hint_zero: int, free: Sequence[int],
 
     fixed_dev = _ticks(held(lambda t: t.device_s(), n_dev))
     fixed_srv = _ticks(held(lambda t: t.srv, n_srv))
-    fixed_hbm = _kib(held(lambda t: t.device_hbm(), n_dev))
-    fixed_host = _kib(held(lambda t: t.host, n_node))
-    fixed_smem = _kib(held(lambda t: t.smem, n_srv))
+    fixed_hbm = _bytes(held(lambda t: t.device_hbm(), n_dev))
+    fixed_host = _bytes(held(lambda t: t.host, n_node))
+    fixed_smem = _bytes(held(lambda t: t.smem, n_srv))
 
     model = cp_model.CpModel()
     # Variables: x[t, o] = table t takes option o; y[t, k] = its option is of kind k;
@@ -490,25 +491,25 @@ def _solve(prob: _Problem, hint: list[int], hint_zero: int, free: Sequence[int],
         return cp_model.LinearExpr.weighted_sum(*terms)
 
     dev_time = collect(n_dev, lambda t: _ticks(t.own), lambda t: _ticks(t.base))
-    dev_mem = collect(n_dev, lambda t: _kib(t.hbm), lambda t: _kib(t.hbm_base))
+    dev_mem = collect(n_dev, lambda t: _bytes(t.hbm), lambda t: _bytes(t.hbm_base))
     srv_time = collect(n_srv, lambda t: _ticks(t.srv))
-    srv_mem = collect(n_srv, lambda t: _kib(t.smem))
-    host_mem = collect(n_node, lambda t: _kib(t.host))
+    srv_mem = collect(n_srv, lambda t: _bytes(t.smem))
+    host_mem = collect(n_node, lambda t: _bytes(t.host))
     zs = [z[s] for s in _ZERO_STAGES]
-    dense_kib = [int(_kib(np.array(prob.dense_hbm[s]))) for s in _ZERO_STAGES]
+    dense_bytes = [int(_bytes(np.array(prob.dense_hbm[s]))) for s in _ZERO_STAGES]
     for d in range(n_dev):
         # Every worker's embedding time is at most the busiest worker's.
         model.add(total(dev_time[d]) + int(fixed_dev[d]) <= busiest_worker)
         # Every device holds the dense part's peak at its ZeRO stage and its tables' shards.
-        model.add(cp_model.LinearExpr.weighted_sum(dev_mem[d][0] + zs, dev_mem[d][1] + dense_kib)
-                  + int(fixed_hbm[d]) <= int(m.devices[d].hbm_capacity // _KIB))
+        model.add(cp_model.LinearExpr.weighted_sum(dev_mem[d][0] + zs, dev_mem[d][1] + dense_bytes)
+                  + int(fixed_hbm[d]) <= int(m.devices[d].hbm_capacity))
     for n in range(n_node):
         # Every node's host memory holds its host-stored shards.
-        model.add(total(host_mem[n]) + int(fixed_host[n]) <= int(m.host_capacity(n) // _KIB))
+        model.add(total(host_mem[n]) + int(fixed_host[n]) <= int(m.host_capacity(n) ))
     for s in range(n_srv):
         # Every server's time is at most the busiest server's; its memory holds its shards.
         model.add(total(srv_time[s]) + int(fixed_srv[s]) <= busiest_server)
-        model.add(total(srv_mem[s]) + int(fixed_smem[s]) <= int(m.servers[s].capacity // _KIB))
+        model.add(total(srv_mem[s]) + int(fixed_smem[s]) <= int(m.servers[s].capacity))
 
     # Objective: the step (dense part + busiest worker + busiest server).
     dense_ticks = [int(_ticks(np.array(prob.dense_s[s]))) for s in _ZERO_STAGES]
@@ -677,22 +678,32 @@ def plan_sparse(graph: SparseGraph, cluster: Cluster | str, *, global_batch: int
     counts = range(len(m.servers) + 1) if objective == "cost" else [len(m.servers)]
     best: tuple[float, SparsePlan] | None = None
     for n in counts:
+        prob = _Problem.build(m, servers=n, **kw)
         try:
-            prob = _Problem.build(m, servers=n, **kw)
-            greedy = _greedy(prob)
+            baseline_s: float | None = _plan(prob, _greedy(prob), 0, "greedy").estimate.step_time_s
+        except InfeasiblePlan:
+            baseline_s = None     # the greedy baseline found no placement that fits
+        improved = _hint(prob)
+        try:
+            chosen, zero, status, bound = _search(prob, improved, window=window, seed=seed,
+                                                  max_deterministic_time_s=max_deterministic_time_s)
         except InfeasiblePlan:
             if n != counts[-1]:
                 continue          # too few servers rented: the next count may fit
             raise
-        baseline_s = _plan(prob, greedy, 0, "greedy").estimate.step_time_s
-        improved = _hint(prob)
-        chosen, zero, status, bound = _search(prob, improved, window=window, seed=seed,
-                                              max_deterministic_time_s=max_deterministic_time_s)
         plan = _plan(prob, chosen, zero, status, baseline_s, bound=bound)
         hinted = _plan(prob, improved, 0, f"hill climbing ({status} found nothing better)",
                        baseline_s, bound=bound)
-        if hinted.estimate.step_time_s < plan.estimate.step_time_s:
+        if hinted.estimate.fits and (hinted.estimate.step_time_s < plan.estimate.step_time_s
+                                     or not plan.estimate.fits):
             plan = hinted    # the integer model rounds: never return worse than its hint
+        if not plan.estimate.fits:
+            if n != counts[-1]:
+                continue
+            raise InfeasiblePlan(f"no placement of the {len(prob.tables)} tables that fits was "
+                                 f"found in {max_deterministic_time_s} deterministic seconds: add "
+                                 "devices, host memory or servers, or give the search more time",
+                                 binding="memory")
         score = plan.estimate.step_time_s * (prices.per_hour(m.cluster.num_devices, n)
                                              if objective == "cost" else 1.0)
         if best is None or score < best[0]:
