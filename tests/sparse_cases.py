@@ -181,3 +181,38 @@ def expected_hits(layout_devices: tuple[int, ...], cache_fraction: float, steps:
             local = ids[(ids >= sh.row0) & (ids < sh.row1)].unique() - sh.row0
             hits[sh.owner] += int((local < round(cache_fraction * sh.rows)).sum())
     return hits
+
+
+# ---------------------------------------------------------------------------- dense mode
+def dense_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The model of several inputs trained in one process, every parameter by AdamW."""
+    from autoplan.runtime.optim import default_optimizer
+
+    model = make_model()
+    opt = default_optimizer(model.parameters(), lr=DENSE_LR)
+    losses = []
+    for s in range(steps):
+        (x, i), y = batch(s)
+        loss = loss_fn(model(x, i), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def dense_worker(rank: int, world: int, zero: int, micro_batch: int) -> dict:
+    """The same model of several inputs under autoplan.parallelize's collective mode (its
+    tables replicated as weights): ``step(((dense, ids), targets))``."""
+    import functools
+
+    import autoplan
+    from autoplan.runtime.optim import default_optimizer
+
+    strategy = autoplan.Strategy(dp=world, micro_batch=micro_batch, global_batch=GLOBAL_BATCH,
+                                 zero=zero, precision="fp32")
+    pm = autoplan.parallelize(make_model(), strategy, example_inputs=example_inputs(),
+                              loss_fn=loss_fn,
+                              optimizer=functools.partial(default_optimizer, lr=DENSE_LR))
+    losses = [pm.step(batch(s)) for s in range(STEPS)]
+    return {"losses": losses, "state": pm.full_state_dict()}

@@ -165,3 +165,16 @@ def test_a_searched_plan_beyond_one_device_runs_in_parity_with_servers(graph):
     assert Storage.SERVER in storages and Storage.HBM in storages
     out = run(sc.worker, 4, plan.to_json(), "rowwise_adagrad")
     _check(out, "rowwise_adagrad")
+
+
+def test_a_model_of_several_inputs_under_the_collective_mode():
+    # parallelize + ParallelModel.step((inputs, targets)) with a tuple of inputs, split by
+    # rows into replicas and micro-batches, under DDP and under ZeRO-3
+    ref_losses, ref = sc.dense_reference()
+    for zero, micro in ((0, 3), (3, 6)):
+        out = run(sc.dense_worker, 2, zero, micro)
+        for o in out:
+            torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(ref_losses),
+                                       atol=sc.ATOL, rtol=sc.ATOL)
+        for k, v in out[0]["state"].items():
+            torch.testing.assert_close(v, ref[k], atol=sc.ATOL, rtol=sc.ATOL)
