@@ -90,15 +90,19 @@ def reference(kind: str, steps: int = STEPS,
     dense = default_optimizer([p for p in model.parameters() if id(p) not in ids], lr=DENSE_LR)
     sparse = reference_optimizer(SparseOptimizerConfig(kind=kind) if default_lr else config(kind),
                                  tables)
+    return _train(model, [dense, sparse], steps)
+
+
+def _train(model: nn.Module, optimizers: list, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` steps on the whole global batch: the losses and the final state."""
     losses = []
     for s in range(steps):
         (x, i), y = batch(s)
         loss = loss_fn(model(x, i), y)
         loss.backward()
-        dense.step()
-        sparse.step()
-        dense.zero_grad(set_to_none=True)
-        sparse.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -189,16 +193,7 @@ def dense_reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Te
     from autoplan.runtime.optim import default_optimizer
 
     model = make_model()
-    opt = default_optimizer(model.parameters(), lr=DENSE_LR)
-    losses = []
-    for s in range(steps):
-        (x, i), y = batch(s)
-        loss = loss_fn(model(x, i), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _train(model, [default_optimizer(model.parameters(), lr=DENSE_LR)], steps)
 
 
 def dense_worker(rank: int, world: int, zero: int, micro_batch: int) -> dict:

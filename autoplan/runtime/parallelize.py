@@ -207,8 +207,7 @@ class ParallelModel:
                 raise ConfigError("the batch of a non-token model is (inputs, targets), each with "
                                   "global_batch rows")
             inputs, targets = batch
-        from ..sparse.runtime import _rows_of, split_rows   # inputs: a tensor, tuple or dict
-        rows = _rows_of(inputs) | _rows_of(targets)
+        rows = _rows_of(inputs) | _rows_of(targets)     # inputs: a tensor, tuple or dict
         if rows != {plan.global_batch}:
             raise ConfigError(f"the batch has {sorted(rows)} rows; the plan's global batch "
                               f"is {plan.global_batch} (every input and target tensor has one "
@@ -471,7 +470,8 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     >>> # pm = parallelize(GPT(cfg), Strategy(dp=2, tp=2, global_batch=8, precision="fp32"), seq_len=16)
     >>> # loss = pm.step(ids)   # ids: (8, 16), the same on every rank
     """
-    if type(target).__name__ == "SparsePlan":
+    from ..sparse.plan import SparsePlan
+    if isinstance(target, SparsePlan):
         # an embedding-heavy model's plan (autoplan.sparse): sharded tables, servers
         from ..sparse.runtime import parallelize_sparse
         return parallelize_sparse(model, target, loss_fn=loss_fn, optimizer=optimizer)
@@ -705,11 +705,31 @@ def _root_view_warning_silenced(root: nn.Module):
         yield
 
 
+def split_rows(value: Any, lo: int, n: int, device: torch.device | None = None) -> Any:
+    """Rows ``[lo, lo + n)`` of every tensor in ``value`` (a tensor, tuple, list or dict)."""
+    if isinstance(value, torch.Tensor):
+        out = value[lo:lo + n]
+        return out.to(device) if device is not None else out
+    if isinstance(value, (tuple, list)):
+        return type(value)(split_rows(v, lo, n, device) for v in value)
+    if isinstance(value, dict):
+        return {k: split_rows(v, lo, n, device) for k, v in value.items()}
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
+def _rows_of(value: Any) -> set[int]:
+    """The first dimensions of every tensor in ``value`` (-1 for a scalar)."""
+    if isinstance(value, torch.Tensor):
+        return {int(value.shape[0])} if value.dim() else {-1}
+    if isinstance(value, (tuple, list, dict)):
+        parts = value.values() if isinstance(value, dict) else value
+        return set().union(*(_rows_of(v) for v in parts))
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
 def _micro_batches(value: Any, size: int) -> list[Any]:
     """``value`` (a tensor, or a tuple or dict of tensors) split into micro-batches of
     ``size`` rows."""
-    from ..sparse.runtime import _rows_of, split_rows
-
     rows = next(iter(_rows_of(value)))
     return [split_rows(value, lo, min(size, rows - lo)) for lo in range(0, rows, size)]
 

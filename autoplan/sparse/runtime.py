@@ -40,35 +40,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, PlanMismatchError
+from ..runtime.parallelize import _replace, _rows_of, split_rows
 from .optim import SparseOptimizerConfig, SparseUpdate
 from .plan import Pooling, Shard, Sharding, SparsePlan, Storage, TablePlacement
 from .server import PSClient, make_shards, serve
 from .tables import TABLE_MODULES
 
-__all__ = ["parallelize_sparse", "SparseParallelModel", "ShardedTable", "split_rows"]
-
-
-# ---------------------------------------------------------------------------- batches
-def split_rows(value: Any, lo: int, n: int, device: torch.device | None = None) -> Any:
-    """Rows ``[lo, lo + n)`` of every tensor in ``value`` (a tensor, tuple, list or dict)."""
-    if isinstance(value, torch.Tensor):
-        out = value[lo:lo + n]
-        return out.to(device) if device is not None else out
-    if isinstance(value, (tuple, list)):
-        return type(value)(split_rows(v, lo, n, device) for v in value)
-    if isinstance(value, dict):
-        return {k: split_rows(v, lo, n, device) for k, v in value.items()}
-    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
-
-
-def _rows_of(value: Any) -> set[int]:
-    if isinstance(value, torch.Tensor):
-        return {int(value.shape[0])} if value.dim() else {-1}
-    if isinstance(value, (tuple, list)):
-        return set().union(*(_rows_of(v) for v in value)) if value else set()
-    if isinstance(value, dict):
-        return set().union(*(_rows_of(v) for v in value.values())) if value else set()
-    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+__all__ = ["parallelize_sparse", "SparseParallelModel", "ShardedTable"]
 
 
 # ---------------------------------------------------------------------------- shards
@@ -499,15 +477,6 @@ class SparseParallelModel:
         for s in range(self.plan.num_servers):
             rt.client.stop(s)
         self.closed = True
-
-
-def _replace(root: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    holder = root.get_submodule(parent) if parent else root
-    if isinstance(holder, (nn.ModuleList, nn.ModuleDict)):
-        holder[name if isinstance(holder, nn.ModuleDict) else int(name)] = module
-    else:
-        setattr(holder, name, module)
 
 
 def _check(model: nn.Module, plan: SparsePlan) -> dict[str, nn.Module]:
