@@ -87,13 +87,18 @@ def test_host_memory_with_and_without_a_cache(model):
     cached = model.loads(t, _place(Sh.TABLE_WISE, St.HOST_CACHED, [0], 0.1))
     row = DIM * 4
     n = B * HOT
+    u = t.distinct_rows(n)
     link = model.devices[0].host_link_bw * k.host_link_efficiency
-    assert host.owner[0][0] == pytest.approx(n * row / link + B * row / model.devices[0].hbm_bw)
-    assert host.host == {0: pytest.approx(ROWS * (row + 4))}
-    # the cache holds the hot tenth: 90% of lookups hit it
     gather = model.devices[0].hbm_bw * k.hbm_gather_efficiency / k.penalty(row)
-    assert cached.owner[0][0] == pytest.approx(0.9 * n * row / gather + 0.1 * n * row / link
-                                               + B * row / model.devices[0].hbm_bw)
+    written = B * row / model.devices[0].hbm_bw           # the partial sums
+    # the distinct rows cross the host link, every lookup reads its row on the device
+    assert host.owner[0][0] == pytest.approx(u * row / link + n * row / gather + written)
+    assert host.host == {0: pytest.approx(ROWS * (row + 4))}
+    # the cache holds the hot tenth: its distinct rows come from device memory
+    hot = t.distinct_rows(n, 0, 100)
+    assert 0 < hot < u
+    assert cached.owner[0][0] == pytest.approx((n + hot) * row / gather + (u - hot) * row / link
+                                               + written)
     assert hbm.owner[0][0] < cached.owner[0][0] < host.owner[0][0]
     assert cached.hbm[0] - host.hbm[0] == pytest.approx(100 * row)
 

@@ -6,15 +6,16 @@ resource does in one step of ``B`` samples over ``W`` workers (every device is a
 
 * **GPU shards** (table-, row-, column-wise; TorchRec's "pooled at the owner" flow, Ivchenko
   et al. 2022, Sec. 3.2): the owner of a shard receives the ids that fall in its rows
-  (``n = B L share`` lookups, :data:`~.plan.ID_MESSAGE_BYTES` each), gathers ``n c e``
-  bytes from where the rows live, sends each worker its bags' partial sums (``B F c e``),
+  (``n = B L share`` lookups, :data:`~.plan.ID_MESSAGE_BYTES` each), gathers the distinct
+  rows they touch from where the rows live and reads ``n c e`` bytes of them on the device,
+  sends each worker its bags' partial sums (``B F c e``),
   receives their gradients back, and updates the rows the step touched with the sparse
   optimizer (``u`` distinct rows, :meth:`~.tables.EmbeddingTable.distinct_rows`: weight and
   state read and written).  Rows in device memory are read at the device's bandwidth times
-  ``hbm_gather_efficiency`` (slower for narrow rows, ``row_bytes_penalty``); rows in host
-  memory over the device's host link times ``host_link_efficiency``; with a device cache
-  of the hottest rows, the hits at the first and the misses at the second (updates are
-  written through to host memory).  Traffic to same-node peers crosses the node's fabric,
+  ``hbm_gather_efficiency`` (slower for narrow rows, ``row_bytes_penalty``); distinct rows
+  in host memory cross the device's host link at ``host_link_efficiency`` of it, those a
+  device cache of the hottest rows holds come from device memory (updates are written
+  through to host memory).  Traffic to same-node peers crosses the node's fabric,
   to others the device's NIC share, each at its all-to-all efficiency.  Every worker also
   sends its own ids, receives and sums its partials and sends their gradients (``B/W``
   samples' worth), and joins the table's four all-to-alls (counts, ids, pooled, gradients:
@@ -341,13 +342,15 @@ class SparseCostModel:
                 update_s = grad_bytes / hbm + update_bytes / hbm
                 loads.hbm[d] = loads.hbm.get(d, 0.0) + shard.rows * (row_bytes + state)
             else:
+                # the distinct rows cross the host link (the cache's from device memory),
+                # then each lookup reads its row on the device
                 host = self._host_bw(d, table.name)
-                hit = 0.0
+                hot = 0.0
                 if p.storage is Storage.HOST_CACHED:
                     cached = int(round(p.cache_fraction * shard.rows))
-                    hit = table.lookup_share(shard.row0, shard.row0 + cached) / share if share else 0.0
+                    hot = table.distinct_rows(lookups, shard.row0, shard.row0 + cached)
                     loads.hbm[d] = loads.hbm.get(d, 0.0) + cached * row_bytes
-                lookup_s = gather_bytes * hit / hbm + gather_bytes * (1 - hit) / host
+                lookup_s = (gather_bytes + hot * row_bytes) / hbm + (u - hot) * row_bytes / host
                 update_s = grad_bytes / hbm + update_bytes / host   # written through to host
                 loads.host[dev.node] = loads.host.get(dev.node, 0.0) + shard.rows * (row_bytes + state)
             lookup_s += partial_bytes / dev.hbm_bw                  # the partial sums written

@@ -59,8 +59,7 @@ class _LocalShard:
         self.storage = storage
         self.device = device
         rows = full[shard.row0:shard.row1, shard.col0:shard.col1].detach().clone()
-        on_device = storage in (Storage.HBM,)
-        self.weight = rows.to(device) if on_device else rows.to("cpu")
+        self.weight = rows.to(device) if storage is Storage.HBM else rows.to("cpu")
         self.cached = int(round(cache_fraction * shard.rows)) if storage is Storage.HOST_CACHED else 0
         self.cache = self.weight[:self.cached].to(device) if self.cached else None
         self.update = SparseUpdate(config, shard.rows, shard.cols, device=self.weight.device)
