@@ -179,15 +179,15 @@ class _Table:
         return np.array([s in storages for s in self._storage])
 
 
-def _arrays(model: SparseCostModel, options: list[TablePlacement],
-            table: EmbeddingTable) -> _Table:
+def _arrays(model: SparseCostModel, options: list[TablePlacement], table: EmbeddingTable,
+            classes: tuple[list[int], list[int]]) -> _Table:
     n_o, n_d, n_s = len(options), len(model.workers), len(model.servers)
     n_n = model.cluster.num_nodes
     worker = np.zeros((n_o, n_d))
     own, srv = np.zeros((n_o, n_d)), np.zeros((n_o, n_s))
     hbm, host, smem = np.zeros((n_o, n_d)), np.zeros((n_o, n_n)), np.zeros((n_o, n_s))
     kind = np.array([_kind(p) for p in options], dtype=np.int64)
-    loads = _loads_by_translation(model, table, options)
+    loads = _loads_by_translation(model, table, options, classes)
     for o, ld in enumerate(loads):
         for d, v in ld.worker_s.items():
             worker[o, d] = v
@@ -213,29 +213,22 @@ def _arrays(model: SparseCostModel, options: list[TablePlacement],
     return _Table(options, kind, own, srv, base, hbm, hbm_base, host, smem)
 
 
-_CLASSES: dict[int, tuple[SparseCostModel, list[int], list]] = {}
-
-
-def _classes(model: SparseCostModel) -> tuple[list[int], list]:
-    """Each device's node, and its figures without the node (equal figures: one class)."""
-    hit = _CLASSES.get(id(model))
-    if hit is None or hit[0] is not model:
-        node_of = [model.cluster._device(d).node for d in model.workers]
-        ids: dict[object, int] = {}
-        classes = [ids.setdefault(dataclasses.replace(dev, node=0), len(ids))
-                   for dev in model.devices]
-        hit = (model, node_of, classes)
-        _CLASSES.clear()
-        _CLASSES[id(model)] = hit
-    return hit[1], hit[2]
+def _classes(model: SparseCostModel) -> tuple[list[int], list[int]]:
+    """Each device's node, and the class of its figures without the node (devices of equal
+    figures price a placement alike)."""
+    node_of = [model.cluster._device(d).node for d in model.workers]
+    ids: dict[object, int] = {}
+    classes = [ids.setdefault(dataclasses.replace(dev, node=0), len(ids)) for dev in model.devices]
+    return node_of, classes
 
 
 def _loads_by_translation(model: SparseCostModel, table: EmbeddingTable,
-                          options: list[TablePlacement]) -> list[TableLoads]:
+                          options: list[TablePlacement],
+                          classes: tuple[list[int], list[int]]) -> list[TableLoads]:
     """``model.loads`` of every option, computed once per class of equivalent placements:
     the same sharding and storage on devices of the same figures (profile, link shares) is
     priced once and moved to the other devices and their nodes."""
-    node_of, device_class = _classes(model)
+    node_of, device_class = classes
     done: dict[tuple, tuple[TablePlacement, TableLoads]] = {}
     out = []
     for p in options:
@@ -269,12 +262,13 @@ class _Problem:
     @classmethod
     def build(cls, model: SparseCostModel, **option_kw) -> "_Problem":
         tables = []
+        classes = _classes(model)
         for t in model.graph.tables:
             opts = table_options(model, t, **option_kw)
             if not opts:
                 raise InfeasiblePlan(f"table {t.name!r} has no placement to choose from: allow "
                                      "more storages (device memory, host memory, servers)")
-            tables.append(_arrays(model, opts, t))
+            tables.append(_arrays(model, opts, t, classes))
         prob = cls(model, tables)
         for z in _ZERO_STAGES:
             _, est = model.dense(z)
