@@ -242,9 +242,73 @@ def _plan_text(plan, cluster) -> str:
     return "\n".join(lines)
 
 
+def _is_sparse(args: argparse.Namespace) -> bool:
+    """An embedding model for the sparse planner: a sparse zoo entry, or ``--sparse``."""
+    from .zoo import SPARSE_ZOO
+    return getattr(args, "sparse", False) or (
+        args.model.startswith("zoo:") and args.model[4:] in SPARSE_ZOO)
+
+
+def _sparse_graph(args: argparse.Namespace, quiet: bool):
+    """The sparse capture of ``args.model`` (a file model defines ``example_inputs()``)."""
+    from .sparse import trace_sparse
+    from .zoo import build_model, parse_model_args
+    if args.model.startswith("zoo:"):
+        spec, inputs = args.model, None
+    else:
+        import importlib.util
+        spec, _ = build_model(args.model, parse_model_args(args.model_arg))
+        path = args.model.rpartition(":")[0]
+        mod_spec = importlib.util.spec_from_file_location("_autoplan_user_inputs", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        if not callable(getattr(module, "example_inputs", None)):
+            raise _UsageError(f"--sparse needs {path} to define example_inputs() returning one "
+                              "batch of the model's inputs")
+        inputs = module.example_inputs()
+    with _Step(f"capturing {args.model}'s tables and dense part", quiet):
+        return trace_sparse(spec, inputs)
+
+
+def _servers(args: argparse.Namespace):
+    from .errors import ConfigError
+    from .sparse import ServerSpec
+    try:
+        return [ServerSpec.parse(s) for s in (getattr(args, "servers", None) or [])]
+    except ConfigError as exc:
+        raise _UsageError(f"--servers: {exc}") from None
+
+
+def _cmd_plan_sparse(args: argparse.Namespace) -> int:
+    """``autoplan plan`` of an embedding model: every table's placement (autoplan.sparse)."""
+    from .cost import CostOptions
+    from .records import atomic_write_text
+    from .sparse import plan_sparse, plan_text
+    cluster = _load_cluster(args)
+    for srv in _servers(args):
+        cluster = cluster.with_servers(srv.profile, srv.count) if srv.count else cluster
+    _check_search_args(args)
+    graph = _sparse_graph(args, args.json)
+    with _Step(f"placing {len(graph.tables)} tables on {cluster.num_devices} devices"
+               + (f" and {len(cluster.servers)} servers" if cluster.servers else ""), args.json):
+        best = plan_sparse(graph, cluster, global_batch=args.global_batch,
+                           precision=args.precision,
+                           options=CostOptions(memory_fraction=args.memory_fraction))
+    if args.out:
+        atomic_write_text(args.out, best.to_json())
+    _emit(args, {"plan": best.to_dict()},
+          plan_text(best, graph) + (f"\n\nplan written to {args.out}" if args.out else ""))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .records import atomic_write_text
     from .search import plan as make_plan
+    if _is_sparse(args):
+        return _cmd_plan_sparse(args)
+    if getattr(args, "servers", None):
+        raise _UsageError("--servers places embedding tables: use it with an embedding model "
+                          "(a sparse zoo entry, or --sparse)")
     cluster = _load_cluster(args)           # names and numbers first: capture takes seconds
     _check_search_args(args)
     options = _stack_options(args)
@@ -279,7 +343,18 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the best plan's JSON here")
     p.add_argument("--explain", action="store_true",
                    help="add a legend of the layout terms (dp, tp, mb, zero, rc-, ...)")
+    _add_sparse_args(p)
     p.add_argument("--json", action="store_true")
+
+
+def _add_sparse_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    p.add_argument("--sparse", action="store_true",
+                   help="plan an embedding model's tables (autoplan.sparse; implied for the "
+                        "zoo's dlrm-dcnv2, dlrm-criteo and two-tower); a file model then "
+                        "defines example_inputs()")
+    p.add_argument("--servers", nargs="+" if many else 1, metavar="PROFILE:COUNT",
+                   help="CPU parameter servers beside the devices, e.g. cpu-server-2s-epyc:2"
+                        + (" (several: one scenario each; COUNT 0 for none)" if many else ""))
 
 
 #: ``--precision`` of estimate and plan: :class:`autoplan.strategy.Precision`'s recipes
@@ -469,11 +544,41 @@ def _whatif_clusters(args: argparse.Namespace) -> list:
     return clusters
 
 
+def _cmd_whatif_sparse(args: argparse.Namespace) -> int:
+    """``autoplan whatif`` of an embedding model: one row per cluster, servers and batch."""
+    from .cost import CostOptions
+    from .records import atomic_write_text
+    from .sparse import Prices, sparse_whatif, whatif_text
+    clusters = _whatif_clusters(args)
+    servers = _servers(args) or [None]
+    price = _parse_price(args.price)
+    if isinstance(price, dict):
+        if len(set(price.values())) != 1:
+            raise _UsageError("an embedding model's what-if takes one --price per device-hour "
+                              "(every device of its clusters rented at it)")
+        price = next(iter(price.values()))
+    prices = None
+    if price is not None:
+        prices = Prices(device_hour=price, server_hour=args.server_price or 0.0,
+                        source="--price and --server-price")
+    graph = _sparse_graph(args, args.json)
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    df = sparse_whatif(graph, clusters=clusters,
+                       global_batch=args.global_batch, servers=servers, prices=prices,
+                       progress=progress, options=CostOptions(memory_fraction=args.memory_fraction))
+    if args.csv:
+        atomic_write_text(args.csv, df.to_csv(index=False))
+    sys.stdout.write((df.to_json(orient="records") if args.json else whatif_text(df)) + "\n")
+    return 0
+
+
 def _cmd_whatif(args: argparse.Namespace) -> int:
     from .errors import ConfigError
     from .records import atomic_write_text
     from .report import whatif
     from .zoo import build_model, model_title, parse_model_args
+    if _is_sparse(args):
+        return _cmd_whatif_sparse(args)
     # names and numbers first: building and capturing the model takes seconds
     clusters = _whatif_clusters(args)
     for flag, values in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len or []),
@@ -539,6 +644,9 @@ def _build_whatif(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--csv", help="also write the table as CSV")
     _add_stack_arg(p)
+    _add_sparse_args(p, many=True)
+    p.add_argument("--server-price", type=float, default=None,
+                   help="price of one CPU server per hour (with --price, an embedding model)")
     p.add_argument("--json", action="store_true")
 
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from .errors import ConfigError, UserCodeError
 
-__all__ = ["ZOO", "TITLES", "ZooEntry", "build_model", "model_title", "parse_model_args", "trace"]
+__all__ = ["ZOO", "TITLES", "ZooEntry", "SPARSE_ZOO", "SparseZooEntry", "build_model",
+           "build_sparse_model", "model_title", "parse_model_args", "trace"]
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,77 @@ TITLES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class SparseZooEntry:
+    """A shipped embedding-heavy model (:mod:`autoplan.sparse`): its builder, one example
+    batch (shapes only: ids per sample per table), its name and the source of its shape."""
+
+    factory: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple]
+    title: str
+    source: str
+
+
+def _dlrm_dcnv2() -> nn.Module:
+    from .sparse.models import DLRM, MLPERF_DCNV2_HOT, MLPERF_DCNV2_ROWS
+    return DLRM(MLPERF_DCNV2_ROWS, 128, hot=MLPERF_DCNV2_HOT, bottom=(512, 256),
+                top=(1024, 1024, 512, 256, 1), interaction="dcn", cross_layers=3, cross_rank=512)
+
+
+def _dlrm_criteo() -> nn.Module:
+    from .sparse.models import CRITEO_1TB_ROWS, DLRM
+    return DLRM(CRITEO_1TB_ROWS, 128, bottom=(512, 256), top=(1024, 1024, 512, 256, 1))
+
+
+def _two_tower() -> nn.Module:
+    from .sparse.models import TwoTower
+    return TwoTower(100_000_000, 20_000_000, 10_000, 128, tower=(512, 256, 128))
+
+
+def _dlrm_inputs(hot: int) -> Callable[[int], tuple]:
+    return lambda batch: (torch.zeros(batch, 13), torch.zeros(batch, hot, dtype=torch.long))
+
+
+def _two_tower_inputs(batch: int) -> tuple:
+    ids = torch.zeros(batch, dtype=torch.long)
+    return ids, torch.zeros(batch, 50, dtype=torch.long), ids, ids
+
+
+SPARSE_ZOO: dict[str, SparseZooEntry] = {
+    "dlrm-dcnv2": SparseZooEntry(
+        _dlrm_dcnv2, _dlrm_inputs(214), "DLRM-DCNv2 (MLPerf)",
+        "MLPerf Training DLRM-DCNv2 (mlcommons/training recommendation_v2/torchrec_dlrm): 13 dense "
+        "features, 26 tables capped at 40M rows, dimension 128, multi-hot sizes 3,2,1,...,1,1 "
+        "(214 ids per sample), bottom MLP 512-256-128, DCNv2 3 low-rank (512) cross layers, "
+        "top MLP 1024-1024-512-256-1"),
+    "dlrm-criteo": SparseZooEntry(
+        _dlrm_criteo, _dlrm_inputs(26), "DLRM (Criteo 1TB)",
+        "TorchRec DLRM example (facebookresearch/dlrm torchrec_dlrm/README.MD): Criteo 1TB, 26 "
+        "one-hot tables of full cardinality (up to 48.9M rows, 91.1 GiB), dimension 128, dot "
+        "interaction, bottom MLP 512-256-128, top MLP 1024-1024-512-256-1"),
+    "two-tower": SparseZooEntry(
+        _two_tower, _two_tower_inputs, "Two-tower retrieval",
+        "a two-tower retrieval model (Yi et al. 2019; TorchRec examples/retrieval): user id "
+        "(100M rows), mean of the last 50 items (20M rows), item id (20M rows) and category "
+        "(10k rows), dimension 128, towers 512-256-128; table sizes illustrative of "
+        "production retrieval, not a published configuration"),
+}
+
+
+def build_sparse_model(spec: str, *, device: str = "meta",
+                       batch: int = 8) -> tuple[nn.Module, tuple, str]:
+    """A shipped embedding-heavy model (``zoo:dlrm-dcnv2``...): ``(model, example inputs
+    of ``batch`` samples, title)``; on the meta device by default (nothing allocated)."""
+    name = spec[4:] if spec.startswith("zoo:") else spec
+    if name not in SPARSE_ZOO:
+        raise ConfigError(f"unknown sparse zoo model {spec!r}{_closest(name, sorted(SPARSE_ZOO))}; "
+                          f"available: {', '.join('zoo:' + n for n in sorted(SPARSE_ZOO))}")
+    entry = SPARSE_ZOO[name]
+    with torch.device(device):
+        model = entry.factory()
+    return model, entry.inputs(batch), entry.title
+
+
 def model_title(spec: str, overrides: Mapping[str, Any] | None = None) -> str | None:
     """The name people know a model spec by: the zoo's title (``GPT-3 175B``; ``GPT-3 175B
     (modified)`` with overrides), ``GPT (autoplan.models)`` for ``gpt``; None for other
@@ -133,6 +205,8 @@ def model_title(spec: str, overrides: Mapping[str, Any] | None = None) -> str | 
     if spec.startswith("zoo:") and spec[4:] in ZOO:
         title = TITLES.get(spec[4:], spec[4:])
         return f"{title} (modified)" if overrides else title
+    if spec.startswith("zoo:") and spec[4:] in SPARSE_ZOO:
+        return SPARSE_ZOO[spec[4:]].title
     if spec == "gpt":
         return "GPT (autoplan.models)"
     return None
@@ -380,11 +454,17 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None,
     ('LlamaForCausalLM', 8192, 'meta')
     """
     overrides = dict(overrides or {})
+    if spec.startswith("zoo:") and spec[4:] in SPARSE_ZOO:
+        if overrides:
+            raise ConfigError(f"{spec} takes no --model-arg; build the model in a file "
+                              "(path/to/file.py:factory) to change its shape")
+        model, _, _ = build_sparse_model(spec, device=device)
+        return model, None
     if spec.startswith("zoo:"):
         name = spec[4:]
         if name not in ZOO:
-            raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO))}; "
-                              f"available: {', '.join(sorted(ZOO))}")
+            raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO) + sorted(SPARSE_ZOO))}; "
+                              f"available: {', '.join(sorted(ZOO) + sorted(SPARSE_ZOO))}")
         entry = ZOO[name]
         return _hf_model(entry.model_type, overrides, entry.head, dtype, device,
                          preset=entry.config), entry.seq_len
@@ -415,6 +495,11 @@ def trace(model: Any, *, seq_len: int | None = None, **kwargs: Any):
     'blocks.0'
     """
     from .capture import trace as capture
+    if isinstance(model, str) and model.startswith("zoo:") and model[4:] in SPARSE_ZOO:
+        built, inputs, title = build_sparse_model(model)
+        kwargs.setdefault("example_inputs", inputs)
+        kwargs.setdefault("title", title)
+        return capture(built, seq_len=seq_len, **kwargs)
     if isinstance(model, str):
         kwargs.setdefault("title", model_title(model))
         model, default_seq = build_model(model)

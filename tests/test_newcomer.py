@@ -206,7 +206,13 @@ def test_one_name_for_a_model_in_every_report(tmp_path: Path):
     pytest.importorskip("matplotlib")
     from autoplan.report import plan_report_html, plot_schedule, whatif
     graph = autoplan.trace(GPT(GPTConfig(**SMALL, hidden=64)), seq_len=64, title="Tiny GPT")
-    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=16)
+    cluster = autoplan.load_cluster("a100-sxm4-80gb")
+    searched = autoplan.plan(graph, cluster, global_batch=16)
+    assert searched.summary().startswith("Tiny GPT ")
+    # a plan without pipelining (whatever the search prefers for this model)
+    from autoplan.search import SearchSpace
+    plan = autoplan.plan(graph, cluster, global_batch=16,
+                         space=SearchSpace(pipeline_parallel=(1, 1)))
     assert plan.pp == 1 and plan.summary().startswith("Tiny GPT ")
     page = plan_report_html(plan)
     assert "<title>autoplan: Tiny GPT on 8 devices" in page and ">GPT<" not in page

@@ -971,6 +971,9 @@ class Profile(Record):
     device: DeviceType
     node: NodeSpec
     network: NetworkSpec | None = None
+    #: The node's DRAM, cores and each device's host link (:mod:`.hosts`); ``None`` in
+    #: profiles that do not state them (embedding tables then stay in device memory).
+    host: "HostSpec | None" = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_NAME_RE.fullmatch(self.name)), "name",
@@ -1052,3 +1055,6 @@ class CompositeProfile(Record):
 
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+# the host records name NetworkSpec, _require and _NAME_RE above; Profile names HostSpec
+from .hosts import HostSpec  # noqa: E402

@@ -14,6 +14,8 @@ training):
 * on CUDA, torch's fused attention (causal ``scaled_dot_product_attention`` in bf16,
   forward and backward) over sequence lengths, as the profile's
   ``attention_efficiency`` (:func:`_attention_table`);
+* the host: its RAM, cores and the bandwidth of a large copy in host memory, and on CUDA
+  one GPU's host link (:func:`measure_host`), for embedding tables kept in host memory;
 * on CPU, the host's time per operator: tiny transformer blocks (so small their
   arithmetic is negligible), the forward per operator they dispatch and the backward per
   autograd node they run (and both per captured operator, for older graphs), the extra
@@ -101,6 +103,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
 from .profile_records import ELEMENTWISE_KINDS, RATE_KINDS, cuda_architecture
+from .hosts import HostSpec
 from .profiles import (
     COLLECTIVE_OPS,
     CollectiveEfficiency,
@@ -1911,6 +1914,55 @@ def _physical_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+def measure_host(*, cuda: bool, quick: bool = False) -> HostSpec:
+    """The host of this machine: its RAM, its cores, the bandwidth of a large copy in host
+    memory with every core, and on CUDA one GPU's host link (a pinned host buffer copied to
+    the device; ``None`` without one).
+
+    The copy counts the bytes read and written, as the device's copy bandwidth does; the
+    host link counts the bytes moved one way, one device alone (devices that share a
+    PCIe switch's uplink get less each when they all read at once).
+    """
+    import torch
+
+    nbytes = (64 if quick else 512) * 2**20
+    repeats = 3 if quick else 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = min(_timed_once(lambda: dst.copy_(src)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    copy_bw = 2.0 * nbytes / best
+    pcie = None
+    how = (f"measured by `autoplan profile` on {socket.gethostname()}: RAM from the OS, "
+           f"{os.cpu_count()} logical cores, a {_fmt_bytes(nbytes)} tensor copy with every "
+           f"core (bytes read + written, best of {repeats})")
+    if cuda:
+        host = torch.ones(nbytes // 4, dtype=torch.float32).pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+
+        def h2d() -> None:
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        h2d()
+        pcie = nbytes / min(_timed_once(h2d) for _ in range(repeats))
+        how += (f"; host link: a pinned {_fmt_bytes(nbytes)} buffer copied to GPU 0, one "
+                f"device alone, best of {repeats}")
+    return HostSpec(memory_bytes=_physical_memory_bytes(), memory_bw_bytes_per_s=copy_bw,
+                    cores=max(1, os.cpu_count() or 1), source=how, pcie_bw_bytes_per_s=pcie)
+
+
+def _timed_once(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -2505,6 +2557,8 @@ def main(argv: list[str] | None = None) -> int:
         name, raw, cuda=cuda, nproc=nproc, threads=threads,
         devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes,
         cores=cores, runs=args.repeat)
+    _say("host memory" + (" and host link" if cuda else ""), start)
+    profile = replace(profile, host=measure_host(cuda=cuda, quick=args.quick))
     header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} "
               f"rank{'s' if nproc > 1 else ''}"
               f"{f', the median of {args.repeat} runs' if args.repeat > 1 else ''}) "

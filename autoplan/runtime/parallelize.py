@@ -69,7 +69,8 @@ def _graph_of(model: nn.Module, seq_len: int | None, example_inputs: Any) -> Mod
 
     shapes = None
     if example_inputs is not None:
-        flat = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        flat = (list(example_inputs.values()) if isinstance(example_inputs, dict) else
+                example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
         shapes = tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
     key = (type(model).__qualname__, repr(model),
            tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), seq_len, shapes)
@@ -212,17 +213,18 @@ class ParallelModel:
                 raise ConfigError("the batch of a non-token model is (inputs, targets), each with "
                                   "global_batch rows")
             inputs, targets = batch
-        for t in (inputs, targets):
-            if t.shape[0] != plan.global_batch:
-                raise ConfigError(f"the batch has {t.shape[0]} rows; the plan's global batch "
-                                  f"is {plan.global_batch}")
+        rows = _rows_of(inputs) | _rows_of(targets)     # inputs: a tensor, tuple or dict
+        if rows != {plan.global_batch}:
+            raise ConfigError(f"the batch has {sorted(rows)} rows; the plan's global batch "
+                              f"is {plan.global_batch} (every input and target tensor has one "
+                              "row per sample)")
         if self.token_model and self.seq_len is not None and inputs.shape[1] != self.seq_len:
             raise ConfigError(f"the batch has sequences of {inputs.shape[1]} tokens; the program "
                               f"was built for seq_len={self.seq_len}")
         r = self.replica
         lo, n = plan.replica_offset(r), plan.replica_batch[r]
         # this rank's rows on its device (a batch built on the host, a program on a GPU)
-        inputs, targets = inputs[lo:lo + n].to(self.device), targets[lo:lo + n].to(self.device)
+        inputs, targets = split_rows(inputs, lo, n, self.device), split_rows(targets, lo, n, self.device)
         if plan.cp > 1:
             # this rank's load-balanced share of every sequence, targets shifted before the split
             local = shard_batch(inputs, plan.cp, self.coords["cp"])
@@ -237,7 +239,9 @@ class ParallelModel:
     def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
         builtin = self.loss_fn is _next_token_loss or isinstance(self.loss_fn, NextTokenLoss)
         with _root_view_warning_silenced(part) if builtin else contextlib.nullcontext():
-            out = part(input_ids=x, use_cache=False) if self.hf else part(x)
+            out = (part(input_ids=x, use_cache=False) if self.hf else
+                   part(**x) if isinstance(x, dict) else
+                   part(*x) if isinstance(x, (tuple, list)) else part(x))
         return model_output(out)
 
     def _loss_context(self):
@@ -258,7 +262,7 @@ class ParallelModel:
         if plan.pp == 1:
             part = self.parts[0]
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
+            xs, ys = _micro_batches(inputs, plan.micro_batch), _micro_batches(targets, plan.micro_batch)
             for i in range(runs):
                 # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
                 # its data with zero weight: their collectives match the other replicas'
@@ -274,6 +278,9 @@ class ParallelModel:
                     total += _local_value(loss).detach().double()
             local = total / m
         else:
+            if not isinstance(inputs, torch.Tensor):
+                raise ConfigError("pipeline parallelism runs models of one input tensor; use pp=1 "
+                                  "for a model of several inputs")
             if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
                 # targets marked (torch's schedules do not compute losses in micro-batch order)
                 extra = (runs - m) * plan.micro_batch
@@ -424,11 +431,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         initialisation).  Without pipelining it is modified in place; with it,
         each rank builds its stages from it (sharing its tensors); do not use
         it afterwards.
-    target : Strategy, Plan or Cluster
+    target : Strategy, Plan, Cluster or SparsePlan
         A uniform :class:`~autoplan.Strategy` to apply (laid out as
         :meth:`Plan.from_strategy` lays it out for the cost model), a searched or
         hand-made :class:`~autoplan.Plan`, or a :class:`~autoplan.Cluster` to plan
-        for (rank 0 searches and broadcasts the plan).
+        for (rank 0 searches and broadcasts the plan).  An embedding model's
+        :class:`~autoplan.sparse.SparsePlan` runs its tables sharded and on servers
+        (:func:`autoplan.sparse.runtime.parallelize_sparse`, which this returns).
     global_batch : int, optional
         Sequences per step; must agree with the target's (required for a Cluster).
     seq_len : int, optional
@@ -469,6 +478,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     >>> # pm = parallelize(GPT(cfg), Strategy(dp=2, tp=2, global_batch=8, precision="fp32"), seq_len=16)
     >>> # loss = pm.step(ids)   # ids: (8, 16), the same on every rank
     """
+    from ..sparse.plan import SparsePlan
+    if isinstance(target, SparsePlan):
+        # an embedding-heavy model's plan (autoplan.sparse): sharded tables, servers
+        from ..sparse.runtime import parallelize_sparse
+        return parallelize_sparse(model, target, loss_fn=loss_fn, optimizer=optimizer)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("parallelize() runs inside a torch.distributed job: call "
                           "torch.distributed.init_process_group first (e.g. under torchrun)")
@@ -714,6 +728,35 @@ def _root_view_warning_silenced(root: nn.Module):
 def _local_value(loss: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
     return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def split_rows(value: Any, lo: int, n: int, device: torch.device | None = None) -> Any:
+    """Rows ``[lo, lo + n)`` of every tensor in ``value`` (a tensor, tuple, list or dict)."""
+    if isinstance(value, torch.Tensor):
+        out = value[lo:lo + n]
+        return out.to(device) if device is not None else out
+    if isinstance(value, (tuple, list)):
+        return type(value)(split_rows(v, lo, n, device) for v in value)
+    if isinstance(value, dict):
+        return {k: split_rows(v, lo, n, device) for k, v in value.items()}
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
+def _rows_of(value: Any) -> set[int]:
+    """The first dimensions of every tensor in ``value`` (-1 for a scalar)."""
+    if isinstance(value, torch.Tensor):
+        return {int(value.shape[0])} if value.dim() else {-1}
+    if isinstance(value, (tuple, list, dict)):
+        parts = value.values() if isinstance(value, dict) else value
+        return set().union(*(_rows_of(v) for v in parts))
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
+def _micro_batches(value: Any, size: int) -> list[Any]:
+    """``value`` (a tensor, or a tuple or dict of tensors) split into micro-batches of
+    ``size`` rows."""
+    rows = next(iter(_rows_of(value)))
+    return [split_rows(value, lo, min(size, rows - lo)) for lo in range(0, rows, size)]
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
