@@ -172,8 +172,12 @@ class CostOptions(Record):
         tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
     expert_grouped_gemm : bool
         A rank's local experts run as one grouped GEMM per projection (Megatron-Core
-        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``): priced at the
-        efficiency of all their rows as one matmul, with one kernel's overhead.
+        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``, Hugging Face's default
+        ``grouped_mm`` experts under :func:`autoplan.parallelize`): priced at the
+        profile's measured grouped-GEMM efficiency by one expert's rows
+        (``DeviceType.grouped_matmul_efficiency``, :mod:`autoplan.hardware.grouped_gemm`),
+        or without one at the efficiency of all their rows as one matmul, with one
+        kernel's overhead.
         ``False``: one GEMM per local expert, each at one expert's size (a loop over
         experts, the Hugging Face families' eager expert forward).
     moe_tokens_split_over_tp : bool
@@ -485,7 +489,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
            "overlapped, whole on every tp rank, its receive buffers kept for every "
            "micro-batch of a step; the model's own attention as captured; MoE: the family's "
-           "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
+           "own expert forward (Hugging Face's default grouped_mm: one grouped GEMM per "
+           "projection over the local experts, at the profile's measured grouped-GEMM speed "
+           "where it has one), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
            "all-reduced over every rank at its end; a 16-bit precision as FSDP2's "
@@ -501,7 +507,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
            zero_step_per_layer=True, step_loss_all_reduce=True, autocast=False,
            loss_fp32_copy=True, grad_accumulate_add=True, grad_reduce_dtype="fp32",
-           master_weights="fsdp2", loss_parallel=True, sp_embedding_all_reduce=True),
+           master_weights="fsdp2", loss_parallel=True, sp_embedding_all_reduce=True,
+           expert_grouped_gemm=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

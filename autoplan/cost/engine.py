@@ -860,11 +860,18 @@ class CostEngine:
             ref = f if f > 0 else g / 2
             if ref <= 0:
                 continue
+            grouped_eff = None
             if n.expert and experts > 1:
                 f, g = f * imbalance, g * imbalance
+                if grouped:
+                    # a measured grouped GEMM, by the FLOPs of one expert's part of it
+                    grouped_eff = device.grouped_efficiency(
+                        ref * imbalance * ep / experts, "bf16" if fp8 else dtype)
                 # one GEMM over all local experts' rows, or one expert's GEMM each
                 ref = ref * imbalance * (1 if grouped else ep / experts)
-            if n.core and attention is not None:
+            if grouped_eff is not None:
+                rate = peak * grouped_eff
+            elif n.core and attention is not None:
                 rate = peak * attention.efficiency(ref)
             elif fp8 and n.weight and not n.core:
                 rate = fp8_peak * device.efficiency(ref, "fp8")
