@@ -699,8 +699,8 @@ def _build_report(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_profile(args: argparse.Namespace, rest: Sequence[str]) -> int:
-    from .hardware import profiler
-    return int(profiler.main(list(rest)))
+    from . import profiling
+    return int(profiling.main(list(rest)))
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]] = {}

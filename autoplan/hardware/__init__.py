@@ -1,12 +1,12 @@
-"""Hardware stage: profiles (YAML), the cluster resource view, collective costs, the profiler.
+"""Hardware stage: profiles (YAML), the cluster resource view, collective costs.
 
 * :func:`load_cluster` / :func:`compose_cluster` build a :class:`Cluster` from
   shipped or measured profiles (:func:`available_profiles`).
 * :class:`Cluster` answers ``path(a, b)``, ``collective_time(op, group, nbytes)``
   and ``collective_params(op, group)``.
-* ``autoplan profile`` (:func:`autoplan.hardware.profiler.main`) measures the
-  machine it runs on and writes a profile; it is imported on demand because it
-  needs torch.
+* ``autoplan profile`` (:func:`autoplan.profiling.main`, a package above this
+  one, the runtime and the cost model) measures the machine it runs on and writes
+  a profile.
 """
 
 from .cluster import ClusterNode, Cluster, Device, Link, ServerNode, compose_cluster, load_cluster

@@ -270,7 +270,7 @@ class OpOverhead(Record):
         (``pipeline_action_s``) and, per message the action sends or receives, gloo's
         transport threads (``pipeline_message_s``).  CPU work that competes for the cores
         where ranks share them, measured as core time and scaled by the ranks over the
-        cores (:func:`autoplan.hardware.profiler._measure_pipeline_overhead`).  0 in
+        cores (:func:`autoplan.profiling.parallel.measure_pipeline_overhead`).  0 in
         profiles measured before them and on GPUs.
     fsdp_gather_call_s, fsdp_gather_byte_s : float
         FSDP2's work per all-gather of one wrapped unit's parameters (a block, or a
@@ -282,7 +282,7 @@ class OpOverhead(Record):
         linears under ``fully_shard`` on pairs of ranks, every rank busy: ZeRO-3's forward +
         backward less ZeRO-2's (which keeps its gathered parameters), less two raw
         ``all_gather_into_tensor`` of the same bytes, per unit and gather, at two unit sizes
-        (:func:`autoplan.hardware.profiler._measure_fsdp_overhead`).  2026-11-27, 4
+        (:func:`autoplan.profiling.parallel.measure_fsdp_overhead`).  2026-11-27, 4
         processes on 2 cores: 1.7-2.7 ms a call at 1-2 MB, 6.3 at 4 MB, 10.7 at 8 MB,
         against 0.9-3.8 ms for the raw gathers; three profiles' lines read 0-0.4 ms + 1.4-1.8
         ms per MiB.  0 in GPU profiles (the copies run on the device's streams, priced by
@@ -316,7 +316,7 @@ class OpOverhead(Record):
         out, the division, the DTensor gradients' set-up.  Measured on a CPU as two units of
         linears under ``replicate`` on pairs of ranks, every rank busy, forward + backward
         less the same units without it, less a raw ``all_reduce`` of the same bytes, at two
-        sizes (:func:`autoplan.hardware.profiler._measure_fsdp_overhead`).  2026-11-27, 4
+        sizes (:func:`autoplan.profiling.parallel.measure_fsdp_overhead`).  2026-11-27, 4
         processes on 2 cores: 11.5 ms beyond the raw all-reduce's 4.6 at 2.1 MB, 34.6
         beyond 9.0 at 8.4 MB (3.8 ms + 3.7 ms per MB); the ten stored confirm passes had
         priced the layouts that run it without a pipeline (tensor parallelism with data
@@ -338,7 +338,7 @@ class OpOverhead(Record):
         every pair at once, each rank's clock: forward, and forward + backward, less the
         same with a local stand-in for the collective (the same copies), less the raw
         collective of the same bytes, at two payloads
-        (:func:`autoplan.hardware.profiler._measure_cp_overhead`).  2026-11-28, 4
+        (:func:`autoplan.profiling.parallel.measure_cp_overhead`).  2026-11-28, 4
         processes on 2 cores: the pair's all-gather and reduce-scatter together 8-10 ms
         in a step at 512 KiB and 11.3-11.4 ms at 1 MiB, against 4.1 and 5.1 ms back to
         back.  The cost model adds them to the context-parallel collectives of CPU ranks
@@ -381,7 +381,7 @@ class OpOverhead(Record):
         is ~37%, and one pair of scales fitted 4 x 128, 1 x 128, 1 x 32 and 1 x 8 tokens'
         backward within 1.5%, the forward at 1 x 128 within 1.4%).  ``autoplan profile``
         states the split in its source but does not set these
-        (:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: in three confirm passes
+        (:data:`autoplan.profiling.reference.HOST_SPLIT_NOT_APPLIED`: in three confirm passes
         it priced the layouts worse, the Llama's most); a profile written by hand may.
         ``None`` (GPU profiles, measured profiles): the host time is scaled as the
         arithmetic.

@@ -1,0 +1,7 @@
+"""``python -m autoplan.profiling``: the same as ``autoplan profile``."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
