@@ -10,7 +10,7 @@ predicted gain vs measured gain.
    matmuls and a memory copy for the same wall-clock window while the others
    do the same (so a process never gets a core to itself because its neighbour
    finished early), and the three time gloo collectives together.  Each kind
-   becomes a profile (:func:`autoplan.hardware.profiler._build_profile`, the
+   becomes a profile (:func:`autoplan.profiling.build.build_profile`, the
    slowest process of the kind deciding) whose nodes reach each other over the
    measured gloo links, and :func:`autoplan.compose_cluster` joins them: devices
    0, 1 ``cpu-shared``, device 2 ``cpu-alone``, i.e. process ``r`` is device ``r``.
@@ -118,7 +118,7 @@ def _measure(rank: int, world: int, cores: dict[str, int]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from autoplan.hardware.profiler import _cpu_name, _physical_memory_bytes
+    from autoplan.profiling.host import cpu_name, physical_memory_bytes
 
     _pin(cores[KINDS[rank]])
     matmul = []
@@ -174,7 +174,7 @@ def _measure(rank: int, world: int, cores: dict[str, int]) -> dict[str, Any]:
                     fn()
                 best = min(best, slowest((time.perf_counter() - t0) / iters))
             comm.setdefault(op, []).append([count * 4, best / 2 if op == "p2p" else best])
-    info = {"name": f"{KINDS[rank]}: {_cpu_name()}", "memory_bytes": _physical_memory_bytes()}
+    info = {"name": f"{KINDS[rank]}: {cpu_name()}", "memory_bytes": physical_memory_bytes()}
     return {"rank": rank, "matmul": {"fp32": matmul}, "copy_s": copy_s, "info": info,
             "comm": comm}
 
@@ -184,7 +184,7 @@ def build_cluster(measured: list[dict[str, Any]]):
     process order; nodes talk over the measured gloo links (one machine), so each
     profile's network equals its node's links."""
     from autoplan.hardware import NodeGroup, compose_cluster
-    from autoplan.hardware.profiler import _build_profile
+    from autoplan.profiling.build import build_profile
     from autoplan.hardware.profiles import NetworkSpec, NetworkTopology
 
     world = len(measured)
@@ -196,9 +196,9 @@ def build_cluster(measured: list[dict[str, Any]]):
             raise SystemExit("processes of one kind must be consecutive (devices are numbered "
                              "node by node)")
         raw = {"ranks": ranks, "comm": comm, "world": world}
-        profile, _ = _build_profile(kind, raw, cuda=False, nproc=world, threads=1,
-                                    devices_per_node=len(ranks), quick=True,
-                                    copy_bytes=COPY_BYTES)
+        profile, _ = build_profile(kind, raw, cuda=False, nproc=world, threads=1,
+                                   devices_per_node=len(ranks), quick=True,
+                                   copy_bytes=COPY_BYTES)
         node = profile.node
         network = NetworkSpec(1, node.bw_unidir_bytes_per_s * len(ranks), node.latency_s,
                               NetworkTopology.SINGLE_SWITCH, 1.0, node.collective_efficiency,

@@ -91,7 +91,7 @@ between passes), without running anything (seconds).  This VM's passes are kept 
 
 ``--host-split`` prices the layers' host work apart from their arithmetic where a pass's
 profile states the reference blocks' timing at a second shape
-(:data:`autoplan.hardware.profiler.HOST_SPLIT_NOT_APPLIED`: what profiles measure but do
+(:data:`autoplan.profiling.reference.HOST_SPLIT_NOT_APPLIED`: what profiles measure but do
 not apply).
 """
 
@@ -142,8 +142,8 @@ ROUNDS = 2
 
 
 def profile_machine(out: Path) -> Path:
-    from autoplan.hardware import profiler
-    status = profiler.main(["--quick", "--nproc", "2", "--device", "cpu", "--out", str(out),
+    from autoplan import profiling
+    status = profiling.main(["--quick", "--nproc", "2", "--device", "cpu", "--out", str(out),
                             "--name", "local-truth"])
     if status != 0:
         raise SystemExit(f"profiling failed (exit {status})")
@@ -467,8 +467,8 @@ CONFIRM_PROFILE_RUNS = 3
 def profile_machine_4(out: Path) -> Path:
     """``autoplan profile --quick --repeat CONFIRM_PROFILE_RUNS`` on ``CONFIRM_WORLD`` CPU
     processes (one device per rank, the RAM divided among them)."""
-    from autoplan.hardware import profiler
-    status = profiler.main(["--quick", "--nproc", str(CONFIRM_WORLD), "--device", "cpu",
+    from autoplan import profiling
+    status = profiling.main(["--quick", "--nproc", str(CONFIRM_WORLD), "--device", "cpu",
                             "--repeat", str(CONFIRM_PROFILE_RUNS),
                             "--out", str(out), "--name", f"local-truth-{CONFIRM_WORLD}"])
     if status != 0:
@@ -593,17 +593,17 @@ def _speed_probe(torch, dist) -> float:
     """Seconds per call of the quick profile's cold ``PROBE_N``^3 fp32 matmul on this
     rank, timed as ``autoplan profile`` times it where ranks share cores (every rank at
     once, free-running; the fastest of ``PROBE_WINDOWS`` windows of the ranks' mean)."""
-    from autoplan.hardware.profiler import (_COLD_BYTES, _MIN_FREE_WINDOW_S, _cold_matmul,
-                                            _free_running)
+    from autoplan.profiling.matmul import COLD_BYTES, cold_matmul
+    from autoplan.profiling.timing import MIN_FREE_WINDOW_S, free_running
 
     def agreed_mean(x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
         dist.all_reduce(t)
         return float(t[0]) / dist.get_world_size()
-    call = _cold_matmul(torch, PROBE_N, torch.float32, torch.device("cpu"), _COLD_BYTES)
+    call = cold_matmul(torch, PROBE_N, torch.float32, torch.device("cpu"), COLD_BYTES)
     try:
-        return _free_running(call, lambda: None, PROBE_WINDOWS * _MIN_FREE_WINDOW_S,
-                             agreed_mean, dist.barrier, windows=PROBE_WINDOWS)
+        return free_running(call, lambda: None, PROBE_WINDOWS * MIN_FREE_WINDOW_S,
+                            agreed_mean, dist.barrier, windows=PROBE_WINDOWS)
     finally:
         del call
 
@@ -1199,7 +1199,7 @@ def reprice(passes: list[tuple[Path, Path]], models: list[str], graphs: dict | N
 
 
 #: How a CPU profile's source states the reference timing its layer scales came from
-#: (:mod:`autoplan.hardware.profiler`: "... timed whole (X ms forward, Y ms backward").
+#: (:mod:`autoplan.profiling.build`: "... timed whole (X ms forward, Y ms backward").
 _REFERENCE_TIMING = re.compile(r"timed whole \(([\d.]+) ms forward, ([\d.]+) ms backward")
 #: and, since 2026-11-28, the same at a second shape ("; and on 1 x 128 tokens timed whole
 #: (X ms forward, Y ms backward)", 1 x 32 since 2026-11-28-1100), which gives the host scales
@@ -1214,14 +1214,14 @@ def _rescaled(cluster, host_split: bool = False):
     code's price from the reference timing its source states, as a profile measured now
     would have them (host work scaled as the arithmetic, ``OpOverhead.host_forward_scale``
     unset); with ``host_split``, fitted apart where its source states the timing at a second
-    shape too, at that shape (the split :data:`autoplan.hardware.profiler.
+    shape too, at that shape (the split :data:`autoplan.profiling.reference.
     HOST_SPLIT_NOT_APPLIED` says profiles do not apply); ``scales`` ``((stored forward,
     backward), (re-derived ...), re-derived host scales or None)``, or the cluster as it is
     and ``None`` when the profile has no layer scales or states no timing."""
     import dataclasses
 
     from autoplan.hardware import NodeGroup, compose_cluster
-    from autoplan.hardware.profiler import _REFERENCE_SMALL_SHAPE, _reference_scales
+    from autoplan.profiling.reference import REFERENCE_SMALL_SHAPE, reference_scales
     profile = cluster.profile_of(0)
     overhead = profile.device.op_overhead
     if overhead is None or overhead.layer_forward_scale is None:
@@ -1234,10 +1234,10 @@ def _rescaled(cluster, host_split: bool = False):
     seconds = [float(t) / 1e3 for t in timing.groups()]
     if small:       # (micro-batch, sequence, forward ms, backward ms)
         seconds += [float(t) / 1e3 for t in small.groups()[2:]]
-    fwd, bwd, _, host = _reference_scales(
+    fwd, bwd, _, host = reference_scales(
         profile.device, tuple(seconds),
         small_shape=(int(small.group(1)), int(small.group(2))) if small
-        else _REFERENCE_SMALL_SHAPE)
+        else REFERENCE_SMALL_SHAPE)
     device = dataclasses.replace(profile.device, op_overhead=dataclasses.replace(
         overhead, layer_forward_scale=fwd, layer_backward_scale=bwd,
         host_forward_scale=host[0] if host else None,

@@ -792,12 +792,12 @@ def cpu_cluster(world: int = 4, memory_bytes: int | None = None, overhead: dict 
     rank's operator overhead): the shape of what ``autoplan profile --device cpu --nproc 4``
     writes."""
     from autoplan.hardware import NodeGroup, compose_cluster
-    from autoplan.hardware.profiler import _build_profile
+    from autoplan.profiling.build import build_profile
 
     measured = synthetic_measurements(world, bf16=True, memory_bytes=memory_bytes,
                                       overhead=[overhead] * world if overhead else None)
-    profile, _ = _build_profile(f"cpu-{world}", measured, cuda=False, nproc=world, threads=1,
-                                devices_per_node=world, quick=True, copy_bytes=2**20)
+    profile, _ = build_profile(f"cpu-{world}", measured, cuda=False, nproc=world, threads=1,
+                               devices_per_node=world, quick=True, copy_bytes=2**20)
     return compose_cluster([NodeGroup(profile, 1)], name=f"cpu-{world}")
 
 

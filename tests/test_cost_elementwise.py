@@ -2,7 +2,7 @@
 
 On a CPU, GELU, SiLU, softmax, layer norm and masked_fill are arithmetic per byte rather
 than a copy: ``autoplan profile`` times each
-(:func:`autoplan.hardware.profiler._measure_elementwise`) and the cost model prices the
+(:func:`autoplan.profiling.elementwise.measure_elementwise`) and the cost model prices the
 bytes the capture counts for each kind at that speed, in place of the copy bandwidth
 (forward) and twice the bytes at it (backward).  Other operators' backward moves what
 their derivative does (:func:`autoplan.cost.summary.backward_traffic`).
@@ -185,20 +185,20 @@ def test_a_slower_broadcast_costs_its_bytes_at_its_own_speed(graph):
 def test_the_profiler_turns_the_slowest_ranks_timings_into_rates():
     """What each rank measured (forward seconds, backward seconds, counted bytes per call)
     becomes bytes per second, the slowest rank's per figure."""
-    from autoplan.hardware.profiler import _build_profile
+    from autoplan.profiling.build import build_profile
     from runtime_cases import synthetic_measurements
 
     raw = synthetic_measurements(2)
     raw["ranks"][0]["elementwise"] = {"gelu": [1e-3, 4e-3, 2e6], "silu": [1e-3, 1e-3, 2e6]}
     raw["ranks"][1]["elementwise"] = {"gelu": [2e-3, 2e-3, 2e6], "silu": [1e-3, 1e-3, 2e6]}
-    profile, _ = _build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
-                                quick=True, copy_bytes=2**20)
+    profile, _ = build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
+                               quick=True, copy_bytes=2**20)
     rates = profile.device.elementwise_rates
     assert rates.forward_bytes_per_s == {"gelu": 1e9, "silu": 2e9}
     assert rates.backward_bytes_per_s == {"gelu": 0.5e9, "silu": 2e9}
     del raw["ranks"][0]["elementwise"]    # a rank (an older profiler) without them: none
-    profile, _ = _build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
-                                quick=True, copy_bytes=2**20)
+    profile, _ = build_profile("ew", raw, cuda=False, nproc=2, threads=1, devices_per_node=2,
+                               quick=True, copy_bytes=2**20)
     assert profile.device.elementwise_rates is None
 
 
@@ -207,7 +207,7 @@ def test_the_profiler_times_each_kind_forward_and_backward():
     forward, 3 ms forward + backward): 2 ms backward, on 2 MiB in and 2 MiB out."""
     import torch
 
-    from autoplan.hardware.profiler import _measure_elementwise
+    from autoplan.profiling.elementwise import measure_elementwise
 
     calls = []
 
@@ -217,7 +217,7 @@ def test_the_profiler_times_each_kind_forward_and_backward():
         calls.append(fn)
         return 1e-3 if len(calls) % 2 else 3e-3
 
-    out = _measure_elementwise(torch, timed, torch.device("cpu"), 16 * 2**20)
+    out = measure_elementwise(torch, timed, torch.device("cpu"), 16 * 2**20)
     assert set(out) == set(ELEMENTWISE_KINDS)
     for fwd, bwd, nbytes in out.values():
         assert (fwd, bwd, nbytes) == pytest.approx((1e-3, 2e-3, 2 * 2 * 2**20))
@@ -230,10 +230,10 @@ def test_the_profiler_times_the_layout_kinds_as_a_gpu_would():
     output and input.  Their gradients flow (the timer runs forward + backward)."""
     import torch
 
-    from autoplan.hardware.profiler import _elementwise_calls, _measure_elementwise
+    from autoplan.profiling.elementwise import _elementwise_calls, measure_elementwise
 
-    out = _measure_elementwise(torch, lambda fn: (fn(), fn(), 1e-3)[-1], torch.device("cpu"),
-                               2**20, LAYOUT_KINDS, (256, 128))
+    out = measure_elementwise(torch, lambda fn: (fn(), fn(), 1e-3)[-1], torch.device("cpu"),
+                              2**20, LAYOUT_KINDS, (256, 128))
     tensor = 256 * 128 * 4
     assert out["layout_copy"][2] == 2 * tensor
     assert out["broadcast"][2] == 3 * 2 * tensor + 256 * 4 + 256 * 64 * 4

@@ -2,7 +2,7 @@
 
 On a CPU every operator of an eager step pays the dispatcher before its arithmetic; the
 profiler measures that per operator a block's forward dispatches and per node its backward
-runs (:mod:`autoplan.hardware.profiler`; profiles before them per captured operator) and the
+runs (:mod:`autoplan.profiling.overhead`; profiles before them per captured operator) and the
 cost model adds it per those of each layer and micro-batch, whatever the micro-batch's
 size, plus the DTensor machinery of each tensor-parallel linear when tp > 1,
 and under selective recompute torch's Python dispatch mode per operator a block dispatches;

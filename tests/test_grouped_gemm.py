@@ -90,9 +90,9 @@ def test_expert_gemms_are_priced_at_the_measured_grouped_speed(moe, eff):
 def test_the_profiler_times_grouped_gemms_and_tables_them():
     from types import SimpleNamespace
 
-    from autoplan.hardware import profiler
+    from autoplan.profiling import MeasurementPlan, grouped_gemm
 
-    plan = profiler.MeasurementPlan.for_machine(cuda=False, quick=True)
+    plan = MeasurementPlan.for_machine(cuda=False, quick=True)
     said = []
     dist = SimpleNamespace(barrier=lambda: None)
 
@@ -102,13 +102,13 @@ def test_the_profiler_times_grouped_gemms_and_tables_them():
         fn()
         return time.perf_counter() - t
 
-    grouped = profiler._measure_grouped_gemms(
+    grouped = grouped_gemm.measure_grouped_gemms(
         torch, dist, "cpu", {"fp32": torch.float32, "bf16": torch.bfloat16}, plan, False,
         lambda: None, timed, said.append)
     assert set(grouped) <= {"fp32", "bf16"} and "fp32" in grouped
     assert [p[1] for p in grouped["fp32"]] == [4, 16, 64, 256]
-    tables = profiler._grouped_tables([{"grouped": grouped}, {"grouped": grouped}],
-                                      {"fp32": 1e12, "bf16": 1e12}, "measured")
+    tables = grouped_gemm.tabulate_grouped_gemms([{"grouped": grouped}, {"grouped": grouped}],
+                                                 {"fp32": 1e12, "bf16": 1e12}, "measured")
     assert list(tables["fp32"].points)[0][0] == 2 * 4 * 256 * 256
     assert all(0 < e <= 1 for _, e in tables["fp32"].points)
     assert any("grouped GEMM fp32" in line for line in said)

@@ -279,7 +279,7 @@ def test_the_speed_probe_is_the_profiles_matmul_timing(monkeypatch):
     free-running timer (PROBE_WINDOWS windows), the ranks' figure agreed by an all-reduce."""
     import torch
 
-    from autoplan.hardware import profiler
+    from autoplan.profiling import timing
     seen = {}
 
     def free_running(fn, sync, target_s, agreed_mean, barrier, windows=1):
@@ -301,9 +301,9 @@ def test_the_speed_probe_is_the_profiles_matmul_timing(monkeypatch):
         def barrier():
             pass
 
-    monkeypatch.setattr(profiler, "_free_running", free_running)
+    monkeypatch.setattr(timing, "free_running", free_running)
     assert lt._speed_probe(torch, FakeDist) == 0.25
-    assert seen == {"target_s": lt.PROBE_WINDOWS * profiler._MIN_FREE_WINDOW_S,
+    assert seen == {"target_s": lt.PROBE_WINDOWS * timing.MIN_FREE_WINDOW_S,
                     "windows": lt.PROBE_WINDOWS, "mean": 0.5,
                     "shape": (lt.PROBE_N, lt.PROBE_N), "dtype": torch.float32}
 
@@ -473,7 +473,7 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     the timing the profile's source states (what a profile measured now would hold), and
     re-deriving them again changes nothing.  A profile without them is used as it is."""
     from autoplan import load_cluster
-    from autoplan.hardware.profiler import _REFERENCE_SHAPE, _reference_engine
+    from autoplan.profiling.reference import REFERENCE_SHAPE, reference_engine
     path = [p for p in sorted((REPO / "benchmarks" / "confirm_passes").glob("*/profile.yaml"))
             if lt._SMALL_TIMING.search(" ".join(p.read_text().split())) is None][-1]
     cluster, scales = lt._rescaled(load_cluster(str(path)))
@@ -483,7 +483,7 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     assert (f0, b0) == (overhead.layer_forward_scale, overhead.layer_backward_scale)
     timing = lt._REFERENCE_TIMING.search(" ".join(overhead.source.split()))
     device = cluster.profile_of(0).device
-    priced_fwd, priced_bwd = _reference_engine(device).model_compute_s(_REFERENCE_SHAPE[0])
+    priced_fwd, priced_bwd = reference_engine(device).model_compute_s(REFERENCE_SHAPE[0])
     assert f1 * priced_fwd == pytest.approx(float(timing.group(1)) / 1e3, rel=1e-9)
     assert b1 * priced_bwd == pytest.approx(float(timing.group(2)) / 1e3, rel=1e-9)
     assert (device.op_overhead.layer_forward_scale,
@@ -510,13 +510,13 @@ def test_reprice_rederives_a_profiles_layer_scales_from_its_reference_timing(pro
     assert lt._rescaled(rescaled, host_split=True)[1][2] == pytest.approx(host, rel=1e-12)
     assert lt._rescaled(rescaled)[0].profile_of(0).device.op_overhead.host_forward_scale is None
     # the second shape is read from the source: the same timings at 1 x 32 split apart
-    from autoplan.hardware.profiler import _reference_scales
+    from autoplan.profiling.reference import reference_scales
     at_32 = compose_cluster([NodeGroup(dataclasses.replace(profile, device=dataclasses.replace(
         profile.device, op_overhead=dataclasses.replace(
             profile.device.op_overhead, source=source.replace("1 x 128", "1 x 32")))), 1)])
     host_32 = lt._rescaled(at_32, host_split=True)[1][2]
     assert host_32 != pytest.approx(host, rel=1e-3)
-    assert host_32 == pytest.approx(_reference_scales(
+    assert host_32 == pytest.approx(reference_scales(
         profile.device, (float(timing.group(1)) / 1e3, float(timing.group(2)) / 1e3,
                          round(float(timing.group(1)) * 0.31, 2) / 1e3,
                          round(float(timing.group(2)) * 0.29, 2) / 1e3),

@@ -15,10 +15,13 @@ from autoplan.hardware import (IntraNodeTopology, NodeGroup, available_profiles,
 from autoplan.hardware.profiles import parse_profile, profile_to_yaml
 from autoplan.errors import ProfileError
 from autoplan.hardware import EfficiencyTable
-from autoplan.hardware.profiler import (_ATTENTION_HEADS, _TP_PAIR_ROUNDS, _attention_call,
-                                       _attention_table, _build_profile, _p2p_partner,
-                                       _summary, ProfilingFailed, _qk_flops, fit_alpha_beta,
-                                       main)
+from autoplan.profiling import main
+from autoplan.profiling.attention import (ATTENTION_HEADS, attention_call, qk_flops,
+                                          tabulate_attention)
+from autoplan.profiling.build import build_profile, profile_summary
+from autoplan.profiling.collectives import fit_alpha_beta, p2p_partner
+from autoplan.profiling.parallel import TP_PAIR_ROUNDS
+from autoplan.profiling.timing import ProfilingFailed
 from runtime_cases import synthetic_measurements
 
 
@@ -54,9 +57,9 @@ def test_fit_keeps_the_latency_of_a_latency_bound_collective():
 
 
 def test_build_profile_from_measurements():
-    profile, measurements = _build_profile("local-test", synthetic_measurements(), cuda=False,
-                                           nproc=2, threads=1, devices_per_node=2, quick=True,
-                                           copy_bytes=2**20)
+    profile, measurements = build_profile("local-test", synthetic_measurements(), cuda=False,
+                                          nproc=2, threads=1, devices_per_node=2, quick=True,
+                                          copy_bytes=2**20)
     d, node = profile.device, profile.node
     assert d.peak_flops_per_s == {"fp32": pytest.approx(1e10, rel=1e-12)}
     assert [p[1] for p in d.matmul_efficiency["fp32"].points] == pytest.approx([0.5, 1.0, 1.0])
@@ -81,8 +84,8 @@ def test_build_profile_keeps_each_collectives_own_latency():
     raw = synthetic_measurements()
     # all_reduce (2 steps at 2 ranks): 900 us more per step than the others' 100 us
     raw["comm"]["all_reduce"] = [[s, t + 2 * 900e-6] for s, t in raw["comm"]["all_reduce"]]
-    profile, measurements = _build_profile("local-test", raw, cuda=False, nproc=2, threads=1,
-                                           devices_per_node=2, quick=True, copy_bytes=2**20)
+    profile, measurements = build_profile("local-test", raw, cuda=False, nproc=2, threads=1,
+                                          devices_per_node=2, quick=True, copy_bytes=2**20)
     node = profile.node
     lat = node.collective_latency
     assert lat is not None and "fitted latency" in lat.source
@@ -100,14 +103,14 @@ def test_build_profile_keeps_each_collectives_own_latency():
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
     # the source says how the ranks timed them: back to back here, after a matmul if they say so
     assert "matmul" not in lat.source
-    timed_after, _ = _build_profile("local-test", {**raw, "comm_after_compute": True}, cuda=False,
-                                    nproc=2, threads=1, devices_per_node=2, quick=True,
-                                    copy_bytes=2**20)
+    timed_after, _ = build_profile("local-test", {**raw, "comm_after_compute": True}, cuda=False,
+                                   nproc=2, threads=1, devices_per_node=2, quick=True,
+                                   copy_bytes=2**20)
     assert "after a 134-MFLOP matmul" in timed_after.node.collective_latency.source
     assert "every pair" not in timed_after.node.collective_latency.source
-    pairs, _ = _build_profile("local-test", {**raw, "shares_cores": True}, cuda=False,
-                              nproc=2, threads=1, devices_per_node=2, quick=True,
-                              copy_bytes=2**20)
+    pairs, _ = build_profile("local-test", {**raw, "shares_cores": True}, cuda=False,
+                             nproc=2, threads=1, devices_per_node=2, quick=True,
+                             copy_bytes=2**20)
     assert "p2p after a 134-MFLOP matmul, every pair of ranks at once" in \
         pairs.node.collective_latency.source
     # and that a rank's own work is timed free-running with every rank busy there
@@ -128,9 +131,9 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
                  "tp_linear_backward_s": 600e-6, "selective_dispatch_s": 170e-6,
                  "optimizer_param_s": 35e-6, "optimizer_dtensor_param_s": 210e-6,
                  "forward_dispatch_s": 6e-6, "backward_node_s": 7e-6}]
-    profile, _ = _build_profile("local-test", synthetic_measurements(overhead=per_rank),
-                                cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
-                                copy_bytes=2**20)
+    profile, _ = build_profile("local-test", synthetic_measurements(overhead=per_rank),
+                               cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
+                               copy_bytes=2**20)
     o = profile.device.op_overhead
     assert (o.forward_s, o.backward_s, o.tp_linear_forward_s, o.tp_linear_backward_s,
             o.selective_dispatch_s, o.optimizer_param_s, o.optimizer_dtensor_param_s) == \
@@ -141,16 +144,16 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     assert "fused AdamW step autoplan.parallelize builds, over 32" in o.source
     # tensor-parallel linears: on pairs of ranks wherever the ranks pair up, whether or not
     # they share cores; on one-rank meshes where they do not (an odd number of ranks)
-    shared, _ = _build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
-                                              "shares_cores": True},
-                               cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
-                               copy_bytes=2**20)
+    shared, _ = build_profile("local-test", {**synthetic_measurements(overhead=per_rank),
+                                             "shares_cores": True},
+                              cuda=False, nproc=2, threads=1, devices_per_node=2, quick=True,
+                              copy_bytes=2**20)
     for p in (profile, shared):
         assert "on two-rank groups, every pair at once" in p.device.op_overhead.source
-        assert f"the median of {_TP_PAIR_ROUNDS} rounds" in p.device.op_overhead.source
-    odd, _ = _build_profile("local-test", synthetic_measurements(3, overhead=per_rank * 2),
-                            cuda=False, nproc=3, threads=1, devices_per_node=3, quick=True,
-                            copy_bytes=2**20)
+        assert f"the median of {TP_PAIR_ROUNDS} rounds" in p.device.op_overhead.source
+    odd, _ = build_profile("local-test", synthetic_measurements(3, overhead=per_rank * 2),
+                           cuda=False, nproc=3, threads=1, devices_per_node=3, quick=True,
+                           copy_bytes=2**20)
     assert "on a one-rank mesh, plus the functional" in odd.device.op_overhead.source
     text = profile_to_yaml(profile)
     assert parse_profile(yaml.safe_load(text)) == profile
@@ -170,8 +173,8 @@ def test_build_profile_keeps_the_slowest_ranks_operator_overhead():
     o_older = parse_profile(older).device.op_overhead
     assert (o_older.selective_s, o_older.selective_dispatch_s) == (pytest.approx(210e-6), 0.0)
     # measurements without it (profiles written before it was measured): none
-    plain, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
-                              threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
+    plain, _ = build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
+                             threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
     assert plain.device.op_overhead is None
 
 
@@ -182,8 +185,8 @@ def _cpu_reference_profile(**figures: float):
                 "tp_linear_backward_s": 0.0, "forward_dispatch_s": 5e-6,
                 "backward_node_s": 8e-6, **figures}
     measured = synthetic_measurements(overhead=[overhead] * 2)
-    plain, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                              devices_per_node=2, quick=True, copy_bytes=2**20)
+    plain, _ = build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                             devices_per_node=2, quick=True, copy_bytes=2**20)
     return measured, plain
 
 
@@ -192,15 +195,15 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     cost model's price for them from the profile's own figures: made-up measurements at
     1.3 and 0.9 times that price give scales 1.3 and 0.9, the slowest rank's deciding;
     a profile whose ranks did not time them has none."""
-    from autoplan.hardware.profiler import _reference_scales
+    from autoplan.profiling.reference import reference_scales
     measured, plain = _cpu_reference_profile()
     assert plain.device.op_overhead.layer_forward_scale is None
-    _, _, (fwd, bwd), host = _reference_scales(plain.device, (1.0, 1.0))
+    _, _, (fwd, bwd), host = reference_scales(plain.device, (1.0, 1.0))
     assert fwd > 0 and bwd > 0 and host is None
     for i, r in enumerate(measured["ranks"]):
         r["reference"] = [1.3 * fwd * (1 - 0.1 * i), 0.9 * bwd * (1 - 0.1 * i)]
-    scaled, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                               devices_per_node=2, quick=True, copy_bytes=2**20)
+    scaled, _ = build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
     o = scaled.device.op_overhead
     assert (o.layer_forward_scale, o.layer_backward_scale) == (pytest.approx(1.3),
                                                               pytest.approx(0.9))
@@ -208,7 +211,7 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     assert parse_profile(yaml.safe_load(profile_to_yaml(scaled))) == scaled
     assert o.selective_byte_s == 0.0 and "selective recompute per" not in o.source
     with pytest.raises(ProfilingFailed, match="no layer scale"):
-        _reference_scales(plain.device, (0.0, 1.0))
+        reference_scales(plain.device, (0.0, 1.0))
 
 
 def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic():
@@ -222,16 +225,16 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
     split; a stored profile's 1 x 128 timing splits at its own shape."""
     from dataclasses import replace
 
-    from autoplan.hardware.profiler import (HOST_SPLIT_NOT_APPLIED, _REFERENCE_SMALL_SHAPE,
-                                            _reference_engine, _reference_scales,
-                                            _reference_stack, _summary)
+    from autoplan.profiling.build import profile_summary
+    from autoplan.profiling.reference import (HOST_SPLIT_NOT_APPLIED, REFERENCE_SMALL_SHAPE,
+                                              _reference_stack, reference_engine, reference_scales)
     measured, plain = _cpu_reference_profile()
-    engine = _reference_engine(plain.device)
-    small_engine = _reference_engine(plain.device, _REFERENCE_SMALL_SHAPE)
+    engine = reference_engine(plain.device)
+    small_engine = reference_engine(plain.device, REFERENCE_SMALL_SHAPE)
     # a micro-batch of one dispatches a few operators less (views that are no-ops)
     hosts = {4: engine.model_host_s(), 1: small_engine.model_host_s()}
     large = engine.model_compute_s(4)
-    small = small_engine.model_compute_s(_REFERENCE_SMALL_SHAPE[0])
+    small = small_engine.model_compute_s(REFERENCE_SMALL_SHAPE[0])
     assert hosts[1][0] > 0 and hosts[1][1] > 0 and small[0] < large[0] / 8
 
     def timing(priced, arithmetic, host_scale, i, b=None):
@@ -240,13 +243,13 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
 
     timed = (timing(large, 1.1, 2.0, 0), timing(large, 0.9, 2.5, 1),
              timing(small, 1.1, 2.0, 0), timing(small, 0.9, 2.5, 1))
-    fwd, bwd, _, split = _reference_scales(plain.device, timed, engine)
+    fwd, bwd, _, split = reference_scales(plain.device, timed, engine)
     assert (fwd, bwd) == (pytest.approx(1.1), pytest.approx(0.9))
     assert split == (pytest.approx(2.0), pytest.approx(2.5))
     for r in measured["ranks"]:
         r["reference"] = [*timed[:2], 0.0, *timed[2:]]
-    stated, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                               devices_per_node=2, quick=True, copy_bytes=2**20)
+    stated, _ = build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                              devices_per_node=2, quick=True, copy_bytes=2**20)
     o = stated.device.op_overhead
     assert (o.layer_forward_scale, o.layer_backward_scale) == (
         pytest.approx(timed[0] / large[0]), pytest.approx(timed[1] / large[1]))
@@ -254,12 +257,12 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
     assert "on 1 x 32 tokens timed whole" in o.source
     assert ("would scale the layers x1.100 forward, x0.900 backward and their host work "
             "x2.000, x2.500 (not applied: " + HOST_SPLIT_NOT_APPLIED) in " ".join(o.source.split())
-    assert "host work x" not in _summary(stated, Path("p.yaml"), 1.0)
+    assert "host work x" not in profile_summary(stated, Path("p.yaml"), 1.0)
     assert parse_profile(yaml.safe_load(profile_to_yaml(stated))) == stated
     profile = replace(stated, device=replace(stated.device, op_overhead=replace(
         o, layer_forward_scale=1.1, layer_backward_scale=0.9, host_forward_scale=2.0,
         host_backward_scale=2.5)))
-    assert "host work x2.00, x2.50" in _summary(profile, Path("p.yaml"), 1.0)
+    assert "host work x2.00, x2.50" in profile_summary(profile, Path("p.yaml"), 1.0)
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
     # a profile with the host scales set prices the reference as measured at both shapes
     import torch
@@ -267,7 +270,7 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
     from autoplan.cost.engine import CostEngine
     cluster = compose_cluster([NodeGroup(replace(engine.cluster.profile_of(0),
                                                  device=profile.device), 1)])
-    for shape, price in (((4, 128), large), (_REFERENCE_SMALL_SHAPE, small)):
+    for shape, price in (((4, 128), large), (REFERENCE_SMALL_SHAPE, small)):
         stack, x = _reference_stack(torch, shape)
         graph = trace(stack, example_inputs=x, loss_fn=lambda out, *_: out.sum())
         priced = CostEngine(graph, cluster, calibration=None)
@@ -276,16 +279,16 @@ def test_reference_blocks_at_two_shapes_split_the_host_work_from_the_arithmetic(
     # a stored profile's second timing at one sequence of 128 tokens: split at that shape
     # (priced on the 4 x 128 capture, as the code of its day did)
     at_128 = engine.model_compute_s(1)
-    _, _, _, split = _reference_scales(
+    _, _, _, split = reference_scales(
         plain.device, (*timed[:2], timing(at_128, 1.1, 2.0, 0, 4),
                        timing(at_128, 0.9, 2.5, 1, 4)), engine, small_shape=(1, 128))
     assert split == (pytest.approx(2.0), pytest.approx(2.5))
     # no positive split: the large shape's ratio scales both, no host scales
-    fwd, bwd, _, split = _reference_scales(plain.device, (large[0], large[1], 4 * large[0],
-                                                          4 * large[1]), engine)
+    fwd, bwd, _, split = reference_scales(plain.device, (large[0], large[1], 4 * large[0],
+                                                         4 * large[1]), engine)
     assert split is None and (fwd, bwd) == (pytest.approx(1.0), pytest.approx(1.0))
-    assert _reference_scales(plain.device, (large[0], large[1], 0.0, small[1]),
-                             engine)[3] is None
+    assert reference_scales(plain.device, (large[0], large[1], 0.0, small[1]),
+                            engine)[3] is None
 
 
 def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byte():
@@ -293,29 +296,29 @@ def test_selective_byte_figure_is_the_reference_extra_less_its_operators_per_byt
     recomputes nothing, less their dispatched operators at ``selective_dispatch_s``, over
     the bytes they save without recompute; the slowest rank's extra decides; never below
     0; in the YAML and the profile's summary."""
-    from autoplan.hardware.profiler import (_REFERENCE_SHAPE, _reference_engine,
-                                            _reference_selective_byte_s, _reference_scales)
+    from autoplan.profiling.reference import (REFERENCE_SHAPE, reference_engine, reference_scales,
+                                              reference_selective_byte_s)
     from autoplan.strategy import Recompute
     measured, plain = _cpu_reference_profile(selective_dispatch_s=100e-6)
-    engine = _reference_engine(plain.device)
+    engine = reference_engine(plain.device)
     blocks = [l for l in engine.summary.layers if l.is_block]
     ops = sum(l.dispatched_ops for l in blocks)
     nbytes = sum(engine.activation_bytes(l, 1, False, Recompute.NONE, 1)
-                 for l in blocks) * _REFERENCE_SHAPE[0] * 4 / engine.summary.activation_bytes
+                 for l in blocks) * REFERENCE_SHAPE[0] * 4 / engine.summary.activation_bytes
     assert ops > 0 and nbytes > 0
-    _, _, (fwd, bwd), _ = _reference_scales(plain.device, (1.0, 1.0), engine)
+    _, _, (fwd, bwd), _ = reference_scales(plain.device, (1.0, 1.0), engine)
     extra = ops * 100e-6 + 2e-9 * nbytes
     for i, r in enumerate(measured["ranks"]):
         r["reference"] = [fwd, bwd, extra * (1 - 0.2 * i)]
-    profile, _ = _build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
-                                devices_per_node=2, quick=True, copy_bytes=2**20)
+    profile, _ = build_profile("local-test", measured, cuda=False, nproc=2, threads=1,
+                               devices_per_node=2, quick=True, copy_bytes=2**20)
     o = profile.device.op_overhead
     assert o.selective_byte_s == pytest.approx(2e-9)
     assert "recomputing nothing" in o.source
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
-    assert "+2.00 ns per activation byte" in _summary(profile, Path("p.yaml"), 1.0)
+    assert "+2.00 ns per activation byte" in profile_summary(profile, Path("p.yaml"), 1.0)
     # less than the operators' own figure: 0
-    assert _reference_selective_byte_s(plain.device, ops * 50e-6, engine)[0] == 0.0
+    assert reference_selective_byte_s(plain.device, ops * 50e-6, engine)[0] == 0.0
 
 
 def test_optimizer_overhead_is_per_parameter_tensor_and_element():
@@ -324,8 +327,8 @@ def test_optimizer_overhead_is_per_parameter_tensor_and_element():
     group: 0 without one); over large ones, less that, per element."""
     import torch
 
-    from autoplan.hardware.profiler import (_OPTIMIZER_LARGE, _OPTIMIZER_TENSORS,
-                                            _measure_optimizer_overhead)
+    from autoplan.profiling.overhead import (OPTIMIZER_LARGE, OPTIMIZER_TENSORS,
+                                             measure_optimizer_overhead)
 
     steps = []
 
@@ -334,11 +337,11 @@ def test_optimizer_overhead_is_per_parameter_tensor_and_element():
         steps.append(fn)
         return 0.0032 if len(steps) == 1 else 0.0121
 
-    plain, dtensor, element = _measure_optimizer_overhead(torch, timed)
-    count, size = _OPTIMIZER_LARGE
-    assert (plain, dtensor) == (pytest.approx(0.0032 / _OPTIMIZER_TENSORS), 0.0)
-    assert element == pytest.approx((0.0121 / count - 0.0032 / _OPTIMIZER_TENSORS) / size)
-    for fn, n, numel in ((steps[0], _OPTIMIZER_TENSORS, 8), (steps[1], count, size)):
+    plain, dtensor, element = measure_optimizer_overhead(torch, timed)
+    count, size = OPTIMIZER_LARGE
+    assert (plain, dtensor) == (pytest.approx(0.0032 / OPTIMIZER_TENSORS), 0.0)
+    assert element == pytest.approx((0.0121 / count - 0.0032 / OPTIMIZER_TENSORS) / size)
+    for fn, n, numel in ((steps[0], OPTIMIZER_TENSORS, 8), (steps[1], count, size)):
         opt = fn.__self__
         assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"]
         params = opt.param_groups[0]["params"]
@@ -352,9 +355,9 @@ def test_the_overhead_block_has_the_operators_it_counts():
     import torch
 
     from autoplan.cost.summary import _NOT_OPERATORS
-    from autoplan.hardware.profiler import OVERHEAD_BLOCK_OPS, _overhead_model
+    from autoplan.profiling.overhead import OVERHEAD_BLOCK_OPS, overhead_model
 
-    ep = torch.export.export(_overhead_model(torch, 8, 1), (torch.randn(1, 4, 8),))
+    ep = torch.export.export(overhead_model(torch, 8, 1), (torch.randn(1, 4, 8),))
     targets = [getattr(n.target, "__name__", str(n.target)) if n.target.__module__ == "_operator"
                else str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
     ops = [t for t in targets if not any(t.startswith(p) for p in _NOT_OPERATORS)]
@@ -371,11 +374,11 @@ def test_the_host_figures_are_per_unit_the_capture_counts():
     import torch
 
     from autoplan import trace
-    from autoplan.hardware import profiler
     from autoplan.opstream import DispatchCount, autograd_nodes
+    from autoplan.profiling import overhead
 
-    h, k = profiler._OVERHEAD_WIDTH, profiler._OVERHEAD_BLOCKS
-    stack = profiler._overhead_model(torch, h, k)
+    h, k = overhead.OVERHEAD_WIDTH, overhead.OVERHEAD_BLOCKS
+    stack = overhead.overhead_model(torch, h, k)
     x = torch.randn(1, 4, h)
     with DispatchCount() as eager:
         y = stack(x.requires_grad_(True))
@@ -387,12 +390,12 @@ def test_the_host_figures_are_per_unit_the_capture_counts():
     assert sum(layer.dispatched_ops for layer in graph.layers) == eager.total + objective
     assert sum(layer.autograd_nodes for layer in graph.layers) == nodes + objective
     assert eager.total == k * one.total
-    assert one.total > profiler.OVERHEAD_BLOCK_OPS and nodes > k * profiler.OVERHEAD_BLOCK_OPS
+    assert one.total > overhead.OVERHEAD_BLOCK_OPS and nodes > k * overhead.OVERHEAD_BLOCK_OPS
 
     # forward, forward + backward, one block, selective, split backward, whole backward
     calls = iter([0.28, 0.84, 0.5, 0.66, 0.9, 0.7])
-    got = profiler._measure_op_overhead(torch, lambda fn: next(calls))
-    n = profiler.OVERHEAD_BLOCK_OPS * k
+    got = overhead.measure_op_overhead(torch, lambda fn: next(calls))
+    n = overhead.OVERHEAD_BLOCK_OPS * k
     assert got["forward_s"] == pytest.approx(0.28 / n)
     assert got["backward_s"] == pytest.approx(0.56 / n)
     assert got["forward_dispatch_s"] == pytest.approx(0.28 / (eager.total + objective))
@@ -406,10 +409,10 @@ def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
     size, so none finds its operands in cache; every call is a real product."""
     import torch
 
-    from autoplan.hardware.profiler import _COLD_BYTES, _cold_matmul
-    assert _COLD_BYTES >= 2 * 32 * 2**20        # twice this machine's last-level cache
+    from autoplan.profiling.matmul import COLD_BYTES, cold_matmul
+    assert COLD_BYTES >= 2 * 32 * 2**20        # twice this machine's last-level cache
     n, per_set = 8, 3 * 8 * 8 * 4
-    call = _cold_matmul(torch, n, torch.float32, "cpu", 5 * per_set)
+    call = cold_matmul(torch, n, torch.float32, "cpu", 5 * per_set)
     sets = call.sets
     assert len(sets) == 5
     starts = sorted(t.data_ptr() for trio in sets for t in trio)
@@ -422,14 +425,14 @@ def test_matmuls_are_timed_cold_over_sets_that_span_the_cache():
     for a, b, out in sets:
         torch.testing.assert_close(out, a @ b)
     # at least two sets, however small the cold size
-    assert len(_cold_matmul(torch, n, torch.bfloat16, "cpu", 1).sets) == 2
+    assert len(cold_matmul(torch, n, torch.bfloat16, "cpu", 1).sets) == 2
 
 
 def test_cpu_collectives_are_timed_up_to_a_bandwidth_bound_size():
     """Both CPU plans time collectives from 1 KiB to 16 MiB: the fit's slope (the bandwidth)
     needs sizes where bytes, not the per-call latency, take most of the time (on 4 ranks of
     2 cores a 2 MiB all-reduce is still mostly latency)."""
-    from autoplan.hardware.profiler import MeasurementPlan
+    from autoplan.profiling.plan import MeasurementPlan
     for quick in (True, False):
         sizes = MeasurementPlan.for_machine(cuda=False, quick=quick).comm_sizes_bytes
         assert min(sizes) <= 2**10 and max(sizes) >= 16 * 2**20
@@ -439,18 +442,18 @@ def test_ranks_that_share_cores_are_timed_by_the_mean_of_long_batches(monkeypatc
     """More CPU ranks than cores: every figure is the mean of batches of several calls each
     (a step pays the usual share of the cores); a rank with cores of its own keeps the best
     batch and as few calls as fill the target; CUDA ranks never share."""
-    from autoplan.hardware import profiler
-    monkeypatch.setattr(profiler, "_usable_cores", lambda: 2)
-    assert profiler._shares_cores(cuda=False, world=4, threads=1)
-    assert profiler._shares_cores(cuda=False, world=2, threads=2)
-    assert not profiler._shares_cores(cuda=False, world=2, threads=1)
-    assert not profiler._shares_cores(cuda=True, world=8, threads=1)
+    from autoplan.profiling import timing
+    monkeypatch.setattr(timing, "usable_cores", lambda: 2)
+    assert timing.ranks_share_cores(cuda=False, world=4, threads=1)
+    assert timing.ranks_share_cores(cuda=False, world=2, threads=2)
+    assert not timing.ranks_share_cores(cuda=False, world=2, threads=1)
+    assert not timing.ranks_share_cores(cuda=True, world=8, threads=1)
     # a quick point (60 ms over 3 batches) of a 10 ms call: 2 calls a batch alone,
     # _MIN_SHARED_CALLS where the ranks share cores
-    assert profiler._calls_per_batch(0.06, 3, 0.01, shares_cores=False) == 2
-    assert profiler._calls_per_batch(0.06, 3, 0.01, shares_cores=True) == profiler._MIN_SHARED_CALLS
-    assert profiler._calls_per_batch(0.06, 3, 1e-6, shares_cores=True) == 10_000   # capped
-    assert profiler._calls_per_batch(0.06, 3, 10.0, shares_cores=False) == 1
+    assert timing.calls_per_batch(0.06, 3, 0.01, shares_cores=False) == 2
+    assert timing.calls_per_batch(0.06, 3, 0.01, shares_cores=True) == timing._MIN_SHARED_CALLS
+    assert timing.calls_per_batch(0.06, 3, 1e-6, shares_cores=True) == 10_000   # capped
+    assert timing.calls_per_batch(0.06, 3, 10.0, shares_cores=False) == 1
 
 
 def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windows(monkeypatch):
@@ -461,8 +464,8 @@ def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windo
     the fastest window is kept (what else runs on the machine only adds time)."""
     import types
 
-    from autoplan.hardware import profiler
-    warm = profiler._WARMUP_CALLS
+    from autoplan.profiling import timing
+    warm = timing.WARMUP_CALLS
     clock = [96.0]
     steps = iter([2.0**-6] * warm + [2.0**-6] * 10 + [2.0**-7] * 20 + [2.0**-6] * 10)
     calls, events = [], []
@@ -471,12 +474,12 @@ def test_a_ranks_own_work_where_ranks_share_cores_is_timed_in_free_running_windo
         clock[0] += next(steps)
         calls.append(clock[0])
 
-    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    got = profiler._free_running(fn, lambda: None, 0.06,
-                                 agreed_mean=lambda v: events.append(("mean", v)) or v * 3,
-                                 barrier=lambda: events.append(("barrier", len(calls))),
-                                 windows=3)
-    assert profiler._MIN_FREE_WINDOW_S == 0.15   # the call counts below assume it
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    got = timing.free_running(fn, lambda: None, 0.06,
+                              agreed_mean=lambda v: events.append(("mean", v)) or v * 3,
+                              barrier=lambda: events.append(("barrier", len(calls))),
+                              windows=3)
+    assert timing.MIN_FREE_WINDOW_S == 0.15   # the call counts below assume it
     # a barrier before each window, after the warm-up; each window >= 0.15 s, not 20 ms
     assert [e for e in events if e[0] == "barrier"] == [("barrier", warm),
                                                          ("barrier", warm + 10),
@@ -507,27 +510,28 @@ def _slowed(raw: dict, factor: float) -> dict:
 
 
 def test_median_of_runs_is_taken_figure_by_figure():
-    from autoplan.hardware.profiler import ProfilingFailed, _median_raw
+    from autoplan.profiling.build import median_raw
+    from autoplan.profiling.timing import ProfilingFailed
     runs = [{"n": 128, "t": [1.0, 5.0], "name": "cpu", "flag": True},
             {"n": 128, "t": [3.0, 4.0], "name": "cpu", "flag": True},
             {"n": 128, "t": [2.0, 9.0], "name": "cpu", "flag": True}]
-    got = _median_raw(runs)
+    got = median_raw(runs)
     assert got == {"n": 128, "t": [2.0, 5.0], "name": "cpu", "flag": True}
     assert isinstance(got["n"], int)       # a figure alike in every run keeps its type
-    assert _median_raw([{"t": 1.0}, {"t": 2.0}]) == {"t": 1.5}
+    assert median_raw([{"t": 1.0}, {"t": 2.0}]) == {"t": 1.5}
     with pytest.raises(ProfilingFailed, match="different things"):
-        _median_raw([{"t": [1.0]}, {"t": [1.0, 2.0]}])
+        median_raw([{"t": [1.0]}, {"t": [1.0, 2.0]}])
     with pytest.raises(ProfilingFailed, match="different things"):
-        _median_raw([{"t": 1.0}, {"u": 1.0}])
+        median_raw([{"t": 1.0}, {"u": 1.0}])
 
 
 def test_repeat_keeps_each_figures_median_over_the_runs(tmp_path, monkeypatch, capsys):
     """``autoplan profile --repeat 3``: three runs, one of them in a slow spell; the
     profile is the one the middle run's figures give, and its sources say how it was made."""
-    from autoplan.hardware import profiler
+    from autoplan import profiling
     raw = synthetic_measurements()
     runs = iter([_slowed(raw, 2.0), raw, _slowed(raw, 1.1)])
-    monkeypatch.setattr(profiler, "_run_ranks", lambda *args, **kwargs: next(runs))
+    monkeypatch.setattr(profiling, "run_ranks", lambda *args, **kwargs: next(runs))
     out = tmp_path / "median.yaml"
     assert main(["--quick", "--nproc", "2", "--device", "cpu", "--repeat", "3",
                  "--out", str(out)]) == 0
@@ -535,9 +539,9 @@ def test_repeat_keeps_each_figures_median_over_the_runs(tmp_path, monkeypatch, c
     with pytest.raises(StopIteration):
         next(runs)                                   # each run once
     got = load_cluster(out).device_type_of(0)
-    plan = profiler.MeasurementPlan.for_machine(cuda=False, quick=True)
-    want, _ = _build_profile("median", _slowed(raw, 1.1), cuda=False, nproc=2, threads=1,
-                             devices_per_node=2, quick=True, copy_bytes=plan.copy_bytes)
+    plan = profiling.MeasurementPlan.for_machine(cuda=False, quick=True)
+    want, _ = build_profile("median", _slowed(raw, 1.1), cuda=False, nproc=2, threads=1,
+                            devices_per_node=2, quick=True, copy_bytes=plan.copy_bytes)
     assert got.peak_flops_per_s == pytest.approx(want.device.peak_flops_per_s)
     assert got.memory_bw_bytes_per_s == pytest.approx(want.device.memory_bw_bytes_per_s)
     assert "--repeat 3" in got.source and "the median of 3 runs" in got.source
@@ -552,8 +556,8 @@ def test_one_device_profile_has_no_collectives_and_loads(tmp_path):
     one device never uses it); the profile is marked measured and round-trips."""
     raw = synthetic_measurements(world=1)
     raw["comm"] = {}
-    profile, measurements = _build_profile("one", raw, cuda=False, nproc=1, threads=2,
-                                           devices_per_node=1, quick=True, copy_bytes=2**20)
+    profile, measurements = build_profile("one", raw, cuda=False, nproc=1, threads=2,
+                                          devices_per_node=1, quick=True, copy_bytes=2**20)
     node = profile.node
     assert node.devices_per_node == 1 and node.latency_s == 0.0
     assert node.bw_unidir_bytes_per_s == pytest.approx(profile.device.memory_bw_bytes_per_s)
@@ -570,32 +574,32 @@ def test_attention_table_prices_the_measured_calls():
     causal fused attention's forward and backward at) over the measured time, over the best
     16-bit matmul, for the first (heads, head dim) of the measured shapes; the other shapes
     stay in the measurements only."""
-    heads, head_dim = _ATTENTION_HEADS[0]
-    other = _ATTENTION_HEADS[1]
+    heads, head_dim = ATTENTION_HEADS[0]
+    other = ATTENTION_HEADS[1]
     calls = [(8, heads, 2048, head_dim, 2e-3), (8, other[0], 2048, other[1], 3e-3),
              (2, heads, 8192, head_dim, 6e-3)]
     ranks = [{"attention": calls}, {"attention": [c[:4] + (c[4] * 1.5,) for c in calls]}]
-    rows, table = _attention_table(ranks, {"bf16": 1e15, "fp32": 1e14}, "measured here")
+    rows, table = tabulate_attention(ranks, {"bf16": 1e15, "fp32": 1e14}, "measured here")
     assert [r["seconds"] for r in rows] == pytest.approx([3e-3, 4.5e-3, 9e-3])  # slowest rank
-    qk = [_qk_flops(8, heads, 2048, head_dim), _qk_flops(2, heads, 8192, head_dim)]
+    qk = [qk_flops(8, heads, 2048, head_dim), qk_flops(2, heads, 8192, head_dim)]
     assert [p[0] for p in table.points] == qk
     assert [p[1] for p in table.points] == pytest.approx(
         [4 * qk[0] / 3e-3 / 1e15, 4 * qk[1] / 9e-3 / 1e15])
     assert "scaled_dot_product_attention" in table.source
-    assert _attention_table([{"attention": []}], {"bf16": 1e15}, "x") == ([], None)
-    assert _attention_table([{}], {"bf16": 1e15}, "x") == ([], None)
+    assert tabulate_attention([{"attention": []}], {"bf16": 1e15}, "x") == ([], None)
+    assert tabulate_attention([{}], {"bf16": 1e15}, "x") == ([], None)
 
 
 def test_attention_call_runs_sdpa_forward_and_backward():
     import torch
-    call = _attention_call(torch, 2, 2, 16, 8, torch.device("cpu"))
+    call = attention_call(torch, 2, 2, 16, 8, torch.device("cpu"))
     call()   # gradients returned, nothing accumulated: repeatable
     call()
 
 
 def test_measured_profile_fields_round_trip_and_reject_bad_values():
-    profile, _ = _build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
-                                threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
+    profile, _ = build_profile("local-test", synthetic_measurements(), cuda=False, nproc=2,
+                               threads=1, devices_per_node=2, quick=True, copy_bytes=2**20)
     table = EfficiencyTable(((1e9, 0.3), (1e11, 0.6)), source="measured attention")
     from dataclasses import replace
     p2 = replace(profile, device=replace(profile.device, attention_efficiency=table))
@@ -610,10 +614,10 @@ def test_measured_profile_fields_round_trip_and_reject_bad_values():
 def test_p2p_partners():
     """Ranks 0 and 1 alone where each rank has its cores; every pair at once where ranks
     share cores (the others busy, as data-parallel pipelines' stages are)."""
-    assert [_p2p_partner(r, 4, every_pair=False) for r in range(4)] == [1, 0, None, None]
-    assert [_p2p_partner(r, 4, every_pair=True) for r in range(4)] == [1, 0, 3, 2]
-    assert [_p2p_partner(r, 3, every_pair=True) for r in range(3)] == [1, 0, None]
-    assert [_p2p_partner(r, 2, every_pair=flag) for r in range(2) for flag in (False, True)] \
+    assert [p2p_partner(r, 4, every_pair=False) for r in range(4)] == [1, 0, None, None]
+    assert [p2p_partner(r, 4, every_pair=True) for r in range(4)] == [1, 0, 3, 2]
+    assert [p2p_partner(r, 3, every_pair=True) for r in range(3)] == [1, 0, None]
+    assert [p2p_partner(r, 2, every_pair=flag) for r in range(2) for flag in (False, True)] \
         == [1, 1, 0, 0]
 
 
@@ -639,7 +643,7 @@ def _tp_overhead_both_ways(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autoplan.hardware.profiler import _measure_tp_overhead
+    from autoplan.profiling.parallel import measure_tp_overhead
 
     def timed(fn) -> float:
         return _slowest_mean(fn, calls=20, warmup=3)
@@ -662,10 +666,10 @@ def _tp_overhead_both_ways(rank: int, world: int) -> dict:
 
     own = dist.new_subgroups(group_size=1)[0]
     pair = dist.new_subgroups(group_size=2)[0]
-    _measure_tp_overhead(torch, dist, recording, own, pair)
-    return {"one": _measure_tp_overhead(torch, dist, timed, own),
-            "pair": _measure_tp_overhead(torch, dist, timed, own, pair, rounds=2),
-            "median": _measure_tp_overhead(torch, dist, scripted, own, pair, rounds=3),
+    measure_tp_overhead(torch, dist, recording, own, pair)
+    return {"one": measure_tp_overhead(torch, dist, timed, own),
+            "pair": measure_tp_overhead(torch, dist, timed, own, pair, rounds=2),
+            "median": measure_tp_overhead(torch, dist, scripted, own, pair, rounds=3),
             "returned": returned}
 
 
@@ -691,7 +695,7 @@ def _tp_byte_overhead(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autoplan.hardware.profiler import _measure_tp_byte_overhead
+    from autoplan.profiling.parallel import measure_tp_byte_overhead
 
     def timed(fn) -> float:
         return _slowest_mean(fn, calls=5, warmup=2)
@@ -706,8 +710,8 @@ def _tp_byte_overhead(rank: int, world: int) -> dict:
         return next(script)
 
     pair = dist.new_subgroups(group_size=2)[0]
-    return {"scripted": _measure_tp_byte_overhead(torch, dist, scripted, pair),
-            "timed": _measure_tp_byte_overhead(torch, dist, timed, pair, rounds=1)}
+    return {"scripted": measure_tp_byte_overhead(torch, dist, scripted, pair),
+            "timed": measure_tp_byte_overhead(torch, dist, timed, pair, rounds=1)}
 
 
 @pytest.mark.distributed
@@ -717,9 +721,10 @@ def test_tp_collective_host_work_per_byte():
     output each way), in seconds per byte; measured for real it is finite and >= 0."""
     from dist_harness import run
 
-    from autoplan.hardware.profiler import _OVERHEAD_WIDTH, _TP_BYTES_SHAPE
-    tokens, h = _TP_BYTES_SHAPE
-    span = 4 * (tokens * h - 4 * _OVERHEAD_WIDTH)
+    from autoplan.profiling.overhead import OVERHEAD_WIDTH
+    from autoplan.profiling.parallel import TP_BYTES_SHAPE
+    tokens, h = TP_BYTES_SHAPE
+    span = 4 * (tokens * h - 4 * OVERHEAD_WIDTH)
     for got in run(_tp_byte_overhead, 2):
         assert got["scripted"] == pytest.approx(((2.5 - 0.75) + (3.5 - 0.75)) / 2 / span)
         assert 0 <= got["timed"] < 1e-6 and math.isfinite(got["timed"]), got
@@ -733,7 +738,7 @@ def test_a_split_backward_costs_more_host_time_than_a_whole_one():
 
     import torch
 
-    from autoplan.hardware.profiler import _OVERHEAD_WIDTH, _overhead_model, _split_backward_extra
+    from autoplan.profiling.overhead import OVERHEAD_WIDTH, _split_backward_extra, overhead_model
 
     def timed(fn) -> float:
         for _ in range(3):
@@ -743,8 +748,8 @@ def test_a_split_backward_costs_more_host_time_than_a_whole_one():
             fn()
         return (time.perf_counter() - t0) / 30
 
-    stack = _overhead_model(torch, _OVERHEAD_WIDTH, 4)
-    x = torch.randn(1, 4, _OVERHEAD_WIDTH).requires_grad_(True)
+    stack = overhead_model(torch, OVERHEAD_WIDTH, 4)
+    x = torch.randn(1, 4, OVERHEAD_WIDTH).requires_grad_(True)
     assert 0 < _split_backward_extra(torch, stack, x, timed) < 0.05
 
 
@@ -761,10 +766,10 @@ def _pipeline_overhead(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from autoplan.hardware.profiler import _measure_pipeline_overhead
+    from autoplan.profiling.parallel import measure_pipeline_overhead
 
     pair = dist.new_subgroups(group_size=2)[0]
-    return {"once": _measure_pipeline_overhead(torch, dist, pair, _agreed_mean, 1.0, rounds=2)}
+    return {"once": measure_pipeline_overhead(torch, dist, pair, _agreed_mean, 1.0, rounds=2)}
 
 
 @pytest.mark.distributed
@@ -784,7 +789,7 @@ def _core_seconds_of_work_and_waits(rank: int, world: int) -> dict:
 
     import torch.distributed as dist
 
-    from autoplan.hardware.profiler import _core_seconds
+    from autoplan.profiling.parallel import core_seconds
 
     def busy() -> None:   # 4 ms of this thread's CPU
         end = time.thread_time() + 0.004
@@ -794,8 +799,8 @@ def _core_seconds_of_work_and_waits(rank: int, world: int) -> dict:
     def asleep() -> None:  # 4 ms of waiting: no CPU
         time.sleep(0.004)
 
-    return {"busy": _core_seconds(dist, _agreed_mean, 2.0, busy, calls=5),
-            "asleep": _core_seconds(dist, _agreed_mean, 2.0, asleep, calls=5)}
+    return {"busy": core_seconds(dist, _agreed_mean, 2.0, busy, calls=5),
+            "asleep": core_seconds(dist, _agreed_mean, 2.0, asleep, calls=5)}
 
 
 @pytest.mark.distributed
@@ -891,7 +896,7 @@ def test_the_arrival_cost_is_the_median_extra_of_a_collective_after_compute(monk
     rank's own clock after a barrier; the mean over rounds and groups, never below 0."""
     import types
 
-    from autoplan.hardware import profiler
+    from autoplan.profiling import collectives
     clock = [0.0]
     state = {"last": None, "extra": 0.0}
     barriers = []
@@ -910,15 +915,15 @@ def test_the_arrival_cost_is_the_median_extra_of_a_collective_after_compute(monk
         if len(barriers) % 3 == 0:
             state["extra"] = next(extras)
 
-    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(collectives, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     extras = iter([1e-3, 3e-3, 2e-3, 5e-3, -4e-3, 2.5e-3])
-    got = profiler._measure_arrival(work, [collective, collective], barrier,
-                                    agreed_mean=lambda v: v, rounds=3, loop=4)
+    got = collectives.measure_arrival(work, [collective, collective], barrier,
+                                      agreed_mean=lambda v: v, rounds=3, loop=4)
     assert len(barriers) == 3 * 2 * 3
     assert got == pytest.approx(9.5e-3 / 6, abs=1e-12)        # the mean of the six
     extras = iter([-1e-3] * 3)
-    assert profiler._measure_arrival(work, [collective], barrier, agreed_mean=lambda v: v,
-                                     rounds=3, loop=4) == 0.0   # clamped
+    assert collectives.measure_arrival(work, [collective], barrier, agreed_mean=lambda v: v,
+                                       rounds=3, loop=4) == 0.0   # clamped
 
 
 def test_a_cuda_profile_keeps_the_hosts_time_per_operator():
@@ -937,8 +942,8 @@ def test_a_cuda_profile_keeps_the_hosts_time_per_operator():
                                "capability": [9, 0]},
                       "overhead": overhead, "attention": []}],
            "comm": {}, "world": 1}
-    profile, _ = _build_profile("gpu", raw, cuda=True, nproc=1, threads=1, devices_per_node=1,
-                                quick=False, copy_bytes=2**30)
+    profile, _ = build_profile("gpu", raw, cuda=True, nproc=1, threads=1, devices_per_node=1,
+                               quick=False, copy_bytes=2**30)
     d = profile.device
     assert d.architecture == "hopper" and d.measured
     assert d.op_overhead.forward_dispatch_s == 7.9e-6
@@ -949,7 +954,7 @@ def test_a_cuda_profile_keeps_the_hosts_time_per_operator():
 def test_the_fsdp_figures_are_a_line_through_two_unit_sizes():
     """Per call and per byte from the extras at two unit sizes; a negative slope reads 0
     and a negative intercept puts the line through the origin and the larger point."""
-    from autoplan.hardware.profiler import _line
+    from autoplan.profiling.parallel import _line
     assert _line(1e6, 3e-3, 4e6, 9e-3) == pytest.approx((1e-3, 2e-9))
     assert _line(1e6, 3e-3, 4e6, 2e-3) == (3e-3, 0.0)
     assert _line(1e6, 1e-3, 4e6, 8e-3) == pytest.approx((0.0, 2e-9))
@@ -963,7 +968,7 @@ def test_sigterm_interrupts_while_the_ranks_run():
     import sys
     import threading
 
-    from autoplan.hardware.profiler import _terminate_as_interrupt
+    from autoplan.profiling.workers import _terminate_as_interrupt
     if sys.platform == "win32" or threading.current_thread() is not threading.main_thread():
         pytest.skip("a SIGTERM to this process would end it here, not raise")
     before = signal.getsignal(signal.SIGTERM)

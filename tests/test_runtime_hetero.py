@@ -29,7 +29,7 @@ import autoplan
 import runtime_cases as rc
 from autoplan.graph import ModelGraph
 from autoplan.hardware import NodeGroup, compose_cluster
-from autoplan.hardware.profiler import _build_profile
+from autoplan.profiling.build import build_profile
 from autoplan.hardware.profiles import NetworkSpec, NetworkTopology, Profile
 from autoplan.plan import Plan
 from autoplan.search import SearchSpace
@@ -52,8 +52,8 @@ def _profile(kind: str, speed: float, devices_per_node: int, world: int) -> Prof
         r["matmul"] = {dt: [[n, t / speed] for n, t in table] for dt, table in r["matmul"].items()}
         r["copy_s"] /= speed
         r["info"]["name"] = f"test-{kind}"
-    profile, _ = _build_profile(kind, raw, cuda=False, nproc=world, threads=1,
-                                devices_per_node=devices_per_node, quick=True, copy_bytes=2**20)
+    profile, _ = build_profile(kind, raw, cuda=False, nproc=world, threads=1,
+                               devices_per_node=devices_per_node, quick=True, copy_bytes=2**20)
     node = profile.node
     network = NetworkSpec(1, node.bw_unidir_bytes_per_s * devices_per_node, node.latency_s,
                           NetworkTopology.SINGLE_SWITCH, 1.0, node.collective_efficiency,

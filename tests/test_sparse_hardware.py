@@ -78,7 +78,7 @@ def test_host_records_refuse_impossible_values():
 
 
 def test_the_profiler_measures_this_host():
-    from autoplan.hardware.profiler import measure_host
+    from autoplan.profiling.host import measure_host
 
     host = measure_host(cuda=False, quick=True)
     assert host.memory_bytes > 2**30 and host.memory_bw_bytes_per_s > 1e8 and host.cores >= 1
