@@ -297,18 +297,19 @@ def _print(rows: list[dict], run: bool) -> None:
         width = int(spec.split(".")[0].rstrip("d"))
         return f"{'-':>{width}}" if v is None else format(v, spec)
 
+    v = verdict(rows) if run else None   # sets the rows' measured_rank
     print(f"\n{'layout':<46} {'source':<9} {'search':>6} {'pred s':>7} {'p.rank':>6} "
           f"{'meas s':>7} {'m.rank':>6}  status")
     for r in sorted(rows, key=lambda r: (r.get("measured_rank") or 10**6, r["predicted_rank"])):
         print(f"{r['label']:<46} {r['source']:<9} {fmt(r['search_rank'], '6d')} "
-              f"{r['predicted_s']:7.3f} {r['predicted_rank']:6d} {fmt(r.get('measured_s'), '7.3f')} "
+              f"{r['predicted_s']:7.3f} {r['predicted_rank']:6d} "
+              f"{fmt(r.get('measured_s'), '7.3f')} "
               f"{fmt(r.get('measured_rank'), '6d')}  {(r.get('status') or '')[:100]}")
     pick = rows[0]
     if not run:
         print(f"picked: {pick['label']}, predicted {pick['predicted_s']:.3f} s "
               "(real runs skipped: --no-run)")
         return
-    v = verdict(rows)
     if v is None:
         print(f"picked: {pick['label']} was not measured ({pick.get('status') or 'no run'})")
         return
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         graph = trace(build_model(name), seq_len=CONFIG.seq_len)
         rows = select_layouts(graph, cluster, runners_up=args.runners_up)
-        counts = {s: sum(r["source"] == s for r in rows) for s in ("runner-up", "degrees", "ladder")}
+        counts = {s: sum(r["source"] == s for r in rows)
+                  for s in ("runner-up", "degrees", "ladder")}
         print(f"\n=== {name}: {graph.num_params / 1e6:.2f} M parameters, {CONFIG.layers} blocks, "
               f"seq {CONFIG.seq_len}; global batch {BATCH}, fp32, {WORLD} processes; "
               f"{len(rows)} layouts: the pick, {counts['runner-up']} runners-up, the best of "

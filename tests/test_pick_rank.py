@@ -176,3 +176,17 @@ def test_a_profile_of_another_world_size_is_a_usage_error(a100_x4, capsys):
     with pytest.raises(SystemExit) as exc:
         pr.main(["--no-run", "--profile", str(path)])
     assert exc.value.code == 2 and "the profile has 2 devices" in capsys.readouterr().err
+
+
+def test_the_table_shows_each_layouts_measured_rank_and_the_verdict(capsys):
+    rows = [_row("pick", "pick", 1.0, 0.30), _row("a", "runner-up", 1.1, 0.20),
+            _row("b", "ladder", 1.2, None, "failed: rank 1 died")]
+    for i, r in enumerate(rows):
+        r.update(search_rank=i + 1 if r["source"] != "ladder" else None, predicted_rank=i + 1)
+    pr._print(rows, run=True)
+    lines = capsys.readouterr().out.splitlines()
+    table = {line.split()[0]: line.split() for line in lines[2:5]}
+    assert table["a"][-1] == "1" and table["pick"][-1] == "2"   # fastest first, m.rank last
+    assert table["b"][2:4] == ["-", "1.200"] and "failed: rank 1 died" in lines[4]
+    assert lines[5] == ("picked: pick, measured rank 2 of 2; fastest measured a; picked/fastest "
+                        "1.500 (target <= 1.05): missed")
