@@ -15,14 +15,13 @@ from typing import Any
 from ..hardware.collectives import CollectiveOp, ring_coefficients
 from ..hardware.profile_records import cuda_architecture
 from ..hardware.profiles import (COLLECTIVE_OPS, CollectiveEfficiency, CollectiveLatency,
-                                 DeviceType, EfficiencyTable, IntraNodeTopology, NodeSpec,
-                                 OpOverhead, Profile)
+                                 DeviceType, IntraNodeTopology, NodeSpec, OpOverhead, Profile)
 from .attention import tabulate_attention
 from .collectives import (ARRIVAL_LOOP, ARRIVAL_ROUNDS, ARRIVAL_WORK_CALLS, WORK_FLOPS,
                           fit_alpha_beta, one_device_node)
 from .elementwise import tabulate_elementwise
 from .grouped_gemm import tabulate_grouped_gemms
-from .matmul import COLD_BYTES
+from .matmul import tabulate_matmuls
 from .overhead import (OPTIMIZER_LARGE, OPTIMIZER_TENSORS, OVERHEAD_BLOCKS, OVERHEAD_BLOCK_OPS,
                        OVERHEAD_WIDTH)
 from .parallel import (CP_BATCHES, CP_CALLS, CP_ROUNDS, FSDP_LINEARS, FSDP_ROUNDS, FSDP_WIDTHS,
@@ -77,25 +76,7 @@ def build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, thr
     ranks = raw["ranks"]
 
     # matmul: the slowest rank at each size; peak = best of those
-    peaks: dict[str, float] = {}
-    tables: dict[str, EfficiencyTable] = {}
-    throughput: dict[str, list[tuple[float, float]]] = {}
-    for dtype in ranks[0]["matmul"]:
-        points = []
-        for i, (n, _) in enumerate(ranks[0]["matmul"][dtype]):
-            sec = max(r["matmul"][dtype][i][1] for r in ranks)
-            points.append((2.0 * n**3, 2.0 * n**3 / sec))
-        peak = max(p[1] for p in points)
-        peaks[dtype] = peak
-        throughput[dtype] = points
-        tables[dtype] = EfficiencyTable(
-            tuple((flops, min(1.0, achieved / peak)) for flops, achieved in points),
-            source=(f"{how}: square matmuls timed cold (each call's operands from a rotation "
-                    f"of sets spanning {fmt_bytes(ranks[0].get('cold_bytes', COLD_BYTES))}), "
-                    f"throughput over the best measured ({dtype})"
-                    + ("; the ranks share cores: each rank free-running, every rank busy, "
-                       "the fastest of a few windows of the ranks' mean"
-                       if raw.get("shares_cores") else "")))
+    peaks, tables, throughput = tabulate_matmuls(ranks, how, bool(raw.get("shares_cores")))
     copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
     memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
     if not cuda:

@@ -1,6 +1,7 @@
-"""Collectives: the ``t = a + b S`` fit of their times (:func:`fit_alpha_beta`), the p2p
-partners, the cost of a collective after compute where ranks share cores
-(:func:`measure_arrival`), and the node of a one-device profile (:func:`one_device_node`).
+"""Collectives: their times over message sizes (:func:`measure_collectives`), the
+``t = a + b S`` fit of them (:func:`fit_alpha_beta`), the p2p partners, the cost of a
+collective after compute where ranks share cores (:func:`measure_arrival`), and the node of a
+one-device profile (:func:`one_device_node`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-from ..hardware.profiles import CollectiveEfficiency, IntraNodeTopology, NodeSpec
+from ..hardware.profiles import (COLLECTIVE_OPS, CollectiveEfficiency, IntraNodeTopology,
+                                 NodeSpec)
+from .plan import MeasurementPlan
+from .timing import fmt_bytes
 
 
 #: CPU collectives are timed after a matmul of this shape (m, k, n): 134 MFLOP, about a
@@ -82,6 +86,61 @@ def p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
     world's last rank, or every rank past 1)."""
     partner = rank ^ 1 if every_pair else (1 - rank if rank < 2 else None)
     return partner if partner is not None and partner < world else None
+
+
+def measure_collectives(torch, dist, rank: int, world: int, device, plan: MeasurementPlan,
+                        timed: Callable[..., float], say: Callable[[str], None], *, cuda: bool,
+                        shares_cores: bool, after_compute: bool,
+                        work: Callable[[], None] | None) -> dict[str, list[tuple[int, float]]]:
+    """Seconds per call of each collective (:data:`~autoplan.hardware.profiles.COLLECTIVE_OPS`)
+    at each of the plan's message sizes, on every rank at once: ``op -> [(bytes, seconds)]``,
+    p2p one way; none with one rank.  ``timed(fn, mean=True)`` is the mean of every timed
+    call; with ``after_compute`` (a CPU whose ranks have cores of their own) each collective
+    is timed after ``work`` (a :data:`WORK_SHAPE` matmul) less ``work`` alone, and where
+    ``shares_cores`` p2p so, every pair of ranks at once (:func:`p2p_partner`)."""
+    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    comm: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVE_OPS}
+    # one rank: no collective can run on this node (no other device to talk to)
+    for size in plan.comm_sizes_bytes if world > 1 else ():
+        count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
+        nbytes = count * 4
+        full = torch.ones(count, device=device)
+        shard = torch.ones(count // world, device=device)
+        other = torch.empty(count, device=device)
+
+        partner = p2p_partner(rank, world, every_pair=shares_cores)
+
+        def p2p() -> None:
+            if partner is None:
+                return
+            if rank < partner:
+                dist.send(full, partner)
+                dist.recv(full, partner)
+            else:
+                dist.recv(full, partner)
+                dist.send(full, partner)
+
+        ops: dict[str, Callable[[], Any]] = {
+            "all_reduce": lambda: dist.all_reduce(full),
+            "all_gather": lambda: all_gather(other, shard),
+            "reduce_scatter": lambda: reduce_scatter(shard, full),
+            "all_to_all": lambda: dist.all_to_all_single(other, full),
+            "broadcast": lambda: dist.broadcast(full, 0),
+            "p2p": p2p,
+        }
+        if not cuda:
+            work_s = timed(work, mean=True)  # the matmul alone, in the same conditions
+        for op, fn in ops.items():
+            if not (after_compute or (shares_cores and op == "p2p")):
+                sec = timed(fn, mean=True)
+            else:  # after compute, less the compute
+                sec = max(MIN_COLLECTIVE_S, timed(lambda: (work(), fn()), mean=True) - work_s)
+            comm[op].append((nbytes, sec / 2 if op == "p2p" else sec))  # p2p: one way
+        say("collectives " + fmt_bytes(nbytes) + ": " + ", ".join(
+            f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
+    return comm
 
 
 #: The arrival cost (:func:`measure_arrival`): calls of the ``WORK_SHAPE`` matmul between

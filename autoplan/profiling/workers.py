@@ -19,16 +19,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..hardware.profile_records import RATE_KINDS
-from ..hardware.profiles import COLLECTIVE_OPS
 from ..records import atomic_write_text
 from ..runtime.cpu_heap import keep_cpu_heap
 from .attention import ATTENTION_FLOPS_PER_QK, attention_call, qk_flops
-from .collectives import (ARRIVAL_WORK_CALLS, MIN_COLLECTIVE_S, WORK_SHAPE, measure_arrival,
-                          p2p_partner)
+from .collectives import ARRIVAL_WORK_CALLS, WORK_SHAPE, measure_arrival, measure_collectives
 from .elementwise import ELEMENTWISE_SHAPE_CUDA, measure_elementwise
 from .grouped_gemm import measure_grouped_gemms
 from .host import cpu_name, physical_memory_bytes
-from .matmul import COLD_BYTES, cold_matmul
+from .matmul import COLD_BYTES, measure_matmuls
 from .overhead import measure_op_overhead, measure_optimizer_overhead
 from .parallel import (TP_PAIR_ROUNDS, core_seconds, measure_cp_overhead, measure_fsdp_overhead,
                        measure_pipeline_overhead, measure_tp_byte_overhead, measure_tp_overhead,
@@ -163,21 +161,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     if cuda:
         cold_bytes = max(cold_bytes, 2 * int(getattr(torch.cuda.get_device_properties(device),
                                                      "L2_cache_size", 0)))
-    matmul: dict[str, list[tuple[int, float]]] = {}
-    for name, sizes in plan.matmul_sizes.items():
-        if cuda:  # fp32 matmuls run on TF32 tensor cores only when allowed
-            torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
-        matmul[name] = []
-        for n in sizes:
-            call = cold_matmul(torch, n, dtypes[name], device, cold_bytes)
-            dist.barrier()
-            sec = (time_local(call, sync, plan.matmul_target_s, plan.repeats) if cuda
-                   else timed(call, plan.matmul_target_s, local=True))
-            del call
-            matmul[name].append((n, sec))
-            say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
-    if cuda:
-        torch.set_float32_matmul_precision("highest")
+    matmul = measure_matmuls(torch, dist, device, dtypes, plan, cuda, cold_bytes, sync, timed,
+                             say)
     # grouped GEMMs, as MoE experts run them (autoplan.hardware.grouped_gemm)
     grouped = measure_grouped_gemms(torch, dist, device, dtypes, plan, cuda, sync, timed, say)
 
@@ -245,10 +230,6 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             f"{'x'.join(map(str, REFERENCE_SMALL_SHAPE))}: {reference[3] * 1e3:.2f} ms forward, "
             f"{reference[4] * 1e3:.2f} ms backward")
 
-    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    comm: dict[str, list[tuple[int, float]]] = {op: [] for op in COLLECTIVE_OPS}
     # On a CPU host a step's collectives follow compute: the ranks arrive apart and a
     # waiting rank's threads have gone idle, which costs more than calls back to back
     # (on this kind of 2-core VM ~1-1.5 ms more per call).  Each collective is timed
@@ -270,44 +251,9 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         def work() -> None:
             torch.matmul(work_a, work_b)
 
-    # one rank: no collective can run on this node (no other device to talk to)
-    for size in plan.comm_sizes_bytes if world > 1 else ():
-        count = max(world, (size // 4) // world * world)  # float32 elements, divisible by world
-        nbytes = count * 4
-        full = torch.ones(count, device=device)
-        shard = torch.ones(count // world, device=device)
-        other = torch.empty(count, device=device)
-
-        partner = p2p_partner(rank, world, every_pair=shares_cores)
-
-        def p2p() -> None:
-            if partner is None:
-                return
-            if rank < partner:
-                dist.send(full, partner)
-                dist.recv(full, partner)
-            else:
-                dist.recv(full, partner)
-                dist.send(full, partner)
-
-        ops: dict[str, Callable[[], Any]] = {
-            "all_reduce": lambda: dist.all_reduce(full),
-            "all_gather": lambda: all_gather(other, shard),
-            "reduce_scatter": lambda: reduce_scatter(shard, full),
-            "all_to_all": lambda: dist.all_to_all_single(other, full),
-            "broadcast": lambda: dist.broadcast(full, 0),
-            "p2p": p2p,
-        }
-        if not cuda:
-            work_s = timed(work, mean=True)  # the matmul alone, in the same conditions
-        for op, fn in ops.items():
-            if not (after_compute or (shares_cores and op == "p2p")):
-                sec = timed(fn, mean=True)
-            else:  # after compute, less the compute
-                sec = max(MIN_COLLECTIVE_S, timed(lambda: (work(), fn()), mean=True) - work_s)
-            comm[op].append((nbytes, sec / 2 if op == "p2p" else sec))  # p2p: one way
-        say("collectives " + fmt_bytes(nbytes) + ": " + ", ".join(
-            f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))
+    comm = measure_collectives(torch, dist, rank, world, device, plan, timed, say, cuda=cuda,
+                               shares_cores=shares_cores, after_compute=after_compute,
+                               work=work if not cuda else None)
 
     # where the CPU ranks pair up, this rank's pair (every pair at once), for the
     # tensor-parallel figure and, where ranks share cores, the arrival cost
