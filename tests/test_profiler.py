@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -208,6 +209,8 @@ def test_layer_scales_are_the_reference_blocks_measured_over_priced():
     assert (o.layer_forward_scale, o.layer_backward_scale) == (pytest.approx(1.3),
                                                               pytest.approx(0.9))
     assert "layer scales: 2 such blocks at width 256 on 4 x 128 tokens" in o.source
+    # the description names the machine (the reference fit's host scales once took its name)
+    assert scaled.description.startswith(f"Measured on {socket.gethostname()}: ")
     assert parse_profile(yaml.safe_load(profile_to_yaml(scaled))) == scaled
     assert o.selective_byte_s == 0.0 and "selective recompute per" not in o.source
     with pytest.raises(ProfilingFailed, match="no layer scale"):

@@ -209,7 +209,7 @@ def build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, thr
         two = len(reference) > 4
         fit = (reference_scales(device, tuple(reference[:2]) + tuple(reference[3:5]), engine)
                if two else None)
-        host = fit[3] if fit else None
+        host_scales = fit[3] if fit else None
         b, seq, width = REFERENCE_SHAPE
         small_b, small_seq = REFERENCE_SMALL_SHAPE
         selective = ""
@@ -221,12 +221,12 @@ def build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, thr
                          f"{reference[2] * 1e3:.2f} ms more forward + backward, less "
                          f"{ops_s * 1e3:.2f} ms for their operators at the per-operator figure, "
                          f"over the {nbytes / 2**20:.1f} MiB they save without recompute")
-        if host is not None:
+        if host_scales is not None:
             split = (f"; and on {small_b} x {small_seq} tokens timed whole "
                      f"({reference[3] * 1e3:.2f} ms forward, {reference[4] * 1e3:.2f} ms "
                      f"backward): the price's host work and the rest fitted to both would "
                      f"scale the layers x{fit[0]:.3f} forward, x{fit[1]:.3f} backward and "
-                     f"their host work x{host[0]:.3f}, x{host[1]:.3f} (not applied: "
+                     f"their host work x{host_scales[0]:.3f}, x{host_scales[1]:.3f} (not applied: "
                      f"{HOST_SPLIT_NOT_APPLIED})")
         elif two:
             split = (f"; on {small_b} x {small_seq} tokens ({reference[3] * 1e3:.2f} "
