@@ -165,7 +165,7 @@ from .memory import activation_bytes, fsdp2_state_bytes, model_state_bytes
 from ..precision import DTYPE_BYTES, precision_program
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
-from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, summarize
+from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, MatmulNode, summarize
 
 __all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL_BLOCK_FRACTION",
            "ELEMENTWISE_BACKWARD_FACTOR", "layout_from_plan", "Layout", "Segment"]
@@ -214,6 +214,12 @@ def loss_bytes_per_logit(dtype: str, shifts: bool) -> float:
     new_input = dtype != "fp32" or shifts
     return 4.0 + (4.0 if new_input else 0.0)
 
+
+#: A fused attention kernel's backward matmuls against its forward's: the gradients of
+#: the values, the probabilities, the queries and the keys (four products) against the
+#: scores and the values (two).  The kernel's recompute of the scores is priced apart
+#: (the forward again, Dao et al. 2022); torch's FLOP formula counts it in the backward.
+FUSED_BACKWARD_PRODUCTS = 2.0
 
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
@@ -771,14 +777,34 @@ class CostEngine:
             self._collective_times[key] = t
         return t
 
+    def core_fraction(self, node: MatmulNode, cp: int) -> float:
+        """The part of attention-core node ``node``'s captured FLOPs its kernel computes at
+        context-parallel degree ``cp``.
+
+        A causal kernel that skips the score blocks above the diagonal computes
+        :data:`CAUSAL_BLOCK_FRACTION` of them (Dao 2023, FlashAttention-2, Sec. 3.1.1):
+        the stack's fused kernel where it states one (``CostOptions.fused_attention``:
+        FlashAttention or cuDNN, their ring attention under context parallelism skipping
+        too), and a captured ``scaled_dot_product_attention`` of a causal model, which an
+        eager step calls with ``is_causal`` and no mask (Hugging Face's SDPA attention and
+        torch's, checked by the ledger).  Everything else computes every block: eager
+        attention (its scores, then the mask), and under :mod:`autoplan.runtime.cp`'s
+        context parallelism the captured kernel, handed an explicit mask of global
+        positions over the gathered keys.
+        """
+        if not self.summary.causal:
+            return 1.0
+        if self.options.fused_attention or (node.fused and cp == 1):
+            return CAUSAL_BLOCK_FRACTION
+        return 1.0
+
     def template_flops(self, template: str, b: int, tp: int, cp: int) -> tuple[float, float, float]:
         """``(forward, backward, attention core forward)`` matmul FLOPs of one ``template``
         layer and micro-batch of ``b`` sequences on one device, as :meth:`template_time`
-        prices them: sharded by tensor and context parallelism; the core at
-        :data:`CAUSAL_BLOCK_FRACTION` under a fused causal kernel, whose backward
-        recomputes its forward (the ledger's figures, :mod:`.ledger`)."""
+        prices them: sharded by tensor and context parallelism; the core as its kernel
+        computes it (:meth:`core_fraction`), a fused kernel's backward recomputing its
+        forward (the ledger's figures, :mod:`.ledger`)."""
         fused = self.options.fused_attention
-        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         experts = self._templates[template].num_experts
         token_split = tp if self.options.moe_tokens_split_over_tp else 1
         fwd = bwd = core = 0.0
@@ -787,7 +813,10 @@ class CostEngine:
             if n.expert and experts > 1:
                 div *= token_split
             f, g = n.fwd_flops * b / div, n.bwd_flops * b / div
+            if n.fused:
+                g = FUSED_BACKWARD_PRODUCTS * f
             if n.core:
+                causal = self.core_fraction(n, cp)
                 f, g = f * causal, g * causal
                 core += f
                 if fused:
@@ -844,9 +873,9 @@ class CostEngine:
             tokens = b * (self.summary.seq_len or 1) / cp
             cast = 0.0
         peak = device.peak(dtype)
-        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
-        attention = self._attention_tables.get(device.name) if fused else None
+        # fused-attention kernels (the stack's, or a captured SDPA call) at their own speed
+        attention = self._attention_tables.get(device.name)
         experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         grouped = self.options.expert_grouped_gemm
@@ -857,6 +886,8 @@ class CostEngine:
                 div *= token_split                       # this tp rank's tokens only
             f = n.fwd_flops * b / div
             g = n.bwd_flops * b / div
+            if n.fused:
+                g = FUSED_BACKWARD_PRODUCTS * f
             ref = f if f > 0 else g / 2
             if ref <= 0:
                 continue
@@ -871,8 +902,10 @@ class CostEngine:
                 ref = ref * imbalance * (1 if grouped else ep / experts)
             if grouped_eff is not None:
                 rate = peak * grouped_eff
-            elif n.core and attention is not None:
-                rate = peak * attention.efficiency(ref)
+            elif n.core and (fused or n.fused) and attention is not None:
+                # the table is by the FLOPs of one QK^T product: a captured kernel's
+                # forward counts two (scores and values)
+                rate = peak * attention.efficiency(ref / 2 if n.fused else ref)
             elif fp8 and n.weight and not n.core:
                 rate = fp8_peak * device.efficiency(ref, "fp8")
                 # quantize inputs, grads (~ m sqrt(kn) each, k ~ n) and the weight (kn)
@@ -882,10 +915,11 @@ class CostEngine:
                 rate = peak * device.efficiency(ref, dtype)
             tf, tb = f / rate, g / rate
             if n.core:
+                causal = self.core_fraction(n, cp)
                 tf *= causal
                 tb *= causal
                 core += tf
-                if fused:
+                if fused or n.fused:
                     tb += tf  # the kernel's backward recomputes the scores (Dao et al. 2022)
             if n.weight:
                 wgrad += tb / 2

@@ -83,7 +83,10 @@ class MatmulNode:
     ``weight``: it multiplies a parameter (half its backward is the weight
     gradient, which zero-bubble schedules defer);
     ``expert``: it is a GEMM of an expert bank (its size under expert parallelism
-    is that of one expert's tokens, :meth:`CostEngine.template_time`).
+    is that of one expert's tokens, :meth:`CostEngine.template_time`);
+    ``fused``: it is a fused attention kernel's call (torch's
+    ``scaled_dot_product_attention``), the whole core in one node, its backward's
+    FLOPs counted with the scores the kernel recomputes (torch's FLOP formula).
     """
 
     fwd_flops: float
@@ -92,6 +95,7 @@ class MatmulNode:
     core: bool
     weight: bool
     expert: bool = False
+    fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -478,7 +482,8 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
         is_core = not weight and (n.name in core or fused)
         # expert GEMMs run whole on every tensor-parallel rank (see _SHARDED_ROLES)
         sharded = not expert and (n.tp_region or n.module in sharded_modules or is_core)
-        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert))
+        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert,
+                              fused and is_core))
     return tuple(out)
 
 

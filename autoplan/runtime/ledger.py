@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..cost.engine import CAUSAL_BLOCK_FRACTION
+
 __all__ = ["MeasuredStep", "record_step", "group_names", "group_ranks", "canonical_group",
            "StepRecorder", "LiveBytes"]
 
@@ -142,6 +144,22 @@ _MATMULS: dict[str, Callable[..., int]] = {
     "aten::_scaled_dot_product_efficient_attention_backward": _attention_backward,
     "aten::_scaled_dot_product_cudnn_attention_backward": _attention_backward,
 }
+
+
+#: The fused attention kernels (forward and backward), called with ``is_causal`` or a mask
+_ATTENTION = frozenset(name for name, count in _MATMULS.items()
+                       if count in (_attention, _attention_backward))
+
+
+def _is_causal(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a fused attention call asks its kernel for the causal mask (``is_causal``,
+    by the operator's schema), which it computes by skipping the blocks above the
+    diagonal, rather than handing it a mask tensor, whose every block it computes."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return (bool(bound.get("is_causal", False)) and bound.get("attn_mask") is None
+            and bound.get("attn_bias") is None)
 
 
 # ---------------------------------------------------------------------- groups
@@ -376,6 +394,9 @@ class StepRecorder(TorchDispatchMode):
                 self._add(kind, self._group(group), tensors)
         elif name in _MATMULS:
             flops = _MATMULS[name](*args, **kwargs)
+            if name in _ATTENTION and _is_causal(func, args, kwargs):
+                # the kernel skips the score blocks above the diagonal
+                flops *= CAUSAL_BLOCK_FRACTION
             # the first matmul operand (after addmm's and baddbmm's bias)
             dtype = _dtype([args[1] if name in ("aten::addmm", "aten::baddbmm") else args[0]])
             self.step.flops[dtype] = self.step.flops.get(dtype, 0.0) + flops
