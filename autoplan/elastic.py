@@ -248,7 +248,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
                 optimizer: Callable | None = None, graph: ModelGraph | None = None,
                 time_limit_s: float = 30.0, timeout: datetime.timedelta | None = None,
                 on_step: Callable[[int, float], None] | None = None,
-                log_every: int = 1) -> ElasticResult:
+                log_every: int = 1, fp8_emulate: bool = False) -> ElasticResult:
     """Train steps ``1..steps`` across restarts; call it in every process of the job.
 
     Parameters
@@ -296,6 +296,9 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         processes idle (default 10 minutes).
     on_step : callable, optional
         ``on_step(step, loss)`` after each step, before its checkpoint.
+    fp8_emulate : bool
+        An FP8 plan on devices without FP8 matmuls runs its numerics emulated
+        (:func:`autoplan.parallelize`'s ``fp8_emulate``).
 
     Returns
     -------
@@ -364,7 +367,8 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         resumed_from, losses, written = _train(
             model_factory, model, chosen, graph, steps=steps, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, seed=seed, keep=keep, data=data,
-            vocab_size=vocab_size, optimizer=optimizer, on_step=on_step, log_every=log_every)
+            vocab_size=vocab_size, optimizer=optimizer, on_step=on_step, log_every=log_every,
+            fp8_emulate=fp8_emulate)
     except BaseException as e:
         if side is not None:
             side.fail(f"rank {rank}: {type(e).__name__}: {e}")
@@ -381,8 +385,8 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
            plan: Plan, graph: ModelGraph, *, steps: int, checkpoint_dir: str | None,
            checkpoint_every: int, seed: int, keep: int, data: Callable[[int], Any] | None,
            vocab_size: int | None, optimizer: Callable | None,
-           on_step: Callable[[int, float], None] | None, log_every: int = 1
-           ) -> tuple[int, dict[int, float], list[str]]:
+           on_step: Callable[[int, float], None] | None, log_every: int = 1,
+           fp8_emulate: bool = False) -> tuple[int, dict[int, float], list[str]]:
     """Lay the model out under ``plan`` over the current process group, resume, train;
     returns the step resumed from, the loss of every step run and the checkpoints written."""
     import torch.distributed as dist
@@ -393,7 +397,7 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
     if model is None:       # built only once a plan fits
         torch.manual_seed(seed)
         model = model_factory()
-    program = parallelize(model, plan, graph=graph, optimizer=optimizer)
+    program = parallelize(model, plan, graph=graph, optimizer=optimizer, fp8_emulate=fp8_emulate)
 
     if data is None:
         vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)

@@ -125,14 +125,23 @@ def test_cli_emits_an_elastic_launch(tmp_path: Path):
 
 
 def test_recipes_the_runtime_cannot_run_are_named():
-    """fp16 (no loss scaling) and fp8 (no FP8 kernels) are priced but not run: parallelize
-    and emit refuse them with what to use instead; bf16 and fp32 pass."""
+    """fp16 (no loss scaling) is priced but not run; FP8 runs with torchao where the device
+    has FP8 matmuls, or emulated when asked, and Transformer Engine's blockwise recipe is
+    refused with what to use instead; each refusal is one line."""
+    import torch
+
     from autoplan.errors import ConfigError
     from autoplan.runtime.parallelize import check_runnable_precision
 
-    for ok in ("bf16", "fp32"):
-        check_runnable_precision(ok)
+    for ok in ("bf16", "fp32", "fp8", "fp8-rowwise"):
+        check_runnable_precision(ok)           # emit's check: no device yet
     with pytest.raises(ConfigError, match="loss scaling.*'bf16' or 'fp32'"):
         check_runnable_precision("fp16")
-    with pytest.raises(ConfigError, match="no FP8 kernels.*'bf16'"):
-        check_runnable_precision("fp8")
+    with pytest.raises(ConfigError, match="fp8-blockwise.*torchao does not run.*megatron-core"):
+        check_runnable_precision("fp8-blockwise")
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError) as info:
+        check_runnable_precision("fp8", cpu)
+    assert "needs FP8 matmuls" in str(info.value) and "fp8_emulate=True" in str(info.value)
+    assert "\n" not in str(info.value)
+    check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
