@@ -198,3 +198,87 @@ def test_torchao_import_noise_stays_off_the_console():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
+
+
+# ---------------------------------------------------------------------- the profiler
+def test_fp8_gemm_timing_rehearsed_on_cpu():
+    """``autoplan profile --device cuda`` times tensorwise and rowwise ``torch._scaled_mm``
+    (autoplan.hardware.profile_fp8); torch's CPU kernels run the same calls, here with a
+    stand-in timer, so what the GPU would run is checked without one."""
+    import torch
+
+    from autoplan.hardware.profile_fp8 import cold_scaled_mm, fp8_capable, measure_fp8_gemms
+
+    cpu = torch.device("cpu")
+    assert not fp8_capable(torch, cpu)
+    calls = []
+
+    def timer(call):            # runs the call, reports an H100-like rate
+        call()
+        calls.append(call)
+        return 1e-3
+    said = []
+    out = measure_fp8_gemms(torch, cpu, (32, 64), 2**16, timer, said.append)
+    assert set(out) == {"fp8", "fp8_rowwise"}
+    assert [n for n, _ in out["fp8"]] == [32, 64] and len(calls) == 4
+    assert any("fp8_rowwise 64^3" in m for m in said)
+    # a rotation of operand sets, each an FP8 GEMM into bf16 as torchao calls it
+    call = cold_scaled_mm(torch, 32, cpu, 2**16, rowwise=True)
+    call()
+
+    class NoRowwise:            # a torch whose _scaled_mm lacks the rowwise kernel
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def _scaled_mm(*args, use_fast_accum=False, **kw):
+            if kw["scale_a"].dim():
+                raise RuntimeError("Only tensorwise scaling is supported on this device\nmore")
+            return torch._scaled_mm(*args, use_fast_accum=use_fast_accum, **kw)
+    out = measure_fp8_gemms(NoRowwise(), cpu, (32,), 2**16, timer, said.append)
+    assert set(out) == {"fp8"} and "matmul fp8_rowwise: not measured" in said[-1]
+
+    class Hopper:
+        class cuda:
+            @staticmethod
+            def get_device_capability(device):
+                return (9, 0)
+    assert fp8_capable(Hopper, torch.device("cuda", 0))
+
+
+def test_measured_fp8_rates_become_the_profile_tables():
+    """The profile keeps the best tensorwise FP8 GEMM as its ``fp8`` peak with its table, and
+    the rowwise GEMMs as ``fp8_rowwise`` against that peak; the YAML round-trips, and the cost
+    model prices torchao's rowwise forward GEMM from that table."""
+    import yaml
+
+    from autoplan.hardware.profile_yaml import parse_profile, profile_to_yaml
+    from autoplan.hardware.profiler import _build_profile
+
+    matmul = {d: [[1024, 2 * 1024**3 / 5e14], [4096, 2 * 4096**3 / 7e14]]
+              for d in ("fp32", "bf16")}
+    fp8 = {"fp8": [[1024, 2 * 1024**3 / 8e14], [4096, 2 * 4096**3 / 1.4e15]],
+           "fp8_rowwise": [[1024, 2 * 1024**3 / 6e14], [4096, 2 * 4096**3 / 1.2e15]]}
+    rank = {"rank": 0, "matmul": matmul, "copy_s": 2 * 2**30 / 3e12,
+            "info": {"name": "NVIDIA H100 80GB HBM3", "memory_bytes": 80 * 2**30,
+                     "capability": [9, 0]}, "overhead": None, "attention": [],
+            "fp8_matmul": fp8}
+    profile, measured = _build_profile("gpu", {"ranks": [rank], "comm": {}, "world": 1},
+                                       cuda=True, nproc=1, threads=1, devices_per_node=1,
+                                       quick=False, copy_bytes=2**30)
+    d = profile.device
+    assert d.peak_flops_per_s["fp8"] == pytest.approx(1.4e15)
+    assert [e for _, e in d.matmul_efficiency["fp8"].points] == pytest.approx([8 / 14, 1.0])
+    assert [e for _, e in d.matmul_efficiency["fp8_rowwise"].points] == pytest.approx(
+        [6 / 14, 12 / 14])
+    assert "rowwise" in d.matmul_efficiency["fp8_rowwise"].source
+    assert set(measured["matmul_flops_per_s"]) == {"fp32", "bf16", "fp8", "fp8_rowwise"}
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+    assert cfp8.fp8_gemm_rate(d, 2 * 4096**3, rowwise=True) == pytest.approx(1.2e15)
+    assert cfp8.fp8_gemm_rate(d, 2 * 4096**3) == pytest.approx(1.4e15)
+    # a profile without FP8 GEMMs timed (a CPU's, an A100's) has no fp8 peak
+    del rank["fp8_matmul"]
+    plain, _ = _build_profile("gpu", {"ranks": [rank], "comm": {}, "world": 1}, cuda=True,
+                              nproc=1, threads=1, devices_per_node=1, quick=False,
+                              copy_bytes=2**30)
+    assert "fp8" not in plain.device.peak_flops_per_s

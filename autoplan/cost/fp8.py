@@ -90,7 +90,7 @@ TE_CAST_BYTES = {"tensor": 6.0, "block": 4.0625}
 AMAX_BYTES = 8
 SCALE_BYTES = 4
 #: The efficiency-table key of torchao's rowwise-scaled FP8 GEMM in a device profile
-#: (``autoplan profile`` measures it on GPUs with FP8)
+#: (``autoplan profile`` measures it on GPUs with FP8; ``VARIANT_TABLES``)
 FP8_ROWWISE_TABLE = "fp8_rowwise"
 
 
