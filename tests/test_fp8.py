@@ -282,3 +282,33 @@ def test_measured_fp8_rates_become_the_profile_tables():
                               nproc=1, threads=1, devices_per_node=1, quick=False,
                               copy_bytes=2**30)
     assert "fp8" not in plain.device.peak_flops_per_s
+
+
+@pytest.mark.slow
+def test_gpu_truth_runs_and_prices_fp8_steps(tmp_path):
+    """benchmarks/gpu_truth.py --precision fp8: the step of an FP8 program (emulated on this
+    CPU: the code path a GPU runs for real) is measured beside bf16's, and the report prices
+    it as FP8 on the GPU's shipped profile."""
+    import json
+    import os
+
+    pytest.importorskip("torchao")
+    bench = str(rc.__file__).rsplit("/tests/", 1)[0] + "/benchmarks"
+    sys.path.insert(0, bench)
+    import gpu_truth
+
+    rows = tmp_path / "cases.jsonl"
+    env = {**os.environ, "AUTOPLAN_GPU_TRUTH_PRECISION": "bf16,fp8",
+           "AUTOPLAN_GPU_TRUTH_RECOMPUTE": "none", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, f"{bench}/gpu_truth.py", "--worker", "gpt-tiny",
+                          "--device", "cpu", "--rows", str(rows)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cases = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [c["precision"] for c in cases] == ["bf16", "fp8"]
+    assert all(c.get("step_s", 0) > 0 for c in cases), cases
+    h100 = gpu_truth._device_cluster("h100-sxm5-80gb")
+    report = gpu_truth.report_rows({"cases": cases, "precision_program": "fsdp2"},
+                                   {"shipped": h100}, gpu_truth.TINY)
+    assert [r["model"] for r in report] == ["gpt-tiny", "gpt-tiny fp8"]
+    assert all(r["pred_shipped_s"] > 0 for r in report)
