@@ -53,3 +53,53 @@ def measure(rank: int, world: int, targets: list[tuple], graphs: dict[str, str])
                       "matmul_dtypes": sorted({d for _, d, _ in step.matmuls})}
         del pm
     return out
+
+
+# ---------------------------------------------------------------------- memory
+#: The model whose memory is compared: large enough that its tensors, not the runtime's
+#: fixed allocations, make the peak (benchmarks/local_truth.py's GPT)
+MEMORY_CONFIG = dict(vocab_size=1024, seq_len=128, hidden=256, heads=4, layers=4)
+#: Predicted against measured peak bytes, per pipeline rank (the issue's 10%)
+MEMORY_TOLERANCE = 0.10
+
+
+def memory_graph() -> str:
+    from autoplan import trace
+    from autoplan.models import GPT, GPTConfig
+
+    return trace(GPT(GPTConfig(**MEMORY_CONFIG)), seq_len=MEMORY_CONFIG["seq_len"]).to_json()
+
+
+def measure_memory(rank: int, world: int, targets: list[tuple], graph: str) -> dict[str, Any]:
+    """Per ``(label, target)``: this rank's peak live tensor bytes in a step (after two
+    warm-up steps) and the estimate's allocated bytes (its memory less the runtime
+    reserve, which CPU tensors do not have) for this rank's pipeline stage."""
+    import torch
+
+    from autoplan.cost.engine import CostEngine
+    from autoplan.hardware import load_cluster
+    from autoplan.models import GPT, GPTConfig
+    from autoplan.runtime import parallelize
+    from autoplan.runtime.ledger import record_step
+
+    cluster = load_cluster("a100-sxm4-80gb", nodes=1, devices_per_node=world)
+    g = rc._graph(graph)
+    seq = MEMORY_CONFIG["seq_len"]
+    out: dict[str, Any] = {}
+    for label, target in targets:
+        torch.manual_seed(0)
+        ids = torch.randint(0, MEMORY_CONFIG["vocab_size"], (target.global_batch, seq),
+                            generator=torch.Generator().manual_seed(1))
+        pm = parallelize(GPT(GPTConfig(**MEMORY_CONFIG)), target, seq_len=seq,
+                         optimizer=rc.make_optimizer, graph=g)
+        for _ in range(2):
+            pm.step(ids)
+        step = record_step(pm, ids, memory=True)
+        est = CostEngine(g, cluster).estimate(pm.plan)
+        mem = est.stages[pm.coords.get("pp", 0)].memory
+        out[label] = {"peak": step.peak_bytes, "predicted": mem.total_bytes - mem.reserve_bytes,
+                      "breakdown": {k: getattr(mem, k) for k in (
+                          "params_bytes", "grads_bytes", "optimizer_bytes",
+                          "activations_bytes", "buffers_bytes")}}
+        del pm
+    return out

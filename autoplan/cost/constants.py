@@ -172,8 +172,12 @@ class CostOptions(Record):
         tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
     expert_grouped_gemm : bool
         A rank's local experts run as one grouped GEMM per projection (Megatron-Core
-        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``): priced at the
-        efficiency of all their rows as one matmul, with one kernel's overhead.
+        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``, Hugging Face's default
+        ``grouped_mm`` experts under :func:`autoplan.parallelize`): priced at the
+        profile's measured grouped-GEMM efficiency by one expert's rows
+        (``DeviceType.grouped_matmul_efficiency``, :mod:`autoplan.hardware.grouped_gemm`),
+        or without one at the efficiency of all their rows as one matmul, with one
+        kernel's overhead.
         ``False``: one GEMM per local expert, each at one expert's size (a loop over
         experts, the Hugging Face families' eager expert forward).
     moe_tokens_split_over_tp : bool
@@ -194,8 +198,10 @@ class CostOptions(Record):
     pp_buffers_per_micro_batch : bool
         Pipeline receive buffers: one per micro-batch of a step for every chunk's input
         activation and output gradient, allocated once and kept (torch.distributed
-        .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
-        receive and one send buffer (Megatron's p2p communication).
+        .pipelining's stages as they come); ``False``: those of the micro-batches in
+        flight, one receive and one send buffer beyond the activations (Megatron's p2p
+        communication; :func:`autoplan.parallelize`, whose stages allocate a buffer when
+        its receive is posted and release it after its micro-batch's backward).
     zero_buffer_copies : bool
         Data parallelism copies through flat communication buffers (FSDP2 and DDP, what
         :func:`autoplan.parallelize` runs): each all-gather copies the local shards into
@@ -490,9 +496,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "backward, both through flat buffers it copies into and out of, one collective "
            "per block and one for the rest of a rank's layers); tensor-parallel "
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
-           "overlapped, whole on every tp rank, its receive buffers kept for every "
-           "micro-batch of a step; the model's own attention as captured; MoE: the family's "
-           "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
+           "overlapped, whole on every tp rank, its receive buffers allocated for the "
+           "micro-batches in flight only; the model's own attention as captured; MoE: the family's "
+           "own expert forward (Hugging Face's default grouped_mm: one grouped GEMM per "
+           "projection over the local experts, at the profile's measured grouped-GEMM speed "
+           "where it has one), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
            "all-reduced over every rank at its end; a 16-bit precision as FSDP2's "
@@ -504,12 +512,12 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "micro-batches after the first added to the accumulated ones in a pass of "
            "their own; FP8 recipes as torchao's float8 linears (eager)",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=False,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
            zero_step_per_layer=True, step_loss_all_reduce=True, autocast=False,
            loss_fp32_copy=True, grad_accumulate_add=True, grad_reduce_dtype="fp32",
            master_weights="fsdp2", loss_parallel=True, sp_embedding_all_reduce=True,
-           fp8_library="torchao"),
+           expert_grouped_gemm=True, fp8_library="torchao"),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

@@ -249,11 +249,22 @@ def _parse_device(sec: _Section) -> DeviceType:
     rates_sec = sec.mapping("elementwise_rates", "memory-bound operators' measured speed by kind",
                             required=False)
     rates = _parse_elementwise_rates(rates_sec) if rates_sec is not None else None
+    grouped_sec = sec.mapping("grouped_matmul_efficiency",
+                              "measured grouped-GEMM tables per dtype", required=False)
+    grouped = None
+    if grouped_sec is not None:
+        grouped = {}
+        for key in DTYPES:
+            table_sec = grouped_sec.mapping(key, "an efficiency table", required=False)
+            if table_sec is not None:
+                grouped[key] = _parse_efficiency_table(table_sec)
+        grouped_sec.finish()
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
                   memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
                   architecture=architecture, op_overhead=overhead, measured=measured,
-                  attention_efficiency=attention, elementwise_rates=rates)
+                  attention_efficiency=attention, elementwise_rates=rates,
+                  grouped_matmul_efficiency=grouped)
 
 
 def _parse_elementwise_rates(sec: _Section) -> ElementwiseRates:
@@ -598,6 +609,10 @@ def profile_to_yaml(profile: Profile | CompositeProfile | ServerProfile) -> str:
         t = d.attention_efficiency
         device["attention_efficiency"] = {"points": [list(p) for p in t.points],
                                           "source": t.source}
+    if d.grouped_matmul_efficiency:
+        device["grouped_matmul_efficiency"] = {
+            k: {"points": [list(p) for p in t.points], "source": t.source}
+            for k, t in d.grouped_matmul_efficiency.items()}
     if d.elementwise_rates is not None:
         r = d.elementwise_rates
         device["elementwise_rates"] = {"forward": dict(r.forward_bytes_per_s),

@@ -1651,6 +1651,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
     if cuda:
         torch.set_float32_matmul_precision("highest")
+    # grouped GEMMs, as MoE experts run them (autoplan.hardware.grouped_gemm)
+    grouped = _measure_grouped_gemms(torch, dist, device, dtypes, plan, cuda, sync, timed, say)
     # FP8 GEMMs (tensorwise and rowwise torch._scaled_mm) where the GPU has them
     # (profile_fp8); their sizes are the 16-bit matmuls'
     fp8_matmul = (measure_fp8_gemms(
@@ -1889,7 +1891,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
             **({"reference": list(reference)} if reference is not None else {}),
             "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise,
-            "fp8_matmul": fp8_matmul}
+            "grouped": grouped, "fp8_matmul": fp8_matmul}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -2216,10 +2218,12 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
     attention, attention_table = _attention_table(ranks, peaks, how)
     elementwise_rates = _elementwise_rates(ranks, how, bool(raw.get("shares_cores")), cuda)
+    grouped_tables = _grouped_tables(ranks, peaks, how)
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
         measured=True, attention_efficiency=attention_table, elementwise_rates=elementwise_rates,
+        grouped_matmul_efficiency=grouped_tables or None,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
@@ -2334,6 +2338,59 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     return profile, measurements
 
 
+def _measure_grouped_gemms(torch, dist, device, dtypes: dict, plan: MeasurementPlan, cuda: bool,
+                           sync: Callable[[], None], timed, say) -> dict[str, list]:
+    """Grouped GEMMs per 16-bit or fp32 dtype the plan times matmuls in, over
+    :data:`~autoplan.hardware.grouped_gemm.GROUPED_SHAPES`: ``dtype -> [(experts, rows, k,
+    n, seconds)]``; a dtype the device's grouped kernel refuses is left out."""
+    from .grouped_gemm import GROUPED_SHAPES, grouped_gemm_call, grouped_gemm_flops
+
+    experts, rows_list, k, n = GROUPED_SHAPES["cuda" if cuda else "cpu"]
+    out: dict[str, list] = {}
+    for name in ("bf16", "fp32"):
+        if name not in plan.matmul_sizes:
+            continue
+        points = []
+        for rows in rows_list:
+            try:
+                call = grouped_gemm_call(torch, experts=experts, rows=rows, k=k, n=n,
+                                         dtype=dtypes[name], device=device)
+                call()
+            except (RuntimeError, NotImplementedError) as exc:   # no kernel for this dtype
+                say(f"grouped GEMM {name}: not measured ({type(exc).__name__}: {exc})"[:200])
+                points = []
+                break
+            dist.barrier()
+            sec = (_time_local(call, sync, plan.matmul_target_s, plan.repeats) if cuda
+                   else timed(call, plan.matmul_target_s, local=True))
+            del call
+            points.append((experts, rows, k, n, sec))
+            flops = grouped_gemm_flops(experts=experts, rows=rows, k=k, n=n)
+            say(f"grouped GEMM {name} {experts} x {rows} rows: {flops / sec / 1e9:.1f} GFLOP/s")
+        if points:
+            out[name] = points
+    return out
+
+
+def _grouped_tables(ranks: list[dict[str, Any]], peaks: dict[str, float],
+                    how: str) -> dict[str, EfficiencyTable]:
+    """Per dtype, the grouped-GEMM efficiency table of the slowest rank at each point."""
+    from .grouped_gemm import grouped_gemm_table
+
+    out = {}
+    for dtype, points in (ranks[0].get("grouped") or {}).items():
+        if dtype not in peaks or any(dtype not in (r.get("grouped") or {}) for r in ranks):
+            continue
+        worst = [(*p[:4], max(r["grouped"][dtype][i][4] for r in ranks))
+                 for i, p in enumerate(points)]
+        out[dtype] = grouped_gemm_table(
+            worst, peaks[dtype],
+            f"{how}: grouped GEMMs (torch grouped_mm) of {worst[0][0]} experts, "
+            f"{', '.join(str(p[1]) for p in worst)} rows each, {worst[0][2]} x {worst[0][3]} "
+            f"weights, over the best measured {dtype} matmul")
+    return out
+
+
 def _attention_table(ranks: list[dict[str, Any]], peaks: dict[str, float], how: str
                      ) -> tuple[list[dict[str, Any]], EfficiencyTable | None]:
     """The measured attention calls (the slowest rank's time per shape) and the profile's
@@ -2433,6 +2490,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            + ", ".join(f"{e:.2f}" for _, e in d.attention_efficiency.points)
            + " of the 16-bit peak (causal SDPA, forward + backward)"]
           if d.attention_efficiency is not None else []),
+        *([f"  grouped GEMM {dtype} {len(t.points)} points, "
+           + ", ".join(f"{e:.2f}" for _, e in t.points)
+           + " of the peak (MoE experts, by rows per expert)"
+           for dtype, t in (d.grouped_matmul_efficiency or {}).items()]),
         *([f"  after compute: +{n.arrival_s * 1e6:.0f} us per collective call (ranks share "
            f"{n.shared_cores} cores)"] if n.arrival_s else []),
         *([f"  overhead {d.op_overhead.forward_dispatch_s * 1e6:.1f} us per dispatched operator "

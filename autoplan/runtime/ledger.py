@@ -33,6 +33,7 @@ Examples
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -42,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["MeasuredStep", "record_step", "group_names", "group_ranks", "canonical_group",
-           "StepRecorder"]
+           "StepRecorder", "LiveBytes"]
 
 #: dtype names as the cost ledger writes them
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -229,6 +230,107 @@ def canonical_group(plan, name: str, rank: int | None = None) -> str:
     return group_names(plan, rank).get(ranks, name)
 
 
+# ---------------------------------------------------------------------- memory
+class LiveBytes:
+    """Peak bytes of live tensor storages on this process (CPU has no allocator statistics).
+
+    At entry every tensor the garbage collector can reach is counted (parameters,
+    gradients, optimizer states, runtime buffers; a DTensor by its local shard); then a
+    ``TorchDispatchMode`` counts the storage of every operator output, and a weak
+    reference to each storage subtracts it when it is freed.  A storage is counted at its
+    current size: FSDP2 frees and re-allocates the unsharded parameters and all-gather
+    buffers of a layer by resizing their storages (``UntypedStorage.resize_(0)`` and back,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``free_storage``/``alloc_storage``),
+    which no operator dispatch shows, so ``resize_`` is wrapped while the count runs.
+    Temporaries an operator allocates and frees inside itself are not seen (nor are those
+    inside a DTensor's dispatch): the peak is of what operators hand to each other.
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, object] = {}
+        self._sizes: dict[int, int] = {}     # bytes each live storage is counted at
+
+    def _add(self, t) -> None:
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch._subclasses.fake_tensor import is_fake
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if not isinstance(t, torch.Tensor) or is_fake(t) or t.is_meta:
+            return   # fake and meta tensors (left from capturing the model) hold no memory
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        self._track(st)
+
+    def _track(self, st) -> None:
+        import weakref
+        if st.device.type == "meta":
+            return
+        key = st._cdata
+        if key in self._refs:
+            return
+        n = st.nbytes()
+
+        def freed(_ref, key=key) -> None:
+            if self._refs.pop(key, None) is not None:
+                self.current -= self._sizes.pop(key)
+
+        self._refs[key] = weakref.ref(st, freed)
+        self._sizes[key] = 0
+        self._set(key, n)
+
+    def _set(self, key: int, n: int) -> None:
+        self.current += n - self._sizes[key]
+        self._sizes[key] = n
+        self.peak = max(self.peak, self.current)
+
+    def __enter__(self) -> "LiveBytes":
+        import gc
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        gc.collect()   # garbage is not memory in use
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # isinstance on some tracked objects warns
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    self._add(obj)
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    tracker._add(t)
+                return out
+
+        resize = torch.UntypedStorage.resize_
+
+        def counted_resize(st, size):
+            out = resize(st, size)
+            if st._cdata in tracker._refs:
+                tracker._set(st._cdata, st.nbytes())
+            else:
+                tracker._track(st)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted_resize
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+        self._mode.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize
+
+
 # ---------------------------------------------------------------------- the recorder
 @dataclass
 class MeasuredStep:
@@ -244,6 +346,9 @@ class MeasuredStep:
     flops: dict[str, float] = field(default_factory=dict)
     matmuls: list[tuple[str, str, int]] = field(default_factory=list)
     loss: float | None = None
+    #: peak and start-of-step bytes of live tensor storages (``record_step(memory=True)``)
+    peak_bytes: int | None = None
+    start_bytes: int | None = None
 
 
 class StepRecorder(TorchDispatchMode):
@@ -312,12 +417,21 @@ class StepRecorder(TorchDispatchMode):
         acc[1] += 1
 
 
-def record_step(pm, batch: Any) -> MeasuredStep:
-    """Run ``pm.step(batch)`` and return what this process moved and computed in it.
-    Record a step after the first: the first also runs one-time work (pipeline shape
-    inference, lazy initialisation) that is not part of a training step."""
+def record_step(pm, batch: Any, *, memory: bool = False) -> MeasuredStep:
+    """Run ``pm.step(batch)`` and return what this process moved and computed in it;
+    ``memory``: also the peak bytes of live tensor storages (:class:`LiveBytes`; CPU
+    tensors have no allocator statistics), in a step of its own after the recorded one.
+    Record a step after the first two: they also run one-time work (pipeline shape
+    inference, the optimizer's states, DDP's bucket rebuild) that is not part of a
+    training step."""
     recorder = StepRecorder(group_names(pm.plan))
     with recorder:
         loss = pm.step(batch)
     recorder.step.loss = loss
+    if memory:
+        dist.barrier()
+        with LiveBytes() as live:
+            recorder.step.start_bytes = live.current
+            pm.step(batch)
+        recorder.step.peak_bytes = live.peak
     return recorder.step
