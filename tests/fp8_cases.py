@@ -194,10 +194,38 @@ def fp8_parity(rank: int, world: int, targets: list[tuple], bounds: dict[tuple, 
     return out
 
 
-def fp8_parity_with_refusal(rank: int, world: int, targets: list[tuple], bounds: dict,
-                            graphs: dict[str, str]) -> dict[str, Any]:
-    """:func:`fp8_parity`, after checking that an FP8 plan is refused on CPU ranks without
-    ``fp8_emulate`` (every rank alike, before any collective: the world is still usable)."""
+def fp8_checkpoint(rank: int, world: int, target, name: str, path: str) -> dict[str, float]:
+    """Train two steps, save, take a third; load the checkpoint into a differently seeded
+    program and take the third again: its loss and state must be the uninterrupted run's
+    exactly (ZeRO-3's FP8 all-gather scales come from the loaded weights, not the
+    program's first ones)."""
+    from autoplan.runtime import parallelize
+
+    ids = rc.make_batch()
+    pm = parallelize(rc.MODELS[name](0), target, seq_len=rc.SEQ, optimizer=rc.make_optimizer,
+                     fp8_emulate=True)
+    pm.step(ids)
+    pm.step(ids)
+    pm.save(path)
+    want_state = pm.full_state_dict()
+    want_loss = pm.step(ids)
+    del pm
+    other = parallelize(rc.MODELS[name](1), target, seq_len=rc.SEQ,
+                        optimizer=rc.make_optimizer, fp8_emulate=True)
+    other.load(path)
+    got_state = other.full_state_dict()
+    got_loss = other.step(ids)
+    state_err = 0.0
+    if rank == 0:
+        state_err = max(rc._max_err(got_state[k], v) for k, v in want_state.items())
+    return {"loss_err": abs(got_loss - want_loss), "state_err": state_err}
+
+
+def fp8_two_rank_suite(rank: int, world: int, targets: list[tuple], bounds: dict,
+                       graphs: dict[str, str], checkpoint: tuple) -> dict[str, Any]:
+    """In one spawn: an FP8 plan refused on CPU ranks without ``fp8_emulate`` (every rank
+    alike, before any collective: the world is still usable), :func:`fp8_parity` of
+    ``targets``, and :func:`fp8_checkpoint` of ``checkpoint`` (target, model, path)."""
     from autoplan.errors import ConfigError
     from autoplan.runtime import parallelize
 
@@ -208,4 +236,5 @@ def fp8_parity_with_refusal(rank: int, world: int, targets: list[tuple], bounds:
         refused = ""
     except ConfigError as exc:
         refused = str(exc)
-    return {"refused": refused, "parity": fp8_parity(rank, world, targets, bounds, graphs)}
+    return {"refused": refused, "parity": fp8_parity(rank, world, targets, bounds, graphs),
+            "checkpoint": fp8_checkpoint(rank, world, *checkpoint)}

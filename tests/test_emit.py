@@ -144,4 +144,11 @@ def test_recipes_the_runtime_cannot_run_are_named():
         check_runnable_precision("fp8", cpu)
     assert "needs FP8 matmuls" in str(info.value) and "fp8_emulate=True" in str(info.value)
     assert "\n" not in str(info.value)
-    check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
+    try:
+        import torchao  # noqa: F401
+    except ImportError:   # without the fp8 extra: one line that says how to install it
+        from autoplan.errors import MissingDependencyError
+        with pytest.raises(MissingDependencyError, match=r"autoplan\[fp8\]"):
+            check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
+    else:
+        check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)

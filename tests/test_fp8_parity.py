@@ -5,8 +5,9 @@ Layouts: DP, ZeRO-3 with FP8 all-gathers, TP + SP with torchao's float8 styles, 
 rowwise recipe under TP + SP and ZeRO-3, and on 4 ranks DP x TP x SP under ZeRO-3 (FP8
 all-gathers over both) and PP x DP x ZeRO-3.  Tolerance: ``fp8_cases.FP8_FACTOR`` (3) times
 the single-process FP8 run's distance from fp32 (fp8_cases.fp8_bounds says why and gives
-the figures).  The 2-rank worker first checks that CPU ranks refuse an FP8 plan without
-``fp8_emulate`` (one line, every rank, before any collective).
+the figures).  The 2-rank worker also checks that CPU ranks refuse an FP8 plan without
+``fp8_emulate`` (one line, every rank, before any collective), and that a checkpoint of
+ZeRO-3 with FP8 all-gathers resumes exactly.
 """
 
 from __future__ import annotations
@@ -65,13 +66,17 @@ def _report(results: dict) -> None:
               f"rel {r['rel_err']:.3f}  {r['seconds']:.1f} s")
 
 
-def test_fp8_parity_2_ranks(setup):
+def test_fp8_parity_2_ranks(setup, tmp_path):
     bounds, graphs = setup
-    results = run(fc.fp8_parity_with_refusal, 2, TWO_RANKS, bounds, graphs, timeout=900)
+    checkpoint = (B(dp=2, zero=3, micro_batch=2), "llama", str(tmp_path / "ckpt"))
+    results = run(fc.fp8_two_rank_suite, 2, TWO_RANKS, bounds, graphs, checkpoint,
+                  timeout=900)
     assert results[0]["refused"] == results[1]["refused"]
     assert "needs FP8 matmuls" in results[0]["refused"]
     assert "fp8_emulate=True" in results[0]["refused"]
     _report(results[0]["parity"])
+    # a checkpoint of ZeRO-3 with FP8 all-gathers resumes exactly
+    assert results[0]["checkpoint"] == {"loss_err": 0.0, "state_err": 0.0}, results[0]
 
 
 @pytest.mark.slow

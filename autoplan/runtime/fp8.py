@@ -36,7 +36,7 @@ off the console (:func:`autoplan._optional.quiet_torchao`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -48,7 +48,8 @@ from ..precision import fp8_all_gather, fp8_linears, fp8_problem
 from ..strategy import Precision
 
 __all__ = ["FP8_MIN_CAPABILITY", "check_fp8_device", "import_torchao", "apply_fp8",
-           "Float8Styles", "float8_tp_styles", "precompute_fsdp_scales", "is_float8_linear"]
+           "Float8Styles", "float8_tp_styles", "has_fp8_all_gather", "precompute_fsdp_scales",
+           "is_float8_linear", "gather_fp8_as_bytes"]
 
 #: CUDA compute capability of the first GPUs with FP8 tensor cores (Ada 8.9, Hopper 9.0;
 #: ``torch._scaled_mm`` requires it: CUDA C Programming Guide, "Compute Capabilities")
@@ -140,10 +141,9 @@ def is_float8_linear(module: nn.Module) -> bool:
 
 
 def _config(float8, precision: Precision, *, emulate: bool, all_gather: bool):
+    """torchao's config of ``precision``'s recipe (tensorwise, rowwise)."""
     recipe = "tensorwise" if precision.fp8_scaling == "tensor" else "rowwise"
     config = float8.Float8LinearConfig.from_recipe_name(recipe)
-    from dataclasses import replace
-
     return replace(config, emulate=emulate, enable_fsdp_float8_all_gather=all_gather)
 
 

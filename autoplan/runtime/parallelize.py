@@ -39,6 +39,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, LinearRole, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
+from ..precision import fp8_problem
 from ..strategy import Precision, Recompute, Strategy, uses_ddp
 from .ac import apply_ac
 from .agree import on_rank0
@@ -46,8 +47,8 @@ from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
 from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
-from .fp8 import apply_fp8, check_fp8_device, float8_tp_styles, has_fp8_all_gather, \
-    precompute_fsdp_scales
+from .fp8 import LIBRARY as FP8_LIBRARY, apply_fp8, check_fp8_device, float8_tp_styles, \
+    has_fp8_all_gather, import_torchao, precompute_fsdp_scales
 from .precision import FP32_POLICY as _FP32_POLICY, mixed_precision_policy
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
@@ -407,6 +408,8 @@ class ParallelModel:
         for part, opt in zip(self.parts, self.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"],
                            optim_state_dict=self._aliased(state["optim"]), options=opts)
+        if self.fp8_scales:
+            precompute_fsdp_scales(self.parts)   # the loaded weights' FP8 scales
 
     def save(self, path: str) -> None:
         from .checkpoint import save_checkpoint
@@ -556,9 +559,13 @@ def check_runnable_precision(precision: Precision | str, device: torch.device | 
     if precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
-    if precision.is_fp8:
-        check_fp8_device(precision, device if device is not None else torch.device("cuda"),
-                         emulate=fp8_emulate or device is None)
+    if precision.is_fp8 and device is None:        # where the plan will run is not known
+        problem = fp8_problem(precision, FP8_LIBRARY)
+        if problem:
+            raise ConfigError(problem)
+    elif precision.is_fp8:
+        check_fp8_device(precision, device, emulate=fp8_emulate)
+        import_torchao()     # here, before any collective: installed, or one line saying how
 
 
 def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int | None,
