@@ -19,7 +19,8 @@ accumulation), TP and TP + SP, full and selective recompute, PP under GPipe, 1F1
 interleaved 1F1B and ZBV, CP, EP (with ZeRO and with PP), and on 4 ranks DP x TP x SP,
 PP x DP x ZeRO, CP x TP, TP x PP with a tied embedding, EP x PP; FP8: DP, ZeRO-3 with
 FP8 all-gathers (also under full recompute), TP + SP with torchao's float8 styles, rowwise
-TP + SP, PP, and on 4 ranks DP x TP with ZeRO-3's FP8 all-gathers and scales over both.
+TP + SP, PP, EP (its experts in bf16), and on 4 ranks DP x TP with ZeRO-3's FP8
+all-gathers and scales over both.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ TWO_RANKS = [
     ("gpt dp2 zero3 full recompute fp8", B(dp=2, zero=3, recompute="full", precision="fp8"),
      "gpt"),
     ("gpt pp2 1f1b fp8", B(pp=2, micro_batch=2, schedule="1f1b", precision="fp8"), "gpt"),
+    ("mixtral ep2 fp8 (experts bf16)", B(dp=2, ep=2, precision="fp8"), "mixtral"),
 ]
 FOUR_RANKS = [
     ("gpt dp2 tp2 sp zero1", B(dp=2, tp=2, sequence_parallel=True, zero=1, micro_batch=2),
