@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan import trace
-from autoplan.elastic import batch_for_step, main_exit_code, run_elastic
+from autoplan.elastic import batch_for_step, check_device, main_exit_code, run_elastic
 from autoplan.hardware.cluster import Cluster
 from autoplan.plan import Plan
 from autoplan.zoo import build_model
@@ -76,13 +76,17 @@ def main():
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = "cuda" if cuda else "cpu"
+    plan = Plan.from_json(PLAN_JSON)
     dist.init_process_group("nccl" if cuda else "gloo",
                             timeout=datetime.timedelta(minutes=args.timeout_min))
     try:
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = "cuda" if cuda else "cpu"
-        plan = Plan.from_json(PLAN_JSON)
+        # a device that cannot run the plan's precision (FP8 without FP8 matmuls and
+        # without --fp8-emulate) stops every rank, with one line saying why
+        check_device(plan, torch.device(device, torch.cuda.current_device()) if cuda
+                     else torch.device("cpu"), fp8_emulate=args.fp8_emulate)
         cluster = Cluster.from_json(CLUSTER_JSON) if CLUSTER_JSON else None
 
         def model():

@@ -161,3 +161,66 @@ def test_recipes_the_runtime_cannot_run_are_named():
             check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
     else:
         check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
+
+@pytest.mark.slow   # two torchrun launches of 2 ranks: about a minute
+@pytest.mark.distributed
+def test_emitted_fp8_script_refuses_cpu_in_one_line_and_runs_emulated(tmp_path: Path):
+    """``plan --precision fp8`` then ``emit``: on CPU ranks the script stops in one line
+    that names ``--fp8-emulate`` (exit code :data:`autoplan.elastic.EXIT_CANNOT_RUN`, no
+    worker traceback), and with ``--fp8-emulate`` it trains; its first loss is the
+    single-process emulated FP8 loss within 3x that loss's distance from fp32 (the FP8
+    parity tests' tolerance, tests/fp8_cases.py)."""
+    pytest.importorskip("torchao")
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from autoplan.elastic import EXIT_CANNOT_RUN
+    from autoplan.graph import LayerKind
+    from autoplan.precision import fp8_linears
+
+    graph = _graph()
+    cluster = autoplan.load_cluster("h100-sxm5-80gb").subset(range(2))
+    plan = autoplan.plan(graph, cluster, global_batch=8, precision="fp8")
+    assert plan.precision.value == "fp8"
+    plan_file, script = tmp_path / "plan.json", tmp_path / "train.py"
+    plan_file.write_text(plan.to_json())
+    subprocess.run([sys.executable, "-m", "autoplan.cli", "emit", str(plan_file), "--model", "gpt",
+                    "--out", str(script)] + [x for k, v in ARGS.items()
+                                             for x in ("--model-arg", f"{k}={v}")],
+                   capture_output=True, text=True, timeout=120, check=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+              str(script), "--steps", "2"]
+    refused = subprocess.run(launch, capture_output=True, text=True, timeout=300, env=env,
+                             cwd=tmp_path)
+    assert refused.returncode != 0
+    said = [l for l in refused.stderr.splitlines() if l.startswith("autoplan: ")]
+    assert len(said) == 1, refused.stderr[-3000:]
+    assert "needs FP8 matmuls" in said[0] and "--fp8-emulate" in said[0]
+    assert f"exitcode  : {EXIT_CANNOT_RUN}" in refused.stderr
+    assert 'train.py", line' not in refused.stderr      # no traceback from the workers
+    run = subprocess.run(launch + ["--fp8-emulate"], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
+    assert len(losses) == 2 and all(l == l for l in losses)
+    # the single-process reference: the same first batch and weights, the same linears in
+    # emulated FP8 (tensorwise) over bf16 compute weights, and in fp32
+    torch.manual_seed(0)
+    model, _ = build_model("gpt", ARGS, dtype=torch.float32, device="cpu")
+    batch = batch_for_step(0, 1, global_batch=8, seq_len=32, vocab_size=128)
+    paths = {(l.name + "." if l.kind is LayerKind.BLOCK else "") + name
+             for l in graph.layers for name in fp8_linears(l)}
+    assert paths
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = Float8LinearConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                   "emulate": True})
+    convert_to_float8_training(compute, config=config, module_filter_fn=lambda _, fqn: fqn in paths)
+    with torch.no_grad():
+        fp32 = token_cross_entropy(model(batch), batch, shift=True).item()
+        ref = token_cross_entropy(compute(batch), batch, shift=True).item()
+    tolerance = 3 * abs(ref - fp32)
+    assert tolerance > 1e-4      # FP8 moves the loss: the comparison can fail
+    assert abs(losses[0] - ref) <= tolerance, (losses[0], ref, fp32)

@@ -73,9 +73,12 @@ def import_torchao():
 
 
 def check_fp8_device(precision: Precision | str, device: torch.device, *,
-                     emulate: bool) -> None:
+                     emulate: bool,
+                     emulate_hint: str = "pass parallelize(..., fp8_emulate=True)") -> None:
     """Raise :class:`ConfigError` (one line) when this rank cannot run ``precision``: a
-    recipe torchao does not have, or a device without FP8 matmuls unless ``emulate``."""
+    recipe torchao does not have, or a device without FP8 matmuls unless ``emulate``.
+    ``emulate_hint`` says how the caller asks for emulation (an emitted script: its
+    ``--fp8-emulate`` flag)."""
     precision = Precision(precision)
     if not precision.is_fp8:
         return
@@ -95,7 +98,7 @@ def check_fp8_device(precision: Precision | str, device: torch.device, *,
     raise ConfigError(
         f"precision={precision.value!r} needs FP8 matmuls (CUDA compute capability "
         f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or later: Ada, Hopper, Blackwell) "
-        f"and this rank runs on {what}; pass parallelize(..., fp8_emulate=True) to run its "
+        f"and this rank runs on {what}; {emulate_hint} to run its "
         "numerics emulated (slow: for tests), or use precision='bf16'")
 
 

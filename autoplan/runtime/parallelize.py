@@ -550,11 +550,14 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
 
 
 def check_runnable_precision(precision: Precision | str, device: torch.device | None = None,
-                             *, fp8_emulate: bool = False) -> None:
+                             *, fp8_emulate: bool = False,
+                             emulate_hint: str = "pass parallelize(..., fp8_emulate=True)"
+                             ) -> None:
     """Raise :class:`ConfigError` for a recipe the runtime cannot run, which the cost model
     still prices: fp16 (no loss scaling); an FP8 recipe torchao does not have
     (``fp8-blockwise``, Transformer Engine's), or, on ``device``, one without FP8 matmuls
-    unless ``fp8_emulate`` (:func:`autoplan.runtime.fp8.check_fp8_device`)."""
+    unless ``fp8_emulate`` (:func:`autoplan.runtime.fp8.check_fp8_device`, which says how
+    to ask for emulation with ``emulate_hint``)."""
     precision = Precision(precision)
     if precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
@@ -564,7 +567,7 @@ def check_runnable_precision(precision: Precision | str, device: torch.device | 
         if problem:
             raise ConfigError(problem)
     elif precision.is_fp8:
-        check_fp8_device(precision, device, emulate=fp8_emulate)
+        check_fp8_device(precision, device, emulate=fp8_emulate, emulate_hint=emulate_hint)
         import_torchao()     # here, before any collective: installed, or one line saying how
 
 
