@@ -308,7 +308,9 @@ class SparsePlan(Record):
         The TorchRec-style greedy placement's step on the same cost model (``None`` when
         not compared).
     bound_step_time_s : float or None
-        The solver's proven lower bound on the step (of its integer model), when it ran.
+        A proven lower bound on the step of any placement: CP-SAT's (of its integer
+        model) where one model held every table, else the relaxation's
+        (:meth:`~.options.Problem.lower_bound`).
     solve_time_s : float
         Seconds the search took (not written to JSON: a plan is byte-identical however
         long it took).
