@@ -232,6 +232,13 @@ class CostOptions(Record):
         Megatron-Bridge's FP8-CS recipes) or block scaling (``"block"``: row-wise, MXFP8
         1x32 on Blackwell, DeepSeek-V3 1x128).  Sets the bytes each quantized element moves
         (``engine.FP8_CAST_BYTES_PER_ELEMENT``).
+    fp32_matmuls : {"fp32", "tf32"}
+        With ``Precision.FP32``, what the matmuls run in: FP32 (``"fp32"``, PyTorch's
+        default since 1.12, ``torch.set_float32_matmul_precision("highest")``) or TF32
+        tensor cores (``"tf32"``: PyTorch 1.7 to 1.11's default,
+        ``torch.backends.cuda.matmul.allow_tf32 = True``, or ``set_float32_matmul_precision
+        ("high")``), at the device's TF32 peak where it has one (FP32 where not: V100).
+        Weights, activations and memory stay FP32.
     sp_grads_per_tensor_under_fsdp2 : bool
         Under sequence parallelism the norms see a sequence shard, so their weights'
         gradients are partial sums over the tp group, all-reduced once per step.  ``True``:
@@ -359,6 +366,7 @@ class CostOptions(Record):
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
+    fp32_matmuls: str = "fp32"
     stack: str = "autoplan"
 
     def __post_init__(self) -> None:
@@ -372,6 +380,8 @@ class CostOptions(Record):
         for name, value in preset.settings.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.fp32_matmuls not in ("fp32", "tf32"):
+            raise ConfigError(f"fp32_matmuls must be 'fp32' or 'tf32', got {self.fp32_matmuls!r}")
         if self.fp8_scaling not in ("tensor", "block"):
             raise ConfigError(f"fp8_scaling must be 'tensor' or 'block', got {self.fp8_scaling!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:

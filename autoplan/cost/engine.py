@@ -843,7 +843,10 @@ class CostEngine:
             cast_bytes = FP8_CAST_BYTES_PER_ELEMENT[self.options.fp8_scaling]
             tokens = b * (self.summary.seq_len or 1) / cp
             cast = 0.0
-        peak = device.peak(dtype)
+        # fp32 matmuls on TF32 tensor cores where asked (CostOptions.fp32_matmuls); the
+        # elementwise bytes stay the recipe's
+        mm = "tf32" if dtype == "fp32" and self.options.fp32_matmuls == "tf32" else dtype
+        peak = device.peak(mm)
         causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         fwd = bwd = core = wgrad = 0.0
         attention = self._attention_tables.get(device.name) if fused else None
@@ -879,7 +882,7 @@ class CostEngine:
                 kn = f / (2 * tokens)
                 cast += cast_bytes * (2 * tokens * math.sqrt(kn) + kn)
             else:
-                rate = peak * device.efficiency(ref, dtype)
+                rate = peak * device.efficiency(ref, mm)
             tf, tb = f / rate, g / rate
             if n.core:
                 tf *= causal

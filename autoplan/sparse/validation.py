@@ -13,8 +13,8 @@ fraction of HBM bandwidth embedding lookups and updates reach.  :func:`held_out`
 without each source and scores that source; ``python -m autoplan.sparse.validation --fit``
 writes the fit on every source to the constants and the held-out errors to
 ``validation/sparse_held_out.csv``.  Rows marked ``scored=no`` say why they could not be
-matched (a precision autoplan has no recipe for, a system without a profile, a time to
-train without the samples it took).
+matched (a system without a profile, a time to train without the samples it took).
+``tf32`` rows run FP32 with TF32 matmuls (``CostOptions(fp32_matmuls="tf32")``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from ..cost.constants import CostOptions
 from ..errors import ConfigError
 from ..hardware.cluster import load_cluster
 from ..records import Record, atomic_write_text
@@ -132,8 +133,8 @@ def predict(run: PublishedRun, constants: SparseConstants | None = None) -> floa
         raise ConfigError(f"{run.run_id} is not scored: {run.note}")
     graph = _graph(run)
     cluster = load_cluster(run.profile, devices_per_node=run.gpus)
-    kw = dict(global_batch=run.global_batch, optimizer="sgd", precision=run.precision,
-              constants=constants)
+    kw = dict(global_batch=run.global_batch, optimizer="sgd", constants=constants,
+              **_precision(run.precision))
     if run.layout == "planner":
         return greedy_plan(graph, cluster, **kw).estimate.samples_per_s
     if run.layout == "nvidia":
@@ -141,6 +142,14 @@ def predict(run: PublishedRun, constants: SparseConstants | None = None) -> floa
         return estimate_sparse(graph, cluster, nvidia_layout(graph, run.gpus, capacity),
                                **kw).estimate.samples_per_s
     raise ConfigError(f"{run.run_id}: unknown layout {run.layout!r}")
+
+
+def _precision(precision: str) -> dict:
+    """The recipe of a row's ``precision``: ``tf32`` is FP32 with the matmuls on TF32
+    tensor cores (:attr:`~autoplan.cost.constants.CostOptions.fp32_matmuls`)."""
+    if precision == "tf32":
+        return dict(precision="fp32", options=CostOptions(fp32_matmuls="tf32"))
+    return dict(precision=precision)
 
 
 def _with(constants: SparseConstants, efficiency: float) -> SparseConstants:
