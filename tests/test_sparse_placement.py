@@ -124,3 +124,15 @@ def test_the_planner_prices_every_option_as_the_cost_model_does(graph):
                               (prob.host[i, o], ld.host_bytes[0]),
                               (prob.smem[i, o], ld.server_bytes[0])):
                 assert got.tolist() == pytest.approx(want.tolist(), rel=1e-12, abs=1e-15)
+
+
+def test_beyond_the_window_cp_sat_improves_windows_and_a_bound_still_holds(graph):
+    cluster = load_cluster("a100-sxm4-80gb", devices_per_node=4).with_servers("cpu-server-2s-epyc", 1)
+    whole = plan_sparse(graph, cluster, global_batch=256)
+    windows = plan_sparse(graph, cluster, global_batch=256, window=1)   # one table at a time
+    assert "windows of 1 tables" in windows.search
+    assert windows.estimate.fits
+    assert windows.estimate.step_time_s <= windows.baseline_step_time_s
+    for p in (whole, windows):
+        assert p.bound_step_time_s <= p.estimate.step_time_s * (1 + 1e-6)
+    assert windows.to_json() == plan_sparse(graph, cluster, global_batch=256, window=1).to_json()
