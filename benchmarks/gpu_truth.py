@@ -59,7 +59,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from autoplan.records import atomic_write_text  # noqa: E402
-from local_truth import _free_port  # noqa: E402  (benchmarks/, this script's folder)
+from _ranks import _free_port  # noqa: E402  (benchmarks/, this script's folder)
 
 #: Models measured on the GPU: (name, family, config, sequence length, global batch,
 #: micro-batch).  GPT: autoplan.models.GPT with GPT-3 XL's shape (Brown et al. 2020,

@@ -52,7 +52,7 @@ def measure(rank: int, world: int, targets: list[tuple], graphs: dict[str, str])
 
 # ---------------------------------------------------------------------- memory
 #: The model whose memory is compared: large enough that its tensors, not the runtime's
-#: fixed allocations, make the peak (benchmarks/local_truth.py's GPT)
+#: fixed allocations, make the peak (benchmarks/memory_cpu.py's GPT)
 MEMORY_CONFIG = dict(vocab_size=1024, seq_len=128, hidden=256, heads=4, layers=4)
 #: Predicted against measured peak bytes, per pipeline rank (the issue's 10%)
 MEMORY_TOLERANCE = 0.10

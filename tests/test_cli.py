@@ -235,6 +235,7 @@ def test_report_html(tmp_path: Path):
     assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
 
 
+@pytest.mark.slow   # a real quick profile of 2 ranks: about a minute (test_profiler times its parts)
 def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Path, monkeypatch):
     # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
     home = tmp_path / "home"

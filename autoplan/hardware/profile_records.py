@@ -299,7 +299,7 @@ class OpOverhead(Record):
 
         The cost model adds them (in place of :attr:`CostOptions.zero_buffer_copies`'
         copies) to the collectives ZeRO-2 and ZeRO-3 layers run every micro-batch, where
-        the eight stored confirm passes of ``benchmarks/local_truth.py`` had priced
+        the eight confirm passes of the retired ``benchmarks/local_truth.py`` had priced
         ZeRO-3's and ZeRO-2's steps 11% and 5-6% fast against the same layout without
         ZeRO, and to the once-a-step collectives per wrapped unit (ZeRO-1's reduce-scatters,
         ZeRO-1/2's gathers) but on pipelines whose ranks share cores: a pipeline's step
