@@ -476,8 +476,8 @@ def _search(prob: Problem, hint: np.ndarray, zero: int, *, window: int,
             break     # the next window would free the same tables from the same plan
         best, solved = out, solved + 1
     tried = min(count, solved + 1)
-    return best, (f"cp-sat on {tried} windows of {size} tables around the busiest device "
-                  f"({solved} improved on)")
+    return best, (f"cp-sat on {tried} window{'s' * (tried != 1)} of {size} "
+                  f"table{'s' * (size != 1)} around the busiest device ({solved} improved on)")
 
 
 def _window(prob: Problem, chosen: np.ndarray, size: int) -> np.ndarray:
