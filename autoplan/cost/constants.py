@@ -237,6 +237,13 @@ class CostOptions(Record):
         of activations under sequence parallelism, tensorwise scales all-reduced over the
         ranks a tensor is split over.  ``"transformer-engine"``: Transformer Engine's fused
         casts, each operand quantized once with its transpose (Megatron-Core, NeMo).
+    fp32_matmuls : {"fp32", "tf32"}
+        With ``Precision.FP32``, what the matmuls run in: FP32 (``"fp32"``, PyTorch's
+        default since 1.12, ``torch.set_float32_matmul_precision("highest")``) or TF32
+        tensor cores (``"tf32"``: PyTorch 1.7 to 1.11's default,
+        ``torch.backends.cuda.matmul.allow_tf32 = True``, or ``set_float32_matmul_precision
+        ("high")``), at the device's TF32 peak where it has one (FP32 where not: V100).
+        Weights, activations and memory stay FP32.
     sp_grads_per_tensor_under_fsdp2 : bool
         Under sequence parallelism the norms see a sequence shard, so their weights'
         gradients are partial sums over the tp group, all-reduced once per step.  ``True``:
@@ -364,6 +371,7 @@ class CostOptions(Record):
     fp8_library: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
+    fp32_matmuls: str = "fp32"
     stack: str = "autoplan"
 
     def __post_init__(self) -> None:
@@ -380,6 +388,8 @@ class CostOptions(Record):
         if self.fp8_library not in FP8_LIBRARIES:
             raise ConfigError(f"fp8_library must be one of {', '.join(FP8_LIBRARIES)}, got "
                               f"{self.fp8_library!r}")
+        if self.fp32_matmuls not in ("fp32", "tf32"):
+            raise ConfigError(f"fp32_matmuls must be 'fp32' or 'tf32', got {self.fp32_matmuls!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
                               f"got {self.attention_kernel!r}")

@@ -966,7 +966,10 @@ class CostEngine:
                     f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp)
                     cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
             rowwise = library == "torchao" and scaling == "row"
-        peak = device.peak(dtype)
+        # fp32 matmuls on TF32 tensor cores where asked (CostOptions.fp32_matmuls); the
+        # elementwise bytes stay the recipe's
+        mm = "tf32" if dtype == "fp32" and self.options.fp32_matmuls == "tf32" else dtype
+        peak = device.peak(mm)
         fwd = bwd = core = wgrad = 0.0
         # fused-attention kernels (the stack's, or a captured SDPA call) at their own speed
         attention = self._attention_tables.get(device.name)
@@ -1016,7 +1019,7 @@ class CostEngine:
                     cast_fwd += per * (tokens * math.sqrt(kn) + kn)
                     cast_bwd += per * tokens * math.sqrt(kn)
             else:
-                rate = peak * device.efficiency(ref, dtype)
+                rate = peak * device.efficiency(ref, mm)
             tf, tb = f / rate, g / (rate_backward or rate)
             if n.core:
                 causal = self.core_fraction(n, cp)
