@@ -70,7 +70,8 @@ The package sits above the hardware records, the runtime and the cost model (it 
 three; none of them imports it), one module per kind of measurement:
 
 * :mod:`.matmul` (cold matmuls), :mod:`.grouped_gemm` (MoE experts' grouped GEMMs),
-  :mod:`.attention` (fused attention), :mod:`.elementwise` (memory-bound operators);
+  :mod:`.attention` (fused attention), :mod:`.elementwise` (memory-bound operators),
+  :mod:`.fp8` (FP8 GEMMs on GPUs that have them);
 * :mod:`.collectives` (the collectives' fit, the cost of one after compute);
 * :mod:`.overhead` (the host's time per operator, selective recompute, the optimizer),
   :mod:`.parallel` (tensor-parallel linears, pipelines, FSDP2 and replicate, context

@@ -20,6 +20,7 @@ from .attention import tabulate_attention
 from .collectives import (ARRIVAL_LOOP, ARRIVAL_ROUNDS, ARRIVAL_WORK_CALLS, WORK_FLOPS,
                           fit_alpha_beta, one_device_node)
 from .elementwise import tabulate_elementwise
+from .fp8 import fp8_tables
 from .grouped_gemm import tabulate_grouped_gemms
 from .matmul import tabulate_matmuls
 from .overhead import (OPTIMIZER_LARGE, OPTIMIZER_TENSORS, OVERHEAD_BLOCKS, OVERHEAD_BLOCK_OPS,
@@ -77,6 +78,11 @@ def build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, thr
 
     # matmul: the slowest rank at each size; peak = best of those
     peaks, tables, throughput = tabulate_matmuls(ranks, how, bool(raw.get("shares_cores")))
+    fp8_peak, fp8, fp8_points = fp8_tables(ranks, how)
+    if fp8_peak is not None:          # FP8 GEMMs timed (CUDA, capability 8.9+)
+        peaks["fp8"] = fp8_peak
+        tables.update(fp8)
+        throughput.update(fp8_points)
     copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
     memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
     if not cuda:

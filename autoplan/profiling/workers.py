@@ -24,6 +24,7 @@ from ..runtime.cpu_heap import keep_cpu_heap
 from .attention import ATTENTION_FLOPS_PER_QK, attention_call, qk_flops
 from .collectives import ARRIVAL_WORK_CALLS, WORK_SHAPE, measure_arrival, measure_collectives
 from .elementwise import ELEMENTWISE_SHAPE_CUDA, measure_elementwise
+from .fp8 import fp8_capable, measure_fp8_gemms
 from .grouped_gemm import measure_grouped_gemms
 from .host import cpu_name, physical_memory_bytes
 from .matmul import COLD_BYTES, measure_matmuls
@@ -165,6 +166,12 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
                              say)
     # grouped GEMMs, as MoE experts run them (autoplan.hardware.grouped_gemm)
     grouped = measure_grouped_gemms(torch, dist, device, dtypes, plan, cuda, sync, timed, say)
+    # FP8 GEMMs (tensorwise and rowwise torch._scaled_mm) where the GPU has them (fp8.py);
+    # their sizes are the 16-bit matmuls'
+    fp8_matmul = (measure_fp8_gemms(
+        torch, device, plan.matmul_sizes.get("bf16", ()), cold_bytes,
+        lambda call: time_local(call, sync, plan.matmul_target_s, plan.repeats), say)
+        if cuda and fp8_capable(torch, device) else {})
 
     elems = plan.copy_bytes // 4
     src = torch.ones(elems, device=device)
@@ -358,7 +365,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
             **({"reference": list(reference)} if reference is not None else {}),
             "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise,
-            "grouped": grouped}
+            "grouped": grouped, "fp8_matmul": fp8_matmul}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
