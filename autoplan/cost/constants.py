@@ -149,7 +149,7 @@ class CostOptions(Record):
         What ZeRO-3 gathers at once: a whole layer (FSDP wrapping each block) or
         one submodule's parameters (DeepSpeed's per-module hooks); sets the
         gathered-parameter buffers.  A per-module gather is prefetched one module
-        ahead, under the module before it (:func:`autoplan.cost.engine.prefetch_exposed`),
+        ahead, under the module before it (:func:`autoplan.cost.comm.prefetch_exposed`),
         a per-layer one under the layer before it.
     dp_nic_per_device : bool
         Data-parallel collectives get only each device's own share of its node's
@@ -194,7 +194,7 @@ class CostOptions(Record):
         live there, and fans out past that over NVLink (DeepSeek's DeepEP and NVIDIA's
         HybridEP, Megatron-Core's ``flex`` dispatcher): priced at the expected number of
         distinct destinations of ``top-k`` experts drawn uniformly, over ``top-k``
-        (:meth:`~autoplan.cost.engine.CostEngine.dispatch_share`).
+        (:func:`~autoplan.cost.comm.dispatch_share`).
     pp_buffers_per_micro_batch : bool
         Pipeline receive buffers: one per micro-batch of a step for every chunk's input
         activation and output gradient, allocated once and kept (torch.distributed
@@ -285,7 +285,7 @@ class CostOptions(Record):
         The loss is torch's cross-entropy over an fp32 copy of the logits, as Hugging Face
         computes it (:func:`autoplan.runtime.loss.token_cross_entropy`, what
         :func:`autoplan.parallelize` runs): the stage that computes it holds
-        :func:`~autoplan.cost.engine.loss_bytes_per_logit` bytes per logit of a micro-batch
+        :func:`~autoplan.cost.memory.loss_bytes_per_logit` bytes per logit of a micro-batch
         beyond what capture counts (measured on an H100: ``benchmarks/gpu_truth.py``).
         ``False``: a fused cross-entropy that works in place (flash-attn's in LLM Foundry,
         Megatron's vocab-parallel one), whose working set capture's count stands for.

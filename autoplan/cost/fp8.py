@@ -4,7 +4,7 @@ An FP8 recipe (``Precision.is_fp8``) runs the bf16 program with the GEMMs of som
 (:func:`autoplan.precision.fp8_converts`) in FP8.  Per converted linear ``y = x W^T`` of
 ``m`` tokens (``x``: ``m x k``, ``W``: ``n x k``, the output gradient ``dy``: ``m x n``,
 ``k`` and ``n`` on one rank after tensor parallelism), the cost engine
-(:mod:`autoplan.cost.engine`) prices:
+(:mod:`autoplan.cost.compute` and :mod:`autoplan.cost.comm`) prices:
 
 * the three GEMMs at the device's FP8 rate (peak times the ``fp8`` efficiency table;
   torchao's rowwise forward GEMM at the profile's ``fp8_rowwise`` table where it measured

@@ -33,10 +33,20 @@ Examples
 
 from __future__ import annotations
 
-from ..strategy import Recompute
+from typing import TYPE_CHECKING, NamedTuple
+
+from ..precision import DTYPE_BYTES
+from ..strategy import Precision, Recompute
+from .layout import Layout, PrecisionCosts
+from .result import MemoryBreakdown
+from .schedules import in_flight
 from .summary import LayerCost
 
-__all__ = ["activation_bytes", "model_state_bytes", "fsdp2_state_bytes"]
+if TYPE_CHECKING:
+    from .engine import CostEngine
+
+__all__ = ["activation_bytes", "model_state_bytes", "fsdp2_state_bytes", "loss_bytes_per_logit",
+           "AUTOCAST_COPY_BYTES", "RankHoldings", "rank_memory"]
 
 
 def activation_bytes(layer: LayerCost, *, tp: int = 1, sequence_parallel: bool = False,
@@ -99,3 +109,174 @@ def fsdp2_state_bytes(params: float, *, zero: int, shards: int, master_bytes: in
     whole_grads = zero == 0 or (zero == 1 and accumulates)
     return held, params * grad_bytes / (1 if whole_grads else shards), \
         params * optimizer_bytes / split
+
+
+#: Under torch.autocast over fp32 weights (:attr:`CostOptions.autocast`): bytes per
+#: parameter of the bf16 copies it caches during a forward
+#: (:data:`autoplan.cost.compute.AUTOCAST_CAST_BYTES`: what its casts move)
+AUTOCAST_COPY_BYTES = 2
+
+
+def loss_bytes_per_logit(dtype: str, shifts: bool) -> float:
+    """Bytes per logit the token cross-entropy holds beyond what capture counts
+    (:func:`autoplan.runtime.loss.token_cross_entropy`, as Hugging Face computes it).
+
+    While its log-softmax runs, the model's logits (in the compute dtype) are held by the
+    caller, log-softmax reads an fp32 tensor made for it -- the upcast of 16-bit logits,
+    or, in fp32, the copy that reshaping the next-token slice makes -- and writes its fp32
+    output, which it saves for the backward.  Capture counts only that saved output, and
+    at the recipe's activation bytes.  So ``4 + 4`` where the fp32 input is a new tensor,
+    else ``4``, whatever the compute dtype: the logits' own bytes and the saved output's
+    count cancel.  Measured: a bf16 H100 step (``benchmarks/gpu_truth.py``) under full
+    recompute, where the loss's working set decides the peak, within 1% of its peak
+    memory with this term, 4-24% under it without.
+
+    >>> loss_bytes_per_logit("bf16", shifts=True), loss_bytes_per_logit("fp32", shifts=False)
+    (8.0, 4.0)
+    """
+    new_input = dtype != "fp32" or shifts
+    return 4.0 + (4.0 if new_input else 0.0)
+
+
+def _local_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
+    """Parameters of ``layer`` on one device, ``(outside the expert banks, in them)``:
+    tensor parallelism shards the sharded ones by ``tp``, expert parallelism the banks by
+    ``ep`` (banks are whole on every tp rank; without ep they shard as the rest)."""
+    expert = layer.expert_params if ep > 1 else 0
+    return (layer.sharded_params / tp + (layer.params - layer.sharded_params - expert),
+            expert / ep)
+
+
+def _largest_module_local(layer: LayerCost, tp: int, ep: int) -> float:
+    """Parameters of ``layer``'s largest module on one device (tensor parallelism shards
+    it by ``tp`` where it is sharded, expert parallelism by ``ep`` where it is a bank)."""
+    return (layer.largest_module_params / (tp if layer.largest_module_sharded else 1)
+            / (ep if layer.largest_module_expert else 1))
+
+
+class RankHoldings(NamedTuple):
+    """What the layers of one pipeline rank hold on one of its devices, as
+    :func:`autoplan.cost.pipeline.rank_eval` sums them (parameters after tensor and expert
+    parallelism, bytes in the recipe's activation dtype)."""
+
+    params_by_zero: list[float]     # local parameters per ZeRO stage (0..3)
+    experts_by_zero: list[float]    # those of them in expert banks
+    tied_extra: float               # a tied weight's copy owned by another rank (whole)
+    act_per_mb: float               # saved activation bytes of one micro-batch
+    shared: float                   # inputs every layer shares (held once per micro-batch)
+    work: float                     # one layer's working set beyond it saves (full recompute)
+    max_layer_params: float         # the largest ZeRO-3 gather unit
+    largest_accumulated: float      # the largest module whose gradient accumulates
+    recv_per_micro_batch: float     # pipeline receive buffers of one micro-batch
+    cut_out: float                  # largest chunk boundary, scattered over tp
+    cut_whole: float                # ... and whole
+
+
+def rank_memory(engine: CostEngine, lay: Layout, rank: int, micro_batches: int,
+                recipe: PrecisionCosts, chunks, held: RankHoldings, zero_degree: int
+                ) -> tuple[float, MemoryBreakdown]:
+    """``(micro-batches in flight, memory)`` of one device of pipeline rank ``rank`` holding
+    ``held`` (see the module docstring of :mod:`autoplan.cost.engine`): model states per
+    ZeRO stage over the ``zero_degree`` data-parallel ranks (an expert bank's over the
+    ``zero_degree / ep`` holding the same experts; fp32 masters under FSDP2's policy,
+    :func:`fsdp2_state_bytes`), the activations of the micro-batches in flight
+    (:func:`autoplan.cost.schedules.in_flight`) with the loss's working set
+    (:func:`loss_bytes_per_logit`), buffers (gathered ZeRO-3 layers, unsharded gradients,
+    gradient buckets, pipeline send/receive, autocast's weight copies, an accumulating
+    gradient) and the runtime reserve (``profiles/cost/cost-model.yaml``)."""
+    s = engine.summary
+    opts = engine.options
+    kmem = engine.constants.memory
+    pp, v, cp = lay.pp, lay.virtual_stages, lay.cp
+    b = lay.micro_batch
+    edp = zero_degree // lay.ep
+    param_bytes, grad_bytes = recipe.param_bytes, recipe.grad_bytes   # per parameter
+    (params_by_zero, experts_by_zero, tied_extra, act_per_mb, shared, work, max_layer_params,
+     largest_accumulated, recv_per_micro_batch, cut_out, cut_whole) = held
+    x0, x1, x2, x3 = experts_by_zero
+    accumulates = opts.grad_accumulate_add and micro_batches > 1
+    autocast = opts.autocast and recipe.dtype != "fp32"
+    computed = sum(params_by_zero) + tied_extra + sum(experts_by_zero)
+    z = zero_degree
+    per_param = (param_bytes, grad_bytes, recipe.optimizer_bytes)
+    held_params = held_grads = held_optimizer = 0.0   # model-state bytes on this device
+
+    def states(n: float, zero: int, shards: int) -> tuple[float, float, float]:
+        if recipe.fsdp2_master:
+            return fsdp2_state_bytes(n, zero=zero, shards=shards,
+                                     master_bytes=DTYPE_BYTES["fp32"],
+                                     compute_bytes=param_bytes, grad_bytes=grad_bytes,
+                                     optimizer_bytes=recipe.optimizer_bytes,
+                                     accumulates=micro_batches > 1)
+        return model_state_bytes(n, zero=zero, shards=shards, per_param=per_param)
+
+    for zero, n in enumerate(params_by_zero):
+        n += tied_extra if zero == 0 else 0.0    # a tied copy is kept whole
+        params, grads, optimizer = states(n, zero, z)
+        held_params, held_grads, held_optimizer = \
+            held_params + params, held_grads + grads, held_optimizer + optimizer
+        if experts_by_zero[zero]:
+            params, grads, optimizer = states(experts_by_zero[zero], zero, edp)
+            held_params, held_grads, held_optimizer = \
+                held_params + params, held_grads + grads, held_optimizer + optimizer
+    flight = in_flight(lay.schedule, rank, pp, micro_batches, v)
+    acts = flight * (act_per_mb + shared) + work
+    buffers = 0.0
+    if (params_by_zero[3] or x3) and z > 1:
+        buffers += max_layer_params * kmem.zero3_gathered_layers * param_bytes
+    # ZeRO-1 reduce-scatters per wrapped layer where the stack does so
+    # (CostOptions.zero_step_per_layer: FSDP2, what autoplan.parallelize runs for ZeRO-1
+    # too), else in its buckets with the replicated gradients
+    per_layer_1 = opts.zero_step_per_layer and bool(params_by_zero[1] or x1)
+    # reduction buffers that exist only once a backward frees the activations: under
+    # FSDP2's policy, replicate's one flat all-reduce input (ZeRO-0) after the last
+    # backward, and ZeRO-1's per-layer reduce-scatter inputs in the last micro-batch's
+    # backward, layer by layer as its activations free (DDP's buckets are allocated
+    # for the whole step).  Measured on 2 CPU ranks (tests/test_memory_truth.py): bf16
+    # ZeRO-0 +19% and ZeRO-1 +12% with them added to the activations, +4% and -1% so
+    drained = 0.0
+    if (params_by_zero[2] or params_by_zero[3] or x2 or x3 or per_layer_1) and z > 1:
+        # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
+        # does (FSDP2 for both): they wait unsharded for their reduce-scatter
+        unsharded = max_layer_params * kmem.zero3_unsharded_grad_layers * grad_bytes
+        buffers += unsharded
+        if (recipe.fsdp2_master and micro_batches > 1 and per_layer_1
+                and not (params_by_zero[2] or params_by_zero[3] or x2 or x3)):
+            drained += unsharded
+    bucketed = params_by_zero[0] + x0 + (0.0 if per_layer_1 else params_by_zero[1] + x1)
+    if z > 1 and bucketed:
+        bucket = min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
+                     bucketed * grad_bytes)
+        buffers += bucket
+        if recipe.fsdp2_master:
+            drained += bucket
+    if pp > 1 and opts.pp_buffers_per_micro_batch:
+        # torch.distributed.pipelining allocates a receive buffer per micro-batch of the
+        # step for every chunk's input and output gradient, and keeps them
+        buffers += micro_batches * recv_per_micro_batch
+    elif pp > 1:
+        # a receive and a send buffer of the largest boundary: its tp share where the
+        # stack scatters it, whole on every tp rank where it does not
+        buffers += 2 * (cut_out if opts.pp_scatter_gather else cut_whole)
+    if autocast:
+        buffers += AUTOCAST_COPY_BYTES * computed   # its cache of bf16 weight copies
+    if accumulates:
+        # a later micro-batch's gradient of a module lands in a tensor of its own before
+        # it is added to the accumulated one (torch's AccumulateGrad; ZeRO-2/3's
+        # unsharded gradients are the buffers above): the largest module's, in the
+        # weights' dtype (fp32 under autocast).  Measured: an embedding's dense
+        # gradient at the peak of a tp2 pp2 pipeline's first stage (local_truth --memory)
+        buffers += largest_accumulated * (Precision.FP32.bytes if autocast
+                                          else recipe.grad_bytes)
+    # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
+    head_tp = next((sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers)), None)
+    if opts.loss_fp32_copy and s.loss_logits and head_tp is not None:
+        logits = (b * (s.seq_len or 1) / cp * s.loss_logits
+                  / (head_tp if opts.loss_parallel else 1))
+        acts += logits * loss_bytes_per_logit(recipe.dtype, s.loss_shifts)
+    # (the drained buffers count only where they exceed the activations they replace)
+    buffers += max(0.0, drained - acts) - drained
+    allocated = held_params + held_grads + held_optimizer + acts + buffers
+    reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
+    return flight, MemoryBreakdown(held_params, held_grads, held_optimizer, acts, buffers,
+                                   reserve)
