@@ -53,13 +53,15 @@ True
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
-from .records import TRANSIENT, Record
+from .records import TRANSIENT, Record, to_dict
 from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, ep_problem,
                        schedule_problem, stage_ranks)
 
@@ -202,6 +204,9 @@ class Plan(Record):
     estimate: Estimate | None = None
     #: The model's name for people (the graph's ``title``); ``model`` is its class.
     title: str = ""
+    #: Why the plan leaves some of the cluster's devices idle (:attr:`idle_devices`), in
+    #: words; empty when it uses them all.  Written to JSON only when it is not empty.
+    idle_reason: str = ""
     # what the search knew when it made this plan: carried in memory, never written to
     # JSON nor compared (plan == Plan.from_json(plan.to_json()))
     #: The next best plans of the search that made this one (best first).
@@ -226,13 +231,17 @@ class Plan(Record):
         if sum(self.replica_batch) != self.global_batch:
             raise StrategyError(f"replica_batch {list(self.replica_batch)} sums to "
                                 f"{sum(self.replica_batch)}, not global_batch={self.global_batch}")
+        if self.micro_batch < 1:
+            raise StrategyError(f"micro_batch={self.micro_batch} must be >= 1")
         for r, b in enumerate(self.replica_batch):
-            if b % self.micro_batch or b < self.micro_batch:
-                raise StrategyError(f"replica {r} gets {b} sequences per step, not a positive "
-                                    f"multiple of micro_batch={self.micro_batch}")
-        if self.num_micro_batches != max(self.replica_batch) // self.micro_batch:
+            if b < 1 or (b % self.micro_batch and pp > 1):
+                raise StrategyError(
+                    f"replica {r} gets {b} sequences per step, not a positive multiple of "
+                    f"micro_batch={self.micro_batch}" + (" (pipelines run whole micro-batches)"
+                                                         if b >= 1 else ""))
+        if self.num_micro_batches != max(self.micro_batches_of(r) for r in range(dp)):
             raise StrategyError(f"num_micro_batches={self.num_micro_batches} but the largest "
-                                f"replica runs {max(self.replica_batch) // self.micro_batch}")
+                                f"replica runs {max(self.micro_batches_of(r) for r in range(dp))}")
         rank_devices: dict[int, tuple[int, ...]] = {}
         ranks = stage_ranks(self.schedule, pp, len(self.stages))
         for k, st in enumerate(self.stages):
@@ -293,8 +302,16 @@ class Plan(Record):
         return len(self.mesh.devices)
 
     def micro_batches_of(self, replica: int) -> int:
-        """Micro-batches replica ``replica`` runs per step."""
-        return self.replica_batch[replica] // self.micro_batch
+        """Micro-batches replica ``replica`` runs per step: its sequences over
+        ``micro_batch``, a shorter last one counted (without pipelining a replica's batch
+        need not be a multiple of the micro-batch)."""
+        return -(-self.replica_batch[replica] // self.micro_batch)
+
+    @property
+    def idle_devices(self) -> tuple[int, ...]:
+        """The cluster's devices the plan leaves idle (:attr:`idle_reason` says why)."""
+        used = set(self.mesh.devices)
+        return tuple(d for d in range(self.cluster.num_devices) if d not in used)
 
     @property
     def pads_micro_batches(self) -> bool:
@@ -343,6 +360,17 @@ class Plan(Record):
 
     def with_estimate(self, estimate: Estimate | None) -> "Plan":
         return replace(self, estimate=estimate)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
+        (so a plan that uses every device writes what it always wrote)."""
+        out = to_dict(self)
+        if not self.idle_reason:
+            del out["idle_reason"]
+        return out
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False) + ("\n" if indent else "")
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -442,7 +470,7 @@ class Plan(Record):
         zeros = sorted({lp.zero for lp in self.layers})
         if zeros != [0]:
             parts.append(("z" if compact else "zero") + "/".join(map(str, zeros)))
-        rcs = sorted({lp.recompute.value for lp in self.layers} - {"none"})
+        rcs = self._recompute_options()
         if rcs:
             parts.append("rc-" + "/".join(rcs))
         if any(lp.sequence_parallel for lp in self.layers):
@@ -451,6 +479,21 @@ class Plan(Record):
             parts.append(self.schedule.value + (f"x{self.virtual_stages}"
                                                 if self.virtual_stages > 1 else ""))
         return " ".join(parts)
+
+    def _recompute_options(self) -> list[str]:
+        """The recompute options the label lists: every one some layer uses but ``none``,
+        and ``none`` too where a repeated block (``<stack>.<index>``) is left without
+        recompute while another block of its stack is recomputed (a mixed plan; the
+        layers before and after the blocks are never recomputed in any plan)."""
+        used = sorted({lp.recompute.value for lp in self.layers} - {"none"})
+        if not used:
+            return []
+        recomputed, kept = set(), set()
+        for lp in self.layers:
+            match = _BLOCK_NAME.match(lp.name)
+            if match:
+                (kept if lp.recompute is Recompute.NONE else recomputed).add(match.group(1))
+        return sorted(used + ["none"]) if recomputed & kept else used
 
     def summary(self) -> str:
         """One line: degrees, batch, schedule, and the estimate when there is one."""
@@ -523,6 +566,9 @@ def _check_ep(graph, ep: int, dp: int, cp: int) -> None:
         if problem:
             raise StrategyError(problem)
 
+
+#: A repeated block's layer name: its stack (a ModuleList's path) and its index in it.
+_BLOCK_NAME = re.compile(r"^(.*)\.(\d+)$")
 
 #: The device type of a plan made for a number of processes rather than a cluster.
 _PROCESS = "process"

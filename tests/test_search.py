@@ -174,8 +174,15 @@ def test_bad_arguments():
         autoplan.plan(g, cluster, global_batch=0)
     from autoplan.search import SearchSpace
     with pytest.raises(ConfigError, match="multiple of"):
-        # 1 head (tp=1), one stage, no context parallelism: only dp=8 is possible
-        autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)))
+        # 1 head (tp=1), one stage, no context parallelism: only dp=8 uses every device
+        autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)),
+                      use_all_devices=True)
+    # on fewer of them the batch splits: the others idle, and the plan says so
+    fewer = autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)))
+    assert fewer.num_devices in (1, 3)
+    assert fewer.idle_devices == tuple(range(fewer.num_devices, 8))
+    assert f"{8 - fewer.num_devices} of 8 devices idle" in fewer.idle_reason
+    assert "no layout of all 8" in fewer.idle_reason
     with pytest.raises(ConfigError, match="top_k"):
         autoplan.plan(g, cluster, global_batch=8, top_k=0)
 
@@ -190,10 +197,11 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     mixed = autoplan.load_cluster("mixed-a100-v100")
     # 60 sequences over 32 replicas split unevenly, A100 replicas taking more; the runtime
     # weights each replica's gradient by its share, and runs the plan as it is
-    free = autoplan.plan(graph, mixed, global_batch=60)
+    free = autoplan.plan(graph, mixed, global_batch=60, use_all_devices=True)
     assert len(set(free.replica_batch)) > 1
     check_plan(free, free.num_devices, graph)
-    even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True))
+    even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True),
+                         use_all_devices=True)
     assert len(set(even.replica_batch)) == 1
     check_plan(even, even.num_devices, graph)
     # a batch no replica count divides evenly: a clear error, not an uneven plan
@@ -201,4 +209,5 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     with pytest.raises(ConfigError, match="equal replica batches"):
         autoplan.plan(graph, one_node.subset(range(7)), global_batch=9,
                       space=SearchSpace(even_batches=True, tensor_parallel=(1,),
-                                        pipeline_parallel=(1, 1), context_parallel=(1,)))
+                                        pipeline_parallel=(1, 1), context_parallel=(1,)),
+                      use_all_devices=True)

@@ -1,0 +1,686 @@
+"""Lower bounds of the step time and memory of every layout of a degree combination.
+
+The search visits degree combinations best bound first and stops where the bound
+reaches the best plan found (:func:`autoplan.search.search`), so what it skips is
+provably no faster than what it returns.  Every bound here is assembled from the cost
+engine's own per-layer terms (:class:`autoplan.cost.CostEngine`), summed where the
+engine sums them and with every term the engine adds on top left out (each is
+non-negative), so it holds for *every* layout of the combination: any ZeRO stage the
+bound is taken over, any recompute per block, any split of the blocks over the
+pipeline ranks.
+
+Time.  A pipeline rank's time per micro-batch is the sum of its layers' forward and
+backward (compute and exposed tensor-, context-, expert- and ZeRO-parallel
+collectives), plus pipeline sends; the schedule's time grows with every rank's time,
+and is least, for ranks adding up to ``S``, when each takes ``S / pp``
+(:func:`autoplan.cost.pipeline_time`).  The data-parallel step, the optimizer and the
+closing loss reduction only add to it.  Recompute only adds to a layer's time (the
+recomputed forward; a backward that grows hides more of the ZeRO collectives behind
+it, never more than it grew).  So ``pipeline_time(schedule, [S_z / pp] * pp, m)``
+with ``S_z`` the layers' time at ZeRO stage ``z`` without recompute bounds every
+layout at that stage; ZeRO-0 and ZeRO-1 add no per-layer term and share ``S_1``.
+On ranks of several device types each layer counts at its fastest.  Where ranks share
+fewer CPU cores than there are of them (a one-node CPU cluster), the engine's schedule
+speeds up over the cores the bubble leaves idle; there the bound is 0.
+
+Memory.  A rank holds at least its layers' model states (per ZeRO stage:
+:func:`autoplan.cost.memory.model_state_bytes`) and the activations of its micro-batches
+in flight (:func:`autoplan.cost.in_flight`), plus the runtime's reserve and the
+allocator's fragmentation share of it (the engine's ``MemoryBreakdown``).  A uniform
+option ``(z, r)`` fits only if the ranks can hold the blocks between them: rank ``p``
+at most ``floor(free_p / (states + in_flight_p x activations))`` of them, at least one
+per chunk, the embeddings on the first stage's rank and the head on the last's.
+Recompute of some blocks only saves their activations, so a combination none of whose
+ranks can hold its blocks at the stage's least-memory option fits no mix either.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..cost import in_flight, pipeline_time
+from ..cost.engine import AUTOCAST_COPY_BYTES, Segment
+from ..cost.memory import model_state_bytes
+from ..strategy import Recompute, Schedule, stage_ranks
+
+__all__ = ["Bounds", "ZeroBound"]
+
+
+@dataclass(frozen=True)
+class _Sums:
+    """One micro-batch of a uniform option on one kind of rank, per layer template."""
+
+    time_s: dict[str, float]            # forward + backward of one layer
+    params: dict[str, float]            # local parameters outside expert banks
+    expert_params: dict[str, float]     # local parameters in them
+    saved: dict[str, float]             # activation bytes saved for the backward
+
+
+@dataclass(frozen=True)
+class ZeroBound:
+    """The bound of one ZeRO stage of a combination: ``step_s`` for every layout at it;
+    ``fits`` whether its least-memory option can fit (else no layout at it does)."""
+
+    zero: int
+    step_s: float
+    fits: bool
+
+
+class Bounds:
+    """Bounds for one search: one engine, precision and set of recompute options."""
+
+    def __init__(self, engine: Any, precision: Any, recompute: Sequence[Recompute],
+                 pools: Sequence[Any]) -> None:
+        self.engine = engine
+        self.pools = list(pools)
+        self._ranks: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self.summary = engine.summary
+        self.recipe = engine.precision_costs(precision)
+        self.recompute = tuple(recompute)
+        s = self.summary
+        n = len(s.layers)
+        blocks = [i for i, l in enumerate(s.layers) if l.is_block]
+        self.num_blocks = len(blocks)
+        self.layers = engine.layer_counts(0, n)
+        self.pre = engine.layer_counts(0, blocks[0]) if blocks else self.layers
+        self.post = engine.layer_counts(blocks[-1] + 1, n) if blocks else ()
+        self.block_templates = tuple(dict.fromkeys(s.layers[i].template for i in blocks))
+        # what a pipeline boundary between two blocks sends per sequence (the least)
+        self.boundary_bytes = min((s.layers[i].send_bytes for i in blocks[:-1]), default=0.0)
+        kmem = engine.constants.memory
+        self.reserve = kmem.runtime_reserved_bytes
+        self.frag = kmem.allocator_fragmentation_fraction
+        self.fraction = engine.options.memory_fraction
+        # the engine's data-parallel gradient buckets: the one buffer that grows with a
+        # rank's parameters (up to this), left out of what refinement carries over
+        self.bucket_bytes = kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight
+        self.per_param = (self.recipe.param_bytes, self.recipe.grad_bytes,
+                          self.recipe.optimizer_bytes)
+        self._sums: dict[tuple, _Sums] = {}
+        self._kinds: dict[tuple, tuple[tuple[int, ...], ...]] = {}
+        self._caps: dict[tuple, tuple[float, ...]] = {}
+        self._ends: dict[tuple, tuple[tuple[int, ...], list[int]]] = {}
+        self._per_mb: dict[tuple, float] = {}
+        self._busiest: dict[tuple, float] = {}
+        self._kinds_keys: dict[tuple, tuple] = {}
+        self._sig: dict[tuple, tuple] = {}
+        cluster = engine.cluster
+        self._shared_cores = (cluster.profile_of(0).node.shared_cores
+                              if cluster.num_nodes == 1 else None)
+
+    # ------------------------------------------------------------------ per-layer terms
+    def _signature(self, rank: tuple[int, ...], tp: int, cp: int, ep: int, zero: int) -> tuple:
+        """What the engine's terms of a rank depend on besides the options: its replica's
+        device type and where its groups sit (the data-parallel ones under ZeRO-2/3)."""
+        key = (id(rank), tp, cp, ep, zero >= 2)
+        seen = self._sig.get(key)
+        hit = seen[1] if seen is not None and seen[0] is rank else None
+        if hit is None:
+            engine, place = self.engine, self.engine.cluster.placement
+            g = engine._groups(rank, tp, cp, ep, 0)
+            hit = (engine.device_of(g.replica).name, place(g.tp),
+                   place(g.cp) if g.cp else (), place(g.ep) if g.ep else (),
+                   (len(g.dp), place(g.dp), place(g.edp) if g.edp else ()) if zero >= 2 else ())
+            if len(self._sig) > 65536:
+                self._sig.clear()
+            self._sig[key] = (rank, hit)     # by identity: hashing a rank costs more
+        return hit
+
+    def sums(self, rank: tuple[int, ...], tp: int, cp: int, ep: int, sp: bool, zero: int,
+             rc: Recompute, b: int) -> _Sums:
+        """The engine's terms of every layer template on a rank with devices ``rank``
+        (replica 0): blocks with recompute ``rc``, every layer at ZeRO stage ``zero``."""
+        z = max(zero, 1) if zero < 2 else zero      # ZeRO-0 and 1 add no per-layer term
+        key = (self._signature(rank, tp, cp, ep, z), tp, cp, ep, sp, z, rc, b)
+        hit = self._sums.get(key)
+        if hit is None:
+            engine = self.engine
+            groups = engine._groups(rank, tp, cp, ep, 0)
+            device = engine.device_of(groups.replica)
+            time_s, params, experts, saved = {}, {}, {}, {}
+            for template, _ in self.layers:
+                layer = engine.template(template)
+                seg = Segment(0, 0, tp, sp, z, rc if layer.is_block else Recompute.NONE)
+                # the engine's own per-layer terms (the _rank loop sums these)
+                t = engine._layer_terms(layer, seg, b, cp, device, self.recipe, groups,
+                                        ep if layer.expert_params else 1)
+                time_s[template] = t.forward_s + t.backward_s
+                params[template], experts[template] = t.local_params, t.local_expert_params
+                saved[template] = t.saved_bytes
+            hit = self._sums[key] = _Sums(time_s, params, experts, saved)
+        return hit
+
+    # ------------------------------------------------------------------ ranks
+    def rank(self, pool: int, start: int, size: int) -> tuple[int, ...]:
+        """Devices ``start .. start + size - 1`` of pool ``pool``, one tuple object per slice
+        (caches below go by its identity)."""
+        key = (pool, start, size)
+        hit = self._ranks.get(key)
+        if hit is None:
+            hit = self._ranks[key] = self.pools[pool].devices[start:start + size]
+        return hit
+
+    def rank_kinds(self, pool: int, n: int, pp: int, tp: int, cp: int, ep: int,
+                   zero: int) -> tuple[tuple[int, ...], ...]:
+        """One representative rank (its devices) per kind among the ``pp`` pipeline ranks
+        over the first ``n`` devices of pool ``pool``: ranks whose terms the engine prices
+        alike count once.  Clusters of several device types: every replica of every rank
+        counts (each put first in its rank's devices)."""
+        key = (pool, n, pp, tp, cp, ep, zero >= 2)
+        hit = self._kinds.get(key)
+        if hit is None:
+            per_rank = n // pp
+            whole = self.pools[pool].whole_node(n)
+            ranks = [self.rank(pool, p * per_rank, per_rank) for p in range(pp)]
+            domain = self.pools[pool].domain(n)
+            if self.engine.homogeneous and ((whole is not None and (per_rank % whole == 0
+                                                                    or whole % per_rank == 0))
+                                            or (zero < 2 and domain % (tp * cp) == 0
+                                                and domain % (tp * ep) == 0)):
+                # translated by whole nodes, or (no ZeRO-2/3 terms, which see the
+                # data-parallel group) groups inside a node each: all alike
+                hit = (ranks[0],)
+            else:
+                seen: dict[tuple, tuple[int, ...]] = {}
+                g = tp * cp
+                for r in ranks:
+                    replicas = [r] if self.engine.homogeneous else \
+                        [r[i:] + r[:i] for i in range(0, per_rank, g)]
+                    for x in replicas:
+                        seen.setdefault(self._signature(x, tp, cp, ep, zero), x)
+                hit = tuple(seen.values())
+            if len(self._kinds) > 4096:
+                self._kinds.clear()
+            self._kinds[key] = hit
+        return hit
+
+    def capacities(self, pool: int, n: int, pp: int) -> tuple[float, ...]:
+        """Each pipeline rank's usable memory for layers: the largest device memory among
+        its devices (the engine's is one of them), less the reserve, over the
+        fragmentation factor."""
+        key = (pool, n, pp) if not self.engine.homogeneous else pp
+        hit = self._caps.get(key)
+        if hit is None and self.engine.homogeneous:
+            mem = self.engine.cluster.device_types[0].memory_bytes
+            hit = self._caps[key] = ((mem * self.fraction - self.reserve) / (1 + self.frag),) * pp
+        if hit is None:
+            cluster = self.engine.cluster
+            devices = self.pools[pool].devices[:n]
+            per_rank = n // pp
+            caps = []
+            for p in range(pp):
+                mem = max(cluster.device_type_of(d).memory_bytes
+                          for d in set(devices[p * per_rank:(p + 1) * per_rank]))
+                caps.append((mem * self.fraction - self.reserve) / (1 + self.frag))
+            hit = self._caps[key] = tuple(caps)
+        return hit
+
+    # ------------------------------------------------------------------ bounds
+    def shared_cores(self, n: int) -> bool:
+        """Whether ``n`` ranks on this (one-node) cluster share fewer cores."""
+        return self._shared_cores is not None and self._shared_cores < n
+
+    def time_per_micro_batch(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int,
+                             ep: int, sp: bool, zero: int, b: int) -> float:
+        """``S_z``: every layer's forward and backward without recompute at ZeRO stage
+        ``zero``, each at the fastest kind of rank."""
+        key = (self._kinds_key(kinds, tp, cp, ep, zero), sp, b)
+        hit = self._per_mb.get(key)
+        if hit is None:
+            sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+            hit = sum(count * min(x.time_s[t] for x in sums) for t, count in self.layers)
+            if len(self._per_mb) > 65536:
+                self._per_mb.clear()
+            self._per_mb[key] = hit
+        return hit
+
+    def _kinds_key(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
+                   zero: int) -> tuple:
+        """What the terms of ``kinds`` depend on (their signatures), for the caches."""
+        z = max(zero, 1)
+        memo = (id(kinds), tp, cp, ep, z)
+        seen = self._kinds_keys.get(memo)
+        if seen is not None and seen[0] is kinds:
+            return seen[1]
+        key = (tuple(self._signature(k, tp, cp, ep, z) for k in kinds), tp, cp, ep, z)
+        if len(self._kinds_keys) > 65536:
+            self._kinds_keys.clear()
+        self._kinds_keys[memo] = (kinds, key)
+        return key
+
+    def step_bound(self, schedule: Schedule, pp: int, v: int, m: int, per_mb_s: float,
+                   n_devices: int) -> float:
+        """The schedule's time with ranks sharing ``per_mb_s`` evenly (module docstring)."""
+        if self.shared_cores(n_devices):
+            return 0.0
+        return pipeline_time(schedule, [per_mb_s / pp] * pp, m, virtual_stages=v)
+
+    def _room(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
+              tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
+              m: int) -> tuple[float, list[tuple[float, float]]]:
+        """The memory model the bounds share: each block's model states (and, under
+        autocast, its cached 16-bit weight copy), and per rank the bytes left for its
+        blocks and its micro-batches in flight.  A rank's fixed bytes: the embeddings or
+        head it holds (states and activations) and its pipeline buffers (receive buffers
+        of every micro-batch of the step where the stack keeps them, else a receive and a
+        send buffer of a boundary); every other buffer of the engine is left out."""
+        x = self.sums(kind, tp, cp, ep, sp, 1, Recompute.NONE, b)   # (bytes: any stage)
+        shards = n_devices // pp // tp          # dp x cp: what ZeRO shards over
+        edp = max(1, shards // ep)
+        pb, gb, ob = self.per_param
+        opts = self.engine.options
+        copy = AUTOCAST_COPY_BYTES if getattr(opts, "autocast", False) \
+            and self.recipe.dtype != "fp32" else 0.0
+        # bytes per parameter (model_state_bytes: ZeRO-1 shards the optimizer, 2 also the
+        # gradients, 3 also the weights), outside and inside expert banks
+        dense = (pb / (shards if zero >= 3 else 1) + gb / (shards if zero >= 2 else 1)
+                 + ob / (shards if zero >= 1 else 1) + copy)
+        expert = (pb / (edp if zero >= 3 else 1) + gb / (edp if zero >= 2 else 1)
+                  + ob / (edp if zero >= 1 else 1) + copy)
+
+        def held(counts) -> tuple[float, float]:
+            """States, and activations per micro-batch in flight, of those layers."""
+            return (sum(c * (x.params[t] * dense + x.expert_params[t] * expert)
+                        for t, c in counts),
+                    sum(c * x.saved[t] for t, c in counts))
+
+        caps = self.capacities(pool, n_devices, pp)
+        ranks, ends = self._stage_ends(schedule, pp, v)
+        first, last = ranks[0], ranks[-1]
+        boundary = self.boundary_bytes * b * self.recipe.activation_scale / cp
+        if pp > 1 and getattr(opts, "pp_buffers_per_micro_batch", False):
+            buffers = m * boundary                  # per chunk end
+        else:
+            buffers = 2 * boundary / tp if pp > 1 else 0.0
+        per_end = getattr(opts, "pp_buffers_per_micro_batch", False)
+        if self.num_blocks:
+            pre, post = held(self.pre), held(self.post)
+        else:
+            pre, post = held(self.layers), (0.0, 0.0)
+        out = []
+        for p in range(pp):
+            flight = in_flight(schedule, p, pp, m, v)
+            free = caps[p] - (buffers * ends[p] if per_end else buffers)
+            if p == first:
+                free -= pre[0] + flight * pre[1]
+            if p == last:
+                free -= post[0] + flight * post[1]
+            out.append((free, flight))
+        block = min((x.params[t] * dense + x.expert_params[t] * expert
+                     for t in self.block_templates), default=0.0)
+        return block, out
+
+    def _stage_ends(self, schedule: Schedule, pp: int, v: int) -> tuple[tuple[int, ...], list[int]]:
+        """The rank of each virtual stage, and each rank's chunk inputs and outputs that
+        cross to another stage."""
+        key = (schedule, pp, v)
+        hit = self._ends.get(key)
+        if hit is None:
+            ranks = stage_ranks(schedule, pp, pp * v)
+            ends = [0] * pp
+            for k, p in enumerate(ranks):
+                ends[p] += (k > 0) + (k < len(ranks) - 1)
+            hit = self._ends[key] = (tuple(ranks), ends)
+        return hit
+
+    def fits(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int, tp: int,
+             cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
+             schedule: Schedule, m: int) -> bool:
+        """Whether the uniform option ``(zero, rc)`` can fit some split of the blocks over
+        the ranks (module docstring); False proves no layout of it fits."""
+        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
+        n = self.num_blocks
+        if not n:
+            return ranks[0][0] >= 0
+        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
+        saved = min(x.saved[t] for t in self.block_templates)
+        room = 0
+        for free, flight in ranks:
+            per_block = block + flight * saved
+            if free < 0 or free < v * per_block:
+                return False                 # each chunk holds at least one block
+            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
+        return room >= n
+
+    def allocated(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
+                  tp: int, cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
+                  schedule: Schedule, m: int, blocks: Sequence[int]) -> list[float]:
+        """The bytes the model above gives each rank of a uniform layout with ``blocks[p]``
+        blocks on rank ``p`` (before the reserve and fragmentation)."""
+        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
+                                  schedule, m)
+        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
+        saved = min((x.saved[t] for t in self.block_templates), default=0.0)
+        caps = self.capacities(pool, n_devices, pp)
+        return [caps[p] - free + k * (block + flight * saved)
+                for p, ((free, flight), k) in enumerate(zip(ranks, blocks))]
+
+    def peak_bound(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
+                   tp: int, cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
+                   schedule: Schedule, m: int, blocks: Sequence[int]) -> float:
+        """The least peak memory the model above gives a uniform layout with ``blocks[p]``
+        blocks on rank ``p``: what the search checks the engine against."""
+        used = max(self.allocated(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, rc, b,
+                                  schedule, m, blocks))
+        return self.reserve + (1 + self.frag) * used
+
+    def _stage_ends(self, schedule: Schedule, pp: int, v: int) -> tuple[tuple[int, ...], list[int]]:
+        """The rank of each virtual stage, and each rank's chunk inputs and outputs that
+        cross to another stage."""
+        key = (schedule, pp, v)
+        hit = self._ends.get(key)
+        if hit is None:
+            ranks = stage_ranks(schedule, pp, pp * v)
+            ends = [0] * pp
+            for k, p in enumerate(ranks):
+                ends[p] += (k > 0) + (k < len(ranks) - 1)
+            hit = self._ends[key] = (tuple(ranks), ends)
+        return hit
+
+    def fits(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int, tp: int,
+             cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
+             schedule: Schedule, m: int) -> bool:
+        """Whether the uniform option ``(zero, rc)`` can fit some split of the blocks over
+        the ranks (module docstring); False proves no layout of it fits."""
+        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
+        n = self.num_blocks
+        if not n:
+            return ranks[0][0] >= 0
+        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
+        saved = min(x.saved[t] for t in self.block_templates)
+        room = 0
+        for free, flight in ranks:
+            per_block = block + flight * saved
+            if free < 0 or free < v * per_block:
+                return False                 # each chunk holds at least one block
+            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
+        return room >= n
+
+    def peak_bound(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
+                   tp: int, cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
+                   schedule: Schedule, m: int, blocks: Sequence[int]) -> float:
+        """The least peak memory the model above gives a uniform layout with ``blocks[p]``
+        blocks on rank ``p``: what the search checks the engine against."""
+        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
+        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
+        saved = min((x.saved[t] for t in self.block_templates), default=0.0)
+        caps = self.capacities(pool, n_devices, pp)
+        used = max(caps[p] - free + k * (block + flight * saved)
+                   for p, ((free, flight), k) in enumerate(zip(ranks, blocks)))
+        return self.reserve + (1 + self.frag) * used
+
+    def zero_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
+                   pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zero: int, b: int,
+                   schedule: Schedule, m: int, threshold: float = math.inf,
+                   extra_bytes: Sequence[float] | None = None,
+                   rest_s: float = 0.0,
+                   rank_rest_s: Sequence[float] | None = None) -> float | None:
+        """A lower bound of the step time of every layout at ZeRO stage ``zero`` (any
+        recompute per block, any split of the blocks), or None when none fits.
+
+        Beyond ``S_z`` shared evenly (module docstring): whole blocks and the recompute
+        memory forces.  Whole blocks: the busiest rank holds at least the least time, over
+        whole-block splits, of its blocks and the embeddings or head it holds (each rank
+        a block per chunk at least).  Recompute: a rank holding more blocks than fit its
+        memory without recompute saves the excess bytes, spread over its blocks, at the
+        least seconds the options allow (the lower convex hull of what each saves per
+        micro-batch in flight against what it adds); blocks go where that costs least
+        (a convex allocation, solved greedily), so the ranks' work adds up to at least
+        ``S_z`` plus that.  A bound already at ``threshold`` without recompute is returned
+        as it is (the caller prunes it either way).  ``extra_bytes[p]``: more bytes rank
+        ``p`` holds whatever its blocks (what refinement reads off a priced layout);
+        ``rest_s``: more seconds the ranks' work adds up to per micro-batch.
+
+        With ``rank_rest_s`` (each rank's seconds beyond its layers', which add up to
+        ``rest_s``) the busiest rank is also bounded by the fractional min-max split:
+        the least time ``T`` at which the ranks can hold every block, rank ``p`` at most
+        the blocks whose time, with the recompute its memory forces on them, stays within
+        ``T`` (bisection; what CP-SAT solves in whole numbers)."""
+        n = self.num_blocks
+        block, room_of = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, zero, b,
+                                    schedule, m)
+        if extra_bytes is not None:
+            room_of = [(free - extra, flight)
+                       for (free, flight), extra in zip(room_of, extra_bytes)]
+        if not n:
+            if room_of[0][0] < 0:
+                return None
+            return self.step_bound(schedule, pp, v, m,
+                                   self.time_per_micro_batch(kinds, tp, cp, ep, sp, zero, b),
+                                   n_devices)
+        bt = self.block_templates
+        least = self.least_memory(zero, schedule)
+        low = self.sums(kinds[0], tp, cp, ep, sp, 1, least, b) if least is not None else None
+        if low is None:
+            return None
+        a_least = min(low.saved[t] for t in bt)
+        room = 0
+        for free, flight in room_of:
+            per_block = block + flight * a_least
+            if free < 0 or free < v * per_block:
+                return None                     # each chunk holds at least one block
+            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
+        if room < n:
+            return None
+        shared = self.shared_cores(n_devices)
+        if shared:
+            return 0.0
+        ranks = stage_ranks(schedule, pp, pp * v)
+        first, last = ranks[0], ranks[-1]
+        # the cheap bound first: ZeRO-0/1's layer times (ZeRO-2/3 only add), no recompute
+        cheap = self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, first, last,
+                               rest_s)
+        if cheap >= threshold:
+            return cheap
+        none = self.sums(kinds[0], tp, cp, ep, sp, zero, Recompute.NONE, b)
+        none_bytes = self.sums(kinds[0], tp, cp, ep, sp, 1, Recompute.NONE, b)
+        a_none = min(none_bytes.saved[t] for t in bt)
+        # what recompute saves per block and micro-batch in flight, and at what time: the
+        # lower convex hull of the options' (bytes saved, seconds added)
+        points = [(0.0, 0.0)]
+        for rc in self.recompute:
+            if rc is Recompute.NONE or (schedule is Schedule.ZERO_BUBBLE
+                                        and rc is Recompute.SELECTIVE):
+                continue
+            x = self.sums(kinds[0], tp, cp, ep, sp, zero, rc, b)
+            xb = self.sums(kinds[0], tp, cp, ep, sp, 1, rc, b)
+            saved = max(none_bytes.saved[t] - xb.saved[t] for t in bt)
+            if saved > 0:
+                points.append((saved, max(0.0, min(x.time_s[t] - none.time_s[t] for t in bt))))
+        hull = _lower_hull(points)
+
+        def cost(free: float, flight: float, k: int) -> float:
+            """Least recompute seconds for ``k`` blocks in ``free`` bytes: the bytes over
+            spread evenly over them (the hull is convex), inf beyond what it saves."""
+            over = k * (block + flight * a_none) - free
+            if over <= 0:
+                return 0.0
+            return k * _hull_at(hull, over / (k * flight))
+
+        held, spent, heap = 0, 0.0, []
+        for p, (free, flight) in enumerate(room_of):
+            plain = block + flight * a_none
+            k = v if plain <= 0 else max(v, min(n, math.floor(free / plain)))
+            c = cost(free, flight, k)
+            if not math.isfinite(c):
+                return None
+            held += k
+            spent += c
+            nxt = cost(free, flight, k + 1)
+            if math.isfinite(nxt):
+                heap.append((nxt - c, p, k))
+        if held < n:
+            heapq.heapify(heap)
+            while held < n:
+                if not heap:
+                    return None                 # the blocks do not fit, whatever recompute
+                step, p, k = heapq.heappop(heap)
+                free, flight = room_of[p]
+                # this rank takes blocks while they cost no more than any other's next
+                # (its costs grow with each block: convex)
+                ceiling = heap[0][0] if heap else math.inf
+                now = cost(free, flight, k + 1)
+                spent += step
+                held += 1
+                k += 1
+                while held < n:
+                    nxt = cost(free, flight, k + 1)
+                    if not math.isfinite(nxt) or nxt - now > ceiling:
+                        break
+                    spent += nxt - now
+                    now, held, k = nxt, held + 1, k + 1
+                nxt = cost(free, flight, k + 1)
+                if math.isfinite(nxt):
+                    heapq.heappush(heap, (nxt - now, p, k))
+        at_least = 0.0
+        if rank_rest_s is not None and pp > 1:
+            sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+            fixed = [0.0] * pp
+            fixed[first] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.pre)
+            fixed[last] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.post)
+            fixed = [f + r for f, r in zip(fixed, rank_rest_s)]
+            t_block = min(min(x.time_s[t] for x in sums) for t in bt)
+
+            def within(p: int, limit: float) -> int:
+                """The most blocks rank ``p`` holds within ``limit`` seconds."""
+                free, flight = room_of[p]
+                lo, hi = 0, n
+                while lo < hi:
+                    k = (lo + hi + 1) // 2
+                    if fixed[p] + k * t_block + cost(free, flight, k) <= limit:
+                        lo = k
+                    else:
+                        hi = k - 1
+                return lo if fixed[p] + lo * t_block + cost(free, flight, lo) <= limit else -1
+
+            def holds(limit: float) -> bool:
+                total = 0
+                for p in range(pp):
+                    k = within(p, limit)
+                    if k < v:
+                        return False
+                    total += k
+                return total >= n
+
+            lo = (sum(fixed) + n * t_block + spent) / pp
+            hi = max(lo, 1e-12) * 2
+            for _ in range(64):
+                if holds(hi):
+                    break
+                lo, hi = hi, hi * 2
+            else:
+                return None
+            while hi - lo > 1e-6 * hi:
+                mid = (lo + hi) / 2
+                if holds(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            at_least = lo
+        return max(cheap, self._balanced(kinds, tp, cp, ep, sp, zero, b, schedule, pp, v, m,
+                                         first, last, spent + rest_s, at_least))
+
+    def cheap_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
+                    pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zeros: Sequence[int],
+                    b: int, schedule: Schedule, m: int) -> float | None:
+        """:meth:`zero_bound` without recompute and at ZeRO-0/1's layer times: a bound of
+        every layout at any of ``zeros`` (None when none of them can fit)."""
+        for z in sorted(zeros, reverse=True):    # the most sharded fits first
+            least = self.least_memory(z, schedule)
+            if least is not None and self.fits(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, z,
+                                               least, b, schedule, m):
+                break
+        else:
+            return None
+        if self.shared_cores(n_devices):
+            return 0.0
+        ranks = stage_ranks(schedule, pp, pp * v)
+        return self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, ranks[0],
+                              ranks[-1], 0.0)
+
+    def _balanced(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
+                  sp: bool, zero: int, b: int, schedule: Schedule, pp: int, v: int, m: int,
+                  first: int, last: int, recompute_s: float, at_least: float = 0.0) -> float:
+        """The schedule's time for ranks whose work adds up to ``S_z`` plus
+        ``recompute_s``, the busiest holding at least its share and the least whole-block
+        split's busiest rank (see :meth:`zero_bound`)."""
+        total = self.time_per_micro_batch(kinds, tp, cp, ep, sp, zero, b) + recompute_s
+        if pp == 1:
+            return m * total
+        busiest = max(total / pp, at_least, self.busiest(kinds, tp, cp, ep, sp, zero, b, pp,
+                                                         v, first == last))
+        rest = max(0.0, (total - busiest) / (pp - 1))
+        return pipeline_time(schedule, [busiest] + [min(rest, busiest)] * (pp - 1), m,
+                             virtual_stages=v)
+
+    def busiest(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
+                sp: bool, zero: int, b: int, pp: int, v: int, v_shape: bool) -> float:
+        """The least time per micro-batch of the busiest of ``pp`` ranks over whole-block
+        splits (at least ``v`` blocks each, no recompute), the embeddings on the first
+        rank and the head on the last (``v_shape``: both on the first, as zero-bubble
+        schedules place them)."""
+        key = (self._kinds_key(kinds, tp, cp, ep, zero), sp, b, pp, v, v_shape)
+        hit = self._busiest.get(key)
+        if hit is not None:
+            return hit
+        sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+        fixed_t = [0.0] * pp
+        fixed_t[0] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.pre)
+        fixed_t[0 if v_shape else pp - 1] += sum(c * min(x.time_s[t] for x in sums)
+                                                 for t, c in self.post)
+        t_block = min((min(x.time_s[t] for x in sums) for t in self.block_templates),
+                      default=0.0)
+        n = self.num_blocks
+        total = sum(fixed_t) + n * t_block
+        busiest = max(total / pp, max(fixed_t) + v * t_block)
+        if t_block > 0:
+            for _ in range(n + 1):
+                fit = sum(max(0, math.floor((busiest - f) / t_block + 1e-9)) for f in fixed_t)
+                if fit >= n:
+                    break
+                busiest = min(f + (math.floor((busiest - f) / t_block + 1e-9) + 1) * t_block
+                              for f in fixed_t)
+        if len(self._busiest) > 65536:
+            self._busiest.clear()
+        self._busiest[key] = busiest
+        return busiest
+
+    def least_memory(self, zero: int, schedule: Schedule) -> Recompute | None:
+        """The recompute option that saves the most memory among those allowed (full,
+        then selective, then none; zero-bubble schedules run no selective)."""
+        for rc in (Recompute.FULL, Recompute.SELECTIVE, Recompute.NONE):
+            if rc in self.recompute and not (schedule is Schedule.ZERO_BUBBLE
+                                             and rc is Recompute.SELECTIVE):
+                return rc
+        return None
+
+
+def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower convex hull of ``(x, y)`` points, by increasing ``x`` (Andrew's monotone
+    chain; of points at one ``x`` the least ``y``).
+
+    >>> _lower_hull([(0.0, 0.0), (3.0, 1.0), (4.0, 12.0), (2.0, 5.0)])
+    [(0.0, 0.0), (3.0, 1.0), (4.0, 12.0)]
+    """
+    hull: list[tuple[float, float]] = []
+    for x, y in sorted(points):
+        if hull and hull[-1][0] == x:
+            continue
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append((x, y))
+    return hull
+
+
+def _hull_at(hull: list[tuple[float, float]], x: float) -> float:
+    """The hull's value at ``x`` (inf beyond its last point)."""
+    if x > hull[-1][0] * (1 + 1e-12):
+        return math.inf
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return hull[-1][1]
