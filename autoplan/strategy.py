@@ -28,12 +28,16 @@ __all__ = ["Recompute", "Schedule", "Precision", "Strategy", "ep_problem", "sche
            "uses_ddp"]
 
 
-def uses_ddp(*, pp: int, tp: int, ep: int, max_zero: int) -> bool:
+def uses_ddp(*, pp: int, tp: int, ep: int, max_zero: int,
+             precision: "Precision | str" = "fp32") -> bool:
     """Whether :func:`autoplan.parallelize` wraps a data-parallel stage with DDP (plain
     tensor parameters) rather than FSDP2's ``replicate`` or ``fully_shard`` (DTensor
-    parameters): ZeRO-0 on every layer of the stage, and no pipeline, tensor or expert
-    parallelism.  The cost model prices the optimizer's host time by the same rule."""
-    return max_zero == 0 and pp == 1 and tp == 1 and ep == 1
+    parameters): an fp32 plan with ZeRO-0 on every layer of the stage, and no pipeline,
+    tensor or expert parallelism.  (A 16-bit plan's precision policy is FSDP2's, which
+    ``replicate`` installs; DDP's own mixed precision does not run on CPU ranks.)  The
+    cost model prices the optimizer's host time by the same rule."""
+    return (max_zero == 0 and pp == 1 and tp == 1 and ep == 1
+            and Precision(precision) is Precision.FP32)
 
 
 #: Why zero-bubble schedules and ZeRO-3 are never combined.
@@ -83,8 +87,10 @@ class Precision(str, enum.Enum):
     ``4 + 4 + 8`` under fp32 (``profiles/cost/cost-model.yaml``).  Every floating
     activation is counted at :attr:`bytes` per element (norms or softmax a model upcasts
     to fp32 inside included); integer and boolean tensors (token ids, masks) at their own.
-    autoplan's runtime runs bf16 as ``torch.autocast`` over fp32 parameters: the same
-    16 bytes per parameter, held as 4 (weights) + 4 (gradients) + 8 (m, v).
+    autoplan's runtime runs bf16 with FSDP2's mixed-precision policy (:mod:`autoplan.precision`):
+    fp32 parameters are the master weights, bf16 copies are gathered for compute,
+    gradients are reduced in the stack's ``grad_reduce_dtype`` (fp32): 4 + 4 + 8 bytes per
+    parameter as the ZeRO stage shards them, plus 2 for the compute copy while it is held.
     ``fp8``: the weight GEMMs (linear layers) run at the device's FP8 peak, as Transformer
     Engine recipes do (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"); the
     transient FP8 copies of weights and inputs are not counted; the runtime cannot run it.

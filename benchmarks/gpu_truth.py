@@ -7,7 +7,9 @@ Two halves, because a GPU is lent only now and then and never to CI:
        matmuls per dtype, the memory copy, torch's fused attention (causal SDPA,
        forward and backward); the profile and its raw measurements go to ``--out``.
     2. Single-GPU training steps of :func:`autoplan.parallelize` programs, bf16
-       (``Strategy(precision="bf16")``: fp32 master weights and AdamW, bf16 autocast),
+       (``Strategy(precision="bf16")``: the program of :mod:`autoplan.precision`; runs
+       made before it, whose results name no ``precision_program``, ran bf16 autocast
+       over fp32 weights and are priced as that program, :data:`PROGRAMS`),
        for the models of :data:`MODELS` (GPT and Llama shapes of 1-3B parameters) under
        recompute none / selective / full: ``WARMUP`` steps, then ``TIMED`` steps each
        timed between ``torch.cuda.synchronize()`` calls (the median is the measured step),
@@ -103,6 +105,24 @@ def build_model(family: str, config: dict, seq_len: int, device: str):
         cfg = LlamaConfig(max_position_embeddings=seq_len, **config)
         cfg._attn_implementation = "sdpa"
         return LlamaForCausalLM(cfg)
+
+
+#: The cost options that describe the program a run measured, by its results'
+#: ``precision_program``: ``"fsdp2"`` (FSDP2's mixed-precision policy, what
+#: :func:`autoplan.parallelize` runs now: the ``autoplan`` stack as it is), or
+#: ``"autocast"`` (runs made before 2026-11-28: bf16 as torch.autocast over fp32 weights,
+#: with their 16-bit gradients and fp32 master copy counted as Rajbhandari et al. do)
+PROGRAMS = {"fsdp2": {},
+            "autocast": {"autocast": True, "master_weights": "optimizer",
+                         "grad_reduce_dtype": "bf16"}}
+#: What :func:`run_main` records: the program this code runs
+PROGRAM = "fsdp2"
+
+
+def run_options(results: dict):
+    """The :class:`~autoplan.cost.CostOptions` of the program ``results`` measured."""
+    from autoplan.cost import CostOptions
+    return CostOptions(**PROGRAMS[results.get("precision_program", "autocast")])
 
 
 def strategy(global_batch: int, micro_batch: int, recompute: str):
@@ -246,6 +266,7 @@ def run_main(out: Path, device: str, models: list[str], timeout_s: float) -> int
     results: dict = {"host": socket.gethostname(), "device": device,
                      "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                      "torch": torch.__version__, "precision": PRECISION,
+                     "precision_program": PROGRAM,
                      "warmup": WARMUP, "timed": TIMED, "cases": []}
     if device == "cuda":
         results["gpu"] = torch.cuda.get_device_name(0)
@@ -303,6 +324,7 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
     from autoplan import estimate, trace
     graphs: dict = {}
     rows = []
+    options = run_options(results)
     for case in results["cases"]:
         spec = zoo.get(case["model"])
         if spec is None:
@@ -317,7 +339,7 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
                "measured_s": case.get("step_s"), "measured_bytes": case.get("max_allocated_bytes"),
                "gpu_busy_s": kernels.get("kernel_s"), "error": case.get("error")}
         for label, cluster in clusters.items():
-            e = estimate(graphs[case["model"]], cluster, s)
+            e = estimate(graphs[case["model"]], cluster, s, options=options)
             mem = e.stages[0].memory
             row[f"pred_{label}_s"] = e.step_time_s
             row[f"pred_{label}_bytes"] = mem.total_bytes - mem.reserve_bytes   # allocated

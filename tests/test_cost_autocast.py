@@ -1,6 +1,7 @@
-"""What ``autoplan.parallelize``'s bf16 recipe costs (torch.autocast over fp32 weights), the
-loss's working set, and measured GPU profiles under the calibration (all measured on an H100:
-``benchmarks/gpu_truth.py``)."""
+"""What a bf16 recipe run as torch.autocast over fp32 weights costs (``CostOptions.autocast``:
+``autoplan.parallelize``'s recipe until it ran FSDP2's mixed-precision policy, and still the
+recipe of trainers built on autocast), the loss's working set, and measured GPU profiles under
+the calibration (all measured on an H100: ``benchmarks/gpu_truth.py``)."""
 
 from __future__ import annotations
 
@@ -34,31 +35,38 @@ def _memory(e):
     return e.stages[0].memory
 
 
+#: the autocast program against the same program without autocast (16-bit parameters and
+#: gradients, the master copy in the optimizer)
+AUTOCAST = dict(autocast=True, master_weights="optimizer", grad_reduce_dtype="bf16")
+NO_AUTOCAST = dict(AUTOCAST, autocast=False)
+
+
 def test_autocast_holds_a_bf16_copy_of_every_weight(graph, one_gpu):
     s = Strategy(global_batch=4, micro_batch=2, precision="bf16")
     # (the accumulated gradients' fresh one apart: its dtype is the weights', fp32 under
     # autocast, the recipe's without)
-    on = estimate(graph, one_gpu, s, options=CostOptions(grad_accumulate_add=False))
-    off = estimate(graph, one_gpu, s, options=CostOptions(autocast=False,
+    on = estimate(graph, one_gpu, s, options=CostOptions(**AUTOCAST, grad_accumulate_add=False))
+    off = estimate(graph, one_gpu, s, options=CostOptions(**NO_AUTOCAST,
                                                           grad_accumulate_add=False))
     extra = _memory(on).buffers_bytes - _memory(off).buffers_bytes
     assert extra == pytest.approx(AUTOCAST_COPY_BYTES * graph.num_params, rel=0.01)
     # in fp32 there is no autocast: nothing to cache, no casts
     s32 = dataclasses.replace(s, precision="fp32")
-    assert (estimate(graph, one_gpu, s32).to_dict()
-            == estimate(graph, one_gpu, s32, options=CostOptions(autocast=False)).to_dict())
+    assert (estimate(graph, one_gpu, s32, options=CostOptions(**AUTOCAST)).to_dict()
+            == estimate(graph, one_gpu, s32, options=CostOptions(**NO_AUTOCAST)).to_dict())
 
 
 def test_autocast_costs_casts_fp32_elementwise_and_gradient_accumulation(graph, one_gpu):
     """Slower with autocast: each micro-batch casts the weights down and their gradients
     up, the memory-bound operators run in fp32, and micro-batches after the first add
     their fp32 gradients (in the optimizer's share)."""
-    opts = CostOptions(autocast=False, grad_accumulate_add=False)
+    opts = CostOptions(**NO_AUTOCAST, grad_accumulate_add=False)
     one = Strategy(global_batch=2, micro_batch=2, precision="bf16")
     two = Strategy(global_batch=4, micro_batch=2, precision="bf16")
     bw = one_gpu.device_type_of(0).memory_bw_bytes_per_s
     for s in (one, two):
-        on, off = estimate(graph, one_gpu, s), estimate(graph, one_gpu, s, options=opts)
+        on = estimate(graph, one_gpu, s, options=CostOptions(**AUTOCAST))
+        off = estimate(graph, one_gpu, s, options=opts)
         m = s.global_batch // s.micro_batch
         assert on.breakdown["compute_s"] > off.breakdown["compute_s"] + (
             2 * m * AUTOCAST_CAST_BYTES * graph.num_params * 0.9 / bw)

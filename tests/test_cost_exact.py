@@ -30,9 +30,12 @@ from autoplan.strategy import Recompute, Schedule, Strategy
 FWD_S = 1e9 / (1e12 * 0.5)     # one block's forward
 BWD_S = 2 * FWD_S
 #: every term priced alone: nothing overlapped, and no closing loss all-reduce (its own test)
-#: the hand-computed figures leave out what parallelize's recipe adds on top (autocast's
-#: weight casts and copies, the loss's fp32 logits: tests/test_cost_autocast.py)
-HAND = dict(autocast=False, loss_fp32_copy=False)
+#: the hand-computed figures are Rajbhandari et al.'s 16-bit parameters and gradients with
+#: the fp32 master copy in the optimizer (2 + 2 + 12 bytes) and leave out what
+#: parallelize's recipe adds on top (FSDP2's fp32 master weights and fp32 gradient
+#: reduction: test_fsdp2_mixed_precision_* below; the loss's fp32 logits)
+HAND = dict(autocast=False, loss_fp32_copy=False, master_weights="optimizer",
+            grad_reduce_dtype="bf16")
 NO_OVERLAP = CostOptions(**HAND, overlap_grad_reduce=False, overlap_param_gather=False,
                          step_loss_all_reduce=False)
 
@@ -135,6 +138,53 @@ def test_zero_memory_split(zero, params_b, grads_b, optim_b):
     mem = e.stages[0].memory
     assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == (
         params_b * p, grads_b * p, optim_b * p)
+
+
+#: What autoplan.parallelize runs at bf16 (autoplan.precision): FSDP2's policy over fp32
+#: master weights, gradients reduced in fp32
+FSDP2_PROGRAM = dict(autocast=False, loss_fp32_copy=False, master_weights="fsdp2",
+                     grad_reduce_dtype="fp32", overlap_grad_reduce=False,
+                     overlap_param_gather=False, step_loss_all_reduce=False)
+
+
+@pytest.mark.parametrize("zero, micro_batches, params_b, grads_b, optim_b", [
+    (0, 1, 4 + 2, 4, 8),            # replicate: everything whole, bf16 copies for the step
+    (1, 1, 4 / 2 + 2, 4 / 2, 8 / 2),    # one micro-batch: gradients reduce-scattered at once
+    (1, 2, 4 / 2 + 2, 4, 8 / 2),    # two: fp32 gradients accumulate whole before it
+    (2, 2, 4 / 2 + 2, 4 / 2, 8 / 2),
+    (3, 2, 4 / 2, 4 / 2, 8 / 2)])   # ZeRO-3's bf16 copies are the gathered-layer buffers
+def test_fsdp2_mixed_precision_memory_split(zero, micro_batches, params_b, grads_b, optim_b):
+    """FSDP2 holds the fp32 master weights as the (sharded) parameters and their bf16
+    compute copies for the step (ZeRO-0/1/2); gradients and Adam's moments in fp32."""
+    p = 2 * 10**6
+    g = toy_graph(layers=2, params=p // 2)
+    e = _est(g, toy_cluster(devices_per_node=2),
+             Strategy(dp=2, global_batch=2 * micro_batches, micro_batch=1, zero=zero),
+             CostOptions(**FSDP2_PROGRAM))
+    mem = e.stages[0].memory
+    assert (mem.params_bytes, mem.grads_bytes, mem.optimizer_bytes) == pytest.approx(
+        (params_b * p, grads_b * p, optim_b * p), rel=1e-12)
+
+
+def test_fsdp2_mixed_precision_reduces_fp32_gradients_and_gathers_bf16_weights():
+    """The data-parallel collectives move the gradients at the reduction dtype's 4 bytes
+    and the gathered weights at bf16's 2 (ring all-reduce, all-gather: Thakur et al.)."""
+    params = 10**6
+    g = toy_graph(layers=2, fwd_flops=10**9, params=params)
+    c = toy_cluster(devices_per_node=2)
+    opts = CostOptions(**FSDP2_PROGRAM, zero_buffer_copies=False)
+    e = _est(g, c, Strategy(dp=2, global_batch=2), opts)
+    assert e.breakdown["dp_comm_s"] == pytest.approx(2 * (2 - 1) / 2 * 2 * params * 4 / 1e11,
+                                                     rel=1e-12)
+    bf16 = _est(g, c, Strategy(dp=2, global_batch=2),
+                CostOptions(**{**FSDP2_PROGRAM, "grad_reduce_dtype": "bf16"},
+                            zero_buffer_copies=False))
+    assert bf16.breakdown["dp_comm_s"] == pytest.approx(e.breakdown["dp_comm_s"] / 2, rel=1e-12)
+    # fp32 plans reduce fp32 whatever the stack says
+    fp32 = _est(g, c, Strategy(dp=2, global_batch=2, precision="fp32"),
+                CostOptions(**{**FSDP2_PROGRAM, "grad_reduce_dtype": "bf16"},
+                            zero_buffer_copies=False))
+    assert fp32.breakdown["dp_comm_s"] == pytest.approx(e.breakdown["dp_comm_s"], rel=1e-12)
 
 
 def test_activation_memory_in_flight_and_reserve():

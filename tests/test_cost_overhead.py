@@ -166,17 +166,21 @@ def test_optimizer_pays_the_host_per_parameter_tensor(graph, layout, plain, dten
 def test_optimizer_bytes_priced_per_measured_element(graph, layout, updated):
     """With ``optimizer_element_s`` (the fused step measured per fp32 element) the step's
     traffic is that figure per parameter the rank updates, not bytes over the copy
-    bandwidth; a bf16 recipe's (30 bytes a parameter against fp32's 28) scales it."""
+    bandwidth; a bf16 recipe with its master copy in the optimizer (30 bytes a parameter
+    against fp32's 28) scales it, FSDP2's policy (which steps the fp32 parameters) not."""
     world = layout.get("dp", 1) * layout.get("tp", 1)
     per_element = 3e-9
     off = {**OVERHEAD, "optimizer_param_s": 0.0, "optimizer_dtensor_param_s": 0.0}
     on = {**off, "optimizer_element_s": per_element}
+    master_copy = dataclasses.replace(NO_AUTOCAST, master_weights="optimizer",
+                                      grad_reduce_dtype="bf16")
     opt = {}
-    for precision in ("fp32", "bf16"):
-        s = Strategy(**layout, micro_batch=2, global_batch=8, precision=precision)
+    for precision, options in (("fp32", NO_AUTOCAST), ("bf16", master_copy),
+                               ("bf16 fsdp2", NO_AUTOCAST)):
+        s = Strategy(**layout, micro_batch=2, global_batch=8, precision=precision.split()[0])
         for name, o in (("off", off), ("on", on)):
             e = estimate(graph, cpu_cluster(world, overhead=o), s, calibration=None,
-                         options=NO_AUTOCAST)   # (its gradient accumulation: elsewhere)
+                         options=options)   # (its gradient accumulation: elsewhere)
             opt[precision, name] = e.breakdown["optimizer_s"]
     params = graph.num_params
     bandwidth_priced = opt["fp32", "off"]
@@ -188,6 +192,7 @@ def test_optimizer_bytes_priced_per_measured_element(graph, layout, updated):
     else:
         assert 0.5 * params < elements < params
     assert opt["bf16", "on"] == pytest.approx(opt["fp32", "on"] * 30 / 28, rel=1e-9)
+    assert opt["bf16 fsdp2", "on"] == pytest.approx(opt["fp32", "on"], rel=1e-9)
 
 
 def test_pipeline_stages_pay_for_their_own_tensors(graph):

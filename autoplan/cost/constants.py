@@ -32,6 +32,7 @@ import yaml
 
 from ..errors import ConfigError, RecordError
 from ..hardware.profiles import shipped_profiles_dir
+from ..precision import GRAD_REDUCE_DTYPES
 from ..records import Record
 
 __all__ = [
@@ -282,6 +283,22 @@ class CostOptions(Record):
         (in ``buffers_bytes``).  ``False`` where the stack accumulates inside the
         weight-gradient GEMM (Megatron's ``gradient_accumulation_fusion``) or in its
         reduction buffers.
+    grad_reduce_dtype : {"fp32", "bf16"}
+        Under a 16-bit precision, the dtype the data-parallel gradient reduction moves
+        (all-reduce, reduce-scatter), in which gradients accumulate over micro-batches and
+        which the optimizer reads (:mod:`autoplan.precision`).  ``"fp32"``: torchtitan's
+        and :func:`autoplan.parallelize`'s FSDP2 ``MixedPrecisionPolicy(reduce_dtype=
+        torch.float32)``; ``"bf16"``: Megatron-Core's default (``grad_reduce_in_fp32=False``)
+        and the published-run stacks as fitted.  fp32 plans reduce fp32 either way.
+    master_weights : {"optimizer", "fsdp2"}
+        Where the fp32 master weights of a 16-bit precision live.  ``"optimizer"``: the
+        model holds 16-bit parameters and gradients, the optimizer an fp32 copy beside its
+        moments (Megatron, DeepSpeed: ``2 + 2 + 12`` bytes a parameter, Rajbhandari et al.
+        2020, Sec. 3.1).  ``"fsdp2"``: the parameters are the fp32 master weights, sharded
+        by ZeRO-1/2/3 between steps, and 16-bit copies are made when a unit is gathered
+        (FSDP2's ``MixedPrecisionPolicy``: torchtitan, :func:`autoplan.parallelize`):
+        ``4 + 4 + 8`` bytes a parameter as the ZeRO stage shards them, plus 2 for the
+        compute copy while it is held (:func:`autoplan.cost.memory.fsdp2_state_bytes`).
     stack : str
         The training software the layout runs on (:data:`STACKS`): the implementation
         fields above that are not given take its values.  Default ``"autoplan"``, what
@@ -317,6 +334,8 @@ class CostOptions(Record):
     autocast: bool | None = None
     loss_fp32_copy: bool | None = None
     grad_accumulate_add: bool | None = None
+    grad_reduce_dtype: str | None = None
+    master_weights: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -341,6 +360,12 @@ class CostOptions(Record):
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ConfigError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, "
                               f"got {self.moe_dispatcher!r}")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ConfigError(f"grad_reduce_dtype must be one of {', '.join(GRAD_REDUCE_DTYPES)}, "
+                              f"got {self.grad_reduce_dtype!r}")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ConfigError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, "
+                              f"got {self.master_weights!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
             raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
                               f"{self.zero3_gather_unit!r}")
@@ -386,13 +411,17 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
                           "zero_step_per_layer", "step_loss_all_reduce",
-                          "autocast", "loss_fp32_copy", "grad_accumulate_add")
+                          "autocast", "loss_fp32_copy", "grad_accumulate_add",
+                          "grad_reduce_dtype", "master_weights")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
 
 #: MoE token dispatchers a stack may run (``CostOptions.moe_dispatcher``).
 MOE_DISPATCHERS = ("alltoall", "deepep")
+
+#: Where a 16-bit precision keeps its fp32 master weights (``CostOptions.master_weights``).
+MASTER_WEIGHTS = ("optimizer", "fsdp2")
 
 
 def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduce: bool,
@@ -406,7 +435,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            sp_grads_per_tensor_under_fsdp2: bool = False,
            zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False,
            autocast: bool = False, loss_fp32_copy: bool = False,
-           grad_accumulate_add: bool = False) -> Stack:
+           grad_accumulate_add: bool = False, grad_reduce_dtype: str = "bf16",
+           master_weights: str = "optimizer") -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -420,7 +450,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         sp_grads_per_tensor_under_fsdp2=sp_grads_per_tensor_under_fsdp2,
         zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce,
         autocast=autocast, loss_fp32_copy=loss_fp32_copy,
-        grad_accumulate_add=grad_accumulate_add))
+        grad_accumulate_add=grad_accumulate_add, grad_reduce_dtype=grad_reduce_dtype,
+        master_weights=master_weights))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -428,8 +459,9 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
 #: part of the Strategy/Plan, not of the stack.
 STACKS: dict[str, Stack] = {s.name: s for s in (
     _stack("autoplan",
-           "what autoplan.parallelize runs: DDP (bucketed, overlapped gradient all-reduce, "
-           "copying the gradients into its buckets and back) or "
+           "what autoplan.parallelize runs: DDP for fp32 data parallelism alone (bucketed, "
+           "overlapped gradient all-reduce, copying the gradients into its buckets and "
+           "back), FSDP2's replicate for the rest of ZeRO-0, or "
            "FSDP2 per layer (ZeRO-1/2/3, all-gathers prefetched, reduce-scatters in the "
            "backward, both through flat buffers it copies into and out of, one collective "
            "per block and one for the rest of a rank's layers); tensor-parallel "
@@ -439,16 +471,20 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
-           "all-reduced over every rank at its end; a 16-bit precision as torch.autocast "
-           "over fp32 weights, whose bf16 copies it caches for the forward; the loss as "
+           "all-reduced over every rank at its end; a 16-bit precision as FSDP2's "
+           "MixedPrecisionPolicy on every layout (fp32 master weights sharded with ZeRO, "
+           "bf16 copies gathered for compute, bf16 activations, so every tensor-, "
+           "context-, pipeline- and expert-parallel transfer is 16-bit; gradients "
+           "reduced, accumulated and stepped in fp32); the loss as "
            "Hugging Face computes it, over an fp32 copy of the logits; gradients of "
            "micro-batches after the first added to the accumulated ones in a pass of "
            "their own",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
-           zero_step_per_layer=True, step_loss_all_reduce=True, autocast=True,
-           loss_fp32_copy=True, grad_accumulate_add=True),
+           zero_step_per_layer=True, step_loss_all_reduce=True, autocast=False,
+           loss_fp32_copy=True, grad_accumulate_add=True, grad_reduce_dtype="fp32",
+           master_weights="fsdp2"),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

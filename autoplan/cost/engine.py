@@ -159,7 +159,8 @@ from .calibration import _is_gpu
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
-from .memory import activation_bytes, model_state_bytes
+from .memory import activation_bytes, fsdp2_state_bytes, model_state_bytes
+from ..precision import DTYPE_BYTES, precision_program
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
 from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, summarize
@@ -331,10 +332,13 @@ class PrecisionCosts(NamedTuple):
 
     dtype: str                      # key of the device's peak-FLOPs table: bf16, fp16, fp32
     param_bytes: int                # held per parameter (Rajbhandari et al. 2020, Sec. 3.1)
-    grad_bytes: int
+                                    # and all-gathered: the weights computed with
+    grad_bytes: int                 # held, reduced and accumulated (grad_reduce_dtype)
     optimizer_bytes: int
     optimizer_bytes_accessed: int   # read and written per parameter by one optimizer step
     activation_scale: float         # the recipe's activation bytes per captured byte
+    fsdp2_master: bool = False      # 16-bit compute copies of fp32 master parameters
+                                    # (CostOptions.master_weights == "fsdp2")
 
 
 def prefetch_exposed(shares: tuple[float, ...], compute_s: float, comm_s: float) -> float:
@@ -607,13 +611,25 @@ class CostEngine:
         (``profiles/cost/cost-model.yaml``; Rajbhandari et al. 2020, Sec. 3.1)."""
         hit = self._precision_costs.get(precision)
         if hit is None:
-            mixed = precision is not Precision.FP32
+            opts = self.options
+            program = precision_program(precision, opts.grad_reduce_dtype)
+            mixed = program.mixed
             param_bytes, grad_bytes, optimizer_bytes = self.constants.model_states.per_param(mixed)
             traffic = self.constants.optimizer
             accessed = (traffic.mixed_bytes_accessed_per_param if mixed
                         else traffic.fp32_bytes_accessed_per_param)
+            fsdp2_master = mixed and opts.master_weights == "fsdp2" and not opts.autocast
+            if mixed:
+                # gradients are reduced, accumulated and read by the optimizer in the
+                # stack's dtype (autoplan.precision)
+                grad_bytes = program.grad_reduce_bytes
+            if fsdp2_master:
+                # the optimizer steps the fp32 parameters themselves: as fp32 does
+                optimizer_bytes = self.constants.model_states.fp32_optimizer_bytes
+                accessed = traffic.fp32_bytes_accessed_per_param
             hit = PrecisionCosts(_DTYPE[precision], param_bytes, grad_bytes, optimizer_bytes,
-                                 accessed, precision.bytes / self.summary.activation_bytes)
+                                 accessed, precision.bytes / self.summary.activation_bytes,
+                                 fsdp2_master)
             self._precision_costs[precision] = hit
         return hit
 
@@ -1682,7 +1698,7 @@ class CostEngine:
         max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
                        default=0)
         fsdp2 = zero_degree > 1 and not uses_ddp(pp=pp, tp=lay.rank_tp[rank], ep=ep,
-                                                 max_zero=max_zero)
+                                                 max_zero=max_zero, precision=recipe.dtype)
         # FSDP2's work beyond these collectives where the rank's cores run it (CPU
         # profiles measure it, its copies included, every rank busy): replicate's one
         # all-reduce a step (OpOverhead.replicate_call_s) and fully_shard's once-a-step
@@ -1760,8 +1776,9 @@ class CostEngine:
                             / device.memory_bw_bytes_per_s)
         if overhead is not None and tensors:
             # the host's time per parameter tensor (CPU devices): DTensors where FSDP2
-            # wraps the rank; without it only the linears tensor parallelism shards
-            dtensors = tensors if fsdp2 else tp_tensors
+            # wraps the rank (a 16-bit plan's policy wraps it without data parallelism
+            # too); without it only the linears tensor parallelism shards
+            dtensors = tensors if fsdp2 or recipe.fsdp2_master else tp_tensors
             ev.optimizer += ((tensors - dtensors) * overhead.optimizer_param_s
                              + dtensors * overhead.optimizer_dtensor_param_s)
         # torch.autocast over fp32 weights (CostOptions.autocast), on every parameter this
@@ -1785,14 +1802,23 @@ class CostEngine:
         z = zero_degree
         per_param = (param_bytes, grad_bytes, recipe.optimizer_bytes)
         held_params = held_grads = held_optimizer = 0.0   # model-state bytes on this device
+
+        def states(n: float, zero: int, shards: int) -> tuple[float, float, float]:
+            if recipe.fsdp2_master:
+                return fsdp2_state_bytes(n, zero=zero, shards=shards,
+                                         master_bytes=DTYPE_BYTES["fp32"],
+                                         compute_bytes=param_bytes, grad_bytes=grad_bytes,
+                                         optimizer_bytes=recipe.optimizer_bytes,
+                                         accumulates=micro_batches > 1)
+            return model_state_bytes(n, zero=zero, shards=shards, per_param=per_param)
+
         for zero, n in enumerate(params_by_zero):
             n += tied_extra if zero == 0 else 0.0    # a tied copy is kept whole
-            params, grads, optimizer = model_state_bytes(n, zero=zero, shards=z, per_param=per_param)
+            params, grads, optimizer = states(n, zero, z)
             held_params, held_grads, held_optimizer = \
                 held_params + params, held_grads + grads, held_optimizer + optimizer
             if experts_by_zero[zero]:
-                params, grads, optimizer = model_state_bytes(experts_by_zero[zero], zero=zero,
-                                                             shards=edp, per_param=per_param)
+                params, grads, optimizer = states(experts_by_zero[zero], zero, edp)
                 held_params, held_grads, held_optimizer = \
                     held_params + params, held_grads + grads, held_optimizer + optimizer
         ev.in_flight = in_flight(lay.schedule, rank, pp, micro_batches, v)

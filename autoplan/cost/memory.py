@@ -36,7 +36,7 @@ from __future__ import annotations
 from ..strategy import Recompute
 from .summary import LayerCost
 
-__all__ = ["activation_bytes", "model_state_bytes"]
+__all__ = ["activation_bytes", "model_state_bytes", "fsdp2_state_bytes"]
 
 
 def activation_bytes(layer: LayerCost, *, tp: int = 1, sequence_parallel: bool = False,
@@ -68,3 +68,34 @@ def model_state_bytes(params: float, *, zero: int, shards: int,
     return (params * pb / (shards if zero >= 3 else 1),
             params * gb / (shards if zero >= 2 else 1),
             params * ob / (shards if zero >= 1 else 1))
+
+
+def fsdp2_state_bytes(params: float, *, zero: int, shards: int, master_bytes: int,
+                      compute_bytes: int, grad_bytes: int, optimizer_bytes: int,
+                      accumulates: bool) -> tuple[float, float, float]:
+    """``(parameter, gradient, optimizer)`` bytes of ``params`` parameters on one device
+    during a step, as FSDP2 holds them under a ``MixedPrecisionPolicy``
+    (``CostOptions.master_weights == "fsdp2"``, :mod:`autoplan.precision`).
+
+    The parameters are the master weights (``master_bytes``), sharded over ``shards``
+    ranks under ZeRO-1/2/3 (``fully_shard``; whole under ZeRO-0's ``replicate``).  Their
+    ``compute_bytes`` copies are gathered for the forward and kept until the last
+    micro-batch's backward under ZeRO-0/1/2 (``reshard_after_forward=False``); under
+    ZeRO-3 only the layers being computed hold them (the engine's gathered-layer
+    buffers, not counted here).  Gradients (``grad_bytes``, the reduction dtype) are
+    whole under ZeRO-0; under ZeRO-1 whole while they accumulate over micro-batches
+    (no reduce-scatter before the last), else sharded as under ZeRO-2/3.  The
+    optimizer's moments shard with the parameters.
+
+    >>> fsdp2_state_bytes(1000, zero=1, shards=4, master_bytes=4, compute_bytes=2,
+    ...                   grad_bytes=4, optimizer_bytes=8, accumulates=True)
+    (3000.0, 4000.0, 2000.0)
+    >>> fsdp2_state_bytes(1000, zero=3, shards=4, master_bytes=4, compute_bytes=2,
+    ...                   grad_bytes=4, optimizer_bytes=8, accumulates=True)
+    (1000.0, 1000.0, 2000.0)
+    """
+    split = shards if zero >= 1 else 1
+    held = params * master_bytes / split + (params * compute_bytes if zero <= 2 else 0.0)
+    whole_grads = zero == 0 or (zero == 1 and accumulates)
+    return held, params * grad_bytes / (1 if whole_grads else shards), \
+        params * optimizer_bytes / split

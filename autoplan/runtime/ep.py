@@ -17,8 +17,9 @@ GShard (Lepikhin et al. 2021, Sec. 2.2) and Switch Transformer (Fedus et al.
    the ranks exchange how many rows each sends to each local expert
    (``all_to_all_single`` of ``E`` int64 counts);
 2. **dispatch** -- ``all_to_all_single`` of the pairs' hidden states, with
-   their routing weights as one extra column (``S x (H + 1)`` elements for
-   ``S = tokens x k`` pairs; the weights go apart when their dtype differs);
+   their routing weights as extra columns (``S x (H + 1)`` elements for
+   ``S = tokens x k`` pairs; fp32 weights beside bf16 states travel as two bf16
+   columns of their bytes, ``S x (H + 2)``: one collective, nothing rounded);
 3. **experts** -- the family's own ``forward`` on the local slice of the
    banks, each received row as a token routed to one local expert with its
    weight (activation, biases, clamps, gate/up layout and the weighting stay
@@ -281,6 +282,47 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+def _pack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` with ``w`` (one number a row) appended as extra columns of ``x``'s
+    dtype: the same value where the dtypes agree, else ``w``'s bytes reinterpreted
+    (an fp32 weight is two bf16 columns), so nothing is rounded."""
+    if w.dtype == x.dtype:
+        return torch.cat([x, w.unsqueeze(1)], 1)
+    return torch.cat([x, w.contiguous().view(x.dtype).view(w.shape[0], -1)], 1)
+
+
+def _unpack(xw: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_pack`: ``(x, w)`` from packed rows."""
+    x = xw[:, :width]
+    if dtype == xw.dtype:
+        return x, xw[:, width]
+    return x, xw[:, width:].contiguous().view(dtype).view(-1)
+
+
+class _DispatchWithWeights(torch.autograd.Function):
+    """``all_to_all_single`` of token rows together with their routing weights, in one
+    collective each way (the weights packed as extra columns by :func:`_pack`); the
+    backward sends both gradients back the same way, again in one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, send: list[int], recv: list[int],
+                group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        ctx.width, ctx.wdtype = x.shape[1], w.dtype
+        packed = _pack(x, w)
+        out = packed.new_empty((sum(recv), packed.shape[1]))
+        dist.all_to_all_single(out, packed, recv, send, group=group)
+        return _unpack(out, x.shape[1], w.dtype)
+
+    @staticmethod
+    def backward(ctx, gx: torch.Tensor, gw: torch.Tensor):
+        packed = _pack(gx, gw.to(ctx.wdtype))
+        out = packed.new_empty((sum(ctx.send), packed.shape[1]))
+        dist.all_to_all_single(out, packed, ctx.send, ctx.recv, group=ctx.group)
+        gx_back, gw_back = _unpack(out, ctx.width, ctx.wdtype)
+        return gx_back, gw_back, None, None, None
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity whose backward multiplies the gradient by ``scale``."""
 
@@ -365,15 +407,10 @@ class ExpertParallel(nn.Module):
         recv = recv_counts.view(ep, n_local).sum(1).tolist()
         ids = torch.arange(n_local, device=h.device).repeat(ep).repeat_interleave(recv_counts)
 
-        # 2. dispatch the pairs' hidden states and routing weights
+        # 2. dispatch the pairs' hidden states with their routing weights: one all-to-all
         x = h[token]
         w = wts.reshape(-1)[order]
-        if w.dtype == x.dtype:
-            xw = _AllToAll.apply(torch.cat([x, w.unsqueeze(1)], 1), send, recv, self.group)
-            x_recv, w_recv = xw[:, :-1], xw[:, -1]
-        else:
-            x_recv = _AllToAll.apply(x, send, recv, self.group)
-            w_recv = _AllToAll.apply(w, send, recv, self.group)
+        x_recv, w_recv = _DispatchWithWeights.apply(x, w, send, recv, self.group)
 
         # 3. the family's experts on the local banks, one routing slot per row
         banks = self._banks()

@@ -19,7 +19,10 @@ parameter all-gather.  FSDP2 has no exact ZeRO-1 (parameters are resharded
 between steps), so the memory of this ZeRO-1 between steps is that of ZeRO-3;
 during the step it is ZeRO-1's.
 
-Pure data parallelism uses DDP without pipelining and torch's FSDP-based
+Every wrapper takes the plan's precision policy (:mod:`.precision`): under bf16 the
+parameters stay fp32 master weights and FSDP2 casts them to bf16 when it gathers a unit.
+
+Pure data parallelism of an fp32 plan uses DDP without pipelining and torch's FSDP-based
 ``replicate`` with it (or with tensor parallelism).  DDP or
 ``reshard_after_forward=True`` with a zero-bubble schedule gives silently wrong
 gradients in torch 2.13, so plans never combine ZeRO-3 with zero-bubble
@@ -32,26 +35,31 @@ from typing import Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["apply_fsdp", "apply_replicate", "apply_ddp", "apply_expert_dp", "set_micro_batch_sync"]
 
 
+_FP32 = MixedPrecisionPolicy()
+
+
 def apply_fsdp(root: nn.Module, layers: Sequence[tuple[nn.Module, int]], dp_mesh: DeviceMesh, *,
-               root_zero: int) -> None:
+               root_zero: int, mp_policy: MixedPrecisionPolicy = _FP32) -> None:
     """``fully_shard`` every layer module (with its ZeRO stage), then the root, which
-    takes the parameters no layer owns (embeddings, final norm, head)."""
+    takes the parameters no layer owns (embeddings, final norm, head); all under
+    ``mp_policy`` (:mod:`.precision`)."""
     for module, zero in layers:
         if not any(True for _ in module.parameters()):
             continue   # nothing to shard (an activation layer of an nn.Sequential)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp_policy)
         module._autoplan_zero = zero  # type: ignore[attr-defined]
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=root_zero == 3, mp_policy=mp_policy)
     root._autoplan_zero = root_zero  # type: ignore[attr-defined]
 
 
-def apply_expert_dp(modules: Sequence[tuple[nn.Module, int]], edp_mesh: DeviceMesh) -> None:
+def apply_expert_dp(modules: Sequence[tuple[nn.Module, int]], edp_mesh: DeviceMesh, *,
+                    mp_policy: MixedPrecisionPolicy = _FP32) -> None:
     """Data parallelism of expert-parallel modules (:mod:`.ep`) over their ``edp`` replicas,
     before the enclosing layer and the root take the dense parameters over ``dp x cp``.
 
@@ -68,19 +76,21 @@ def apply_expert_dp(modules: Sequence[tuple[nn.Module, int]], edp_mesh: DeviceMe
 
     for module, zero in modules:
         if zero == 0:
-            replicate(module, mesh=edp_mesh)
+            replicate(module, mesh=edp_mesh, mp_policy=mp_policy)
         else:
             fully_shard(module, mesh=edp_mesh, reshard_after_forward=zero == 3,
-                        shard_placement_fn=placement)
+                        shard_placement_fn=placement, mp_policy=mp_policy)
         module._autoplan_zero = zero  # type: ignore[attr-defined]
 
 
-def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh, *,
+                    mp_policy: MixedPrecisionPolicy = _FP32) -> nn.Module:
     """torch's FSDP-based ``replicate`` (gradients all-reduced; works with DTensor params
-    and with every pipeline schedule)."""
+    and with every pipeline schedule), under ``mp_policy``.  On a one-rank mesh it reduces
+    nothing and only installs the policy (a plan without data parallelism)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    replicate(root, mesh=dp_mesh)
+    replicate(root, mesh=dp_mesh, mp_policy=mp_policy)
     # ZeRO-0 for set_micro_batch_sync: accumulate locally, all-reduce at the last
     # micro-batch only (once per step, as priced; replicas running different numbers of
     # micro-batches then issue the same collectives)

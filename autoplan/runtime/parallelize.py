@@ -45,6 +45,7 @@ from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
 from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
+from .precision import FP32_POLICY as _FP32_POLICY, mixed_precision_policy
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
 from .optim import default_optimizer
@@ -228,13 +229,6 @@ class ParallelModel:
         """The device this rank's parts live on (the collectives' and the batch's)."""
         return next(self.parts[0].parameters()).device
 
-    def _autocast(self):
-        """bf16 autocast for ``precision="bf16"`` (fp32 master weights and optimizer)."""
-        if self.plan.precision is Precision.FP32:
-            return contextlib.nullcontext()
-        device_type = next(self.parts[0].parameters()).device.type
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-
     def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
         builtin = self.loss_fn is _next_token_loss or isinstance(self.loss_fn, NextTokenLoss)
         with _root_view_warning_silenced(part) if builtin else contextlib.nullcontext():
@@ -260,8 +254,7 @@ class ParallelModel:
                 sync = (part.no_sync() if isinstance(part, nn.parallel.DistributedDataParallel)
                         and not last else contextlib.nullcontext())
                 with sync:
-                    with self._autocast():
-                        loss = self.loss_fn(self._forward(part, x), y)
+                    loss = self.loss_fn(self._forward(part, x), y)
                     (loss * (weight / m if i < m else 0.0)).backward()
                 if i < m:
                     total += loss.detach().double()
@@ -576,12 +569,11 @@ def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
     stages = [st.layers for st in plan.stages]
     ties = cross_stage_ties(model, adapter, stages, kinds)
     copied = [name for tie in ties for name in tie.names]
-    autocast = None if plan.precision is Precision.FP32 else torch.bfloat16
     n = len(stages)
     parts = [build_stage_module(model, adapter,
                                 [x for x in stages[s] if kinds[x] is LayerKind.BLOCK],
                                 is_first=s == 0, is_last=s == n - 1, seq_len=seq_len,
-                                autocast_dtype=autocast, copy_params=copied)
+                                copy_params=copied)
              for s in stage_ids]
     return parts, ties
 
@@ -615,24 +607,30 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
         rc = placement[x].recompute
         if rc is not Recompute.NONE:
             _replace(part, x, apply_ac(part.get_submodule(x), rc, layer=graph.layer(x)))
+    # the precision policy, installed by the data-parallel wrapper (see .precision)
+    mp = mixed_precision_policy(plan.precision)
     if dp * plan.cp == 1:
-        return part
+        # no data parallelism: replicate over this rank alone reduces nothing, it only
+        # installs the policy (fp32 plans need none)
+        return part if mp is None else apply_replicate(part, mesh["dp"], mp_policy=mp)
     # parameters are replicated over the context-parallel ranks too: their gradients
     # are averaged, and ZeRO shards, over dp x cp (as the cost model prices it)
     dp_mesh = mesh["dp", "cp"]._flatten("dp_cp") if plan.cp > 1 else mesh["dp"]
     zeros = [placement[x].zero for x in names]
+    mp = mp or _FP32_POLICY
     if experts:
         # expert shards are data-parallel over their edp replicas only (see .ep)
-        apply_expert_dp([(m, placement[x].zero) for m, x in experts], expert_mesh[0])
-    if uses_ddp(pp=plan.pp, tp=tp, ep=plan.ep, max_zero=max(zeros)):
+        apply_expert_dp([(m, placement[x].zero) for m, x in experts], expert_mesh[0],
+                        mp_policy=mp)
+    if uses_ddp(pp=plan.pp, tp=tp, ep=plan.ep, max_zero=max(zeros), precision=plan.precision):
         return apply_ddp(part, dp_mesh)
     if max(zeros) == 0:
         # torch's FSDP-based replicate: DTensor parameters and every pipeline schedule
-        return apply_replicate(part, dp_mesh)
+        return apply_replicate(part, dp_mesh, mp_policy=mp)
     others = [placement[x].zero for x in names if kinds[x] is not LayerKind.BLOCK]
     # (plans never combine ZeRO-3 with zero-bubble schedules: strategy.ZBV_ZERO3)
     apply_fsdp(part, [(part.get_submodule(x), placement[x].zero) for x in blocks], dp_mesh,
-               root_zero=max(others or zeros))
+               root_zero=max(others or zeros), mp_policy=mp)
     return part
 
 

@@ -19,7 +19,6 @@ accumulated gradients is that of the mean loss over the global batch.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 from dataclasses import dataclass
@@ -52,26 +51,21 @@ class StageModule(nn.Module):
     parameter names are the model's own.
     """
 
-    def __init__(self, adapter: Adapter, *, is_first: bool, is_last: bool, seq_len: int,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, adapter: Adapter, *, is_first: bool, is_last: bool, seq_len: int) -> None:
         super().__init__()
         self._adapter = adapter
         self.is_first = is_first
         self.is_last = is_last
         self.seq_len = seq_len
-        self.autocast_dtype = autocast_dtype
         self.has_blocks = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = (torch.autocast(x.device.type, dtype=self.autocast_dtype)
-               if self.autocast_dtype is not None else contextlib.nullcontext())
-        with ctx:
-            if self.is_first:
-                x = self._adapter.embed(self, x)
-            if self.has_blocks:
-                x = self._adapter.run_blocks(self, x, self.seq_len)
-            if self.is_last:
-                x = self._adapter.head(self, x)
+        if self.is_first:
+            x = self._adapter.embed(self, x)
+        if self.has_blocks:
+            x = self._adapter.run_blocks(self, x, self.seq_len)
+        if self.is_last:
+            x = self._adapter.head(self, x)
         return x
 
 
@@ -82,7 +76,6 @@ def _set(root: nn.Module, path: str, value: nn.Module | None) -> None:
 
 def build_stage_module(model: nn.Module, adapter: Adapter, block_names: Sequence[str], *,
                        is_first: bool, is_last: bool, seq_len: int,
-                       autocast_dtype: torch.dtype | None = None,
                        copy_params: Sequence[str] = ()) -> StageModule:
     """A :class:`StageModule` holding ``block_names`` (full layer names such as
     ``"model.layers.3"``), plus the embedding if first and the head if last.
@@ -103,8 +96,7 @@ def build_stage_module(model: nn.Module, adapter: Adapter, block_names: Sequence
         _set(root, path, None)
     for path in () if is_last else adapter.post:
         _set(root, path, None)
-    stage = StageModule(adapter, is_first=is_first, is_last=is_last, seq_len=seq_len,
-                        autocast_dtype=autocast_dtype)
+    stage = StageModule(adapter, is_first=is_first, is_last=is_last, seq_len=seq_len)
     stage.has_blocks = len(keep) > 0
     for name, child in root.named_children():
         stage.add_module(name, child)
