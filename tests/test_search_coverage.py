@@ -111,25 +111,24 @@ def test_search_is_never_slower_than_exhaustive(gpt, deep, name):
     bounds, tol = s.bounds, 1 + 1e-9
     for x in priced:
         c = x.combo
-        pool = s.pools[c.pool]
-        sigma, sigma_block = s._sigma_of(c.pool, c.tp, c.cp)[min(batch // c.dp, len(
-            s._sigma_of(c.pool, c.tp, c.cp)) - 1)]
+        table = s._sigma_of(c.pool, c.tp, c.cp)
+        sigma, sigma_block = table[min(batch // c.dp, len(table) - 1)]
         coarse = 0.0 if bounds.shared_cores(c.n) else \
             batch / c.dp * max(sigma / c.pp, -(-s.blocks // c.pp) * sigma_block)
         assert coarse <= x.step_time_s * tol, (x, coarse)
-        m = max(-(-b // c.micro_batch) for b in x.replica_batch)
-        kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, x.zero)
-        zb = bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp, x.zero,
-                               c.micro_batch, c.schedule, m)
-        if x.fits:
-            assert zb is not None and zb <= x.step_time_s * tol, (x, zb)
-            assert bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                               x.zero, x.recompute, c.micro_batch, c.schedule, m), x
-            zeros = [x.zero]
-            cheap = bounds.cheap_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                                       zeros, c.micro_batch, c.schedule, m)
-            assert cheap is not None and cheap <= x.step_time_s * tol, (x, cheap)
-        del pool
+        counts = tuple(-(-b // c.micro_batch) for b in x.replica_batch)
+        micro = s._micro_bound(c.pool, c.n, c.tp, c.cp, c.pp, [c.ep], c.sp, c.micro_batch,
+                               counts)
+        assert micro <= x.step_time_s * tol, (x, micro)
+        if not x.fits:
+            continue
+        cheap = s.cheap_bound(c, counts, [x.zero])
+        assert cheap is not None and cheap <= x.step_time_s * tol, (x, cheap)
+        zb = dict((z, lb) for lb, z in s.zero_bounds(c, counts))
+        assert x.zero in zb and zb[x.zero] <= x.step_time_s * tol, (x, zb)
+        assert all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                               x.zero, x.recompute, c.micro_batch, c.schedule, m, caps)
+                   for kinds, m, caps in s._classes(c, x.zero, counts)), x
 
 
 def test_exhaustive_lists_every_device_count(gpt):

@@ -45,6 +45,7 @@ from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
 from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
+from .idle import IdleProgram, split_idle
 from .precision import FP32_POLICY as _FP32_POLICY, mixed_precision_policy
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
@@ -164,6 +165,13 @@ class ParallelModel:
     steps: int = 0
     tied: Any = None                     # TiedGrads of cross-stage tied parameters
     aliases: dict[str, str] = field(default_factory=dict)   # stage copy -> canonical name
+    split: Any = None                    # IdleSplit when the plan leaves processes idle
+
+    def finish(self) -> None:
+        """Every process of the job back in one process group, when the plan left some
+        idle (:mod:`.idle`; call it on every process when training ends); else nothing."""
+        if self.split is not None:
+            self.split.rejoin()
 
     # ------------------------------------------------------------ coordinates
     @property
@@ -245,6 +253,7 @@ class ParallelModel:
             part = self.parts[0]
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
+            n = inputs.shape[0]   # the replica's sequences (its last micro-batch may be short)
             for i in range(runs):
                 # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
                 # its data with zero weight: their collectives match the other replicas'
@@ -255,10 +264,10 @@ class ParallelModel:
                         and not last else contextlib.nullcontext())
                 with sync:
                     loss = self.loss_fn(self._forward(part, x), y)
-                    (loss * (weight / m if i < m else 0.0)).backward()
+                    (loss * (weight * x.shape[0] / n if i < m else 0.0)).backward()
                 if i < m:
-                    total += loss.detach().double()
-            local = total / m
+                    total += loss.detach().double() * x.shape[0]
+            local = total / n
         else:
             if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
                 # targets marked (torch's schedules do not compute losses in micro-batch order)
@@ -292,6 +301,8 @@ class ParallelModel:
         buf = torch.stack([local * share, torch.tensor(share, dtype=torch.float64,
                                                         device=self.device)])
         dist.all_reduce(buf)
+        if self.split is not None:
+            self.split.publish(self.steps, float(buf[0] / buf[1]))   # for the idle processes
         return float(buf[0] / buf[1])
 
     # ------------------------------------------------------------ state
@@ -465,6 +476,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     else:
         _check_graph(model, graph, seq_len)
     seq_len = seq_len or graph.seq_len
+    if isinstance(target, Cluster) and global_batch is not None \
+            and target.num_devices == dist.get_world_size():
+        target = _plan_on_rank0(graph, target, global_batch)  # may leave processes idle
+    # a plan that leaves processes idle: they wait (idle.py), the others run it in a group
+    target, split = split_idle(target, graph, global_batch)
+    if split is not None and not split.active:
+        return IdleProgram(target, split)
     plan = resolve_plan(model, target, graph, world_size=dist.get_world_size(),
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
@@ -489,7 +507,7 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
-                       hf=is_hf(model))
+                       hf=is_hf(model), split=split)
     if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm

@@ -43,10 +43,11 @@ from typing import Any, Sequence
 
 from ..cost import in_flight, pipeline_time
 from ..cost.engine import AUTOCAST_COPY_BYTES, Segment
-from ..cost.memory import model_state_bytes
+from ..cost.memory import fsdp2_state_bytes, model_state_bytes
+from ..precision import DTYPE_BYTES
 from ..strategy import Recompute, Schedule, stage_ranks
 
-__all__ = ["Bounds", "ZeroBound"]
+__all__ = ["Bounds", "ByRank"]
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,9 @@ class _Sums:
     saved: dict[str, float]             # activation bytes saved for the backward
 
 
-@dataclass(frozen=True)
-class ZeroBound:
-    """The bound of one ZeRO stage of a combination: ``step_s`` for every layout at it;
-    ``fits`` whether its least-memory option can fit (else no layout at it does)."""
-
-    zero: int
-    step_s: float
-    fits: bool
+class ByRank(tuple):
+    """Kinds of rank one per pipeline rank, in rank order (:meth:`Bounds.classes` on
+    mixed clusters), where a plain tuple of kinds lists each kind once."""
 
 
 class Bounds:
@@ -106,6 +102,7 @@ class Bounds:
         self._per_mb: dict[tuple, float] = {}
         self._busiest: dict[tuple, float] = {}
         self._kinds_keys: dict[tuple, tuple] = {}
+        self._classes: dict[tuple, list] = {}
         self._sig: dict[tuple, tuple] = {}
         cluster = engine.cluster
         self._shared_cores = (cluster.profile_of(0).node.shared_cores
@@ -197,6 +194,40 @@ class Bounds:
             self._kinds[key] = hit
         return hit
 
+    def classes(self, pool: int, n: int, pp: int, tp: int, cp: int, ep: int, zero: int,
+                counts: Sequence[int]) -> list[tuple[tuple[tuple[int, ...], ...], int,
+                                                     tuple[float, ...] | None]]:
+        """The replicas in classes the engine prices alike, each as ``(kinds, m, caps)``:
+        its ranks' kinds (:meth:`rank_kinds`; on mixed clusters one per rank), the most micro-batches a replica of it runs
+        (``counts[r]`` for replica ``r``) and its ranks' usable memory (None: the pool's,
+        :meth:`capacities`).  One class on a cluster of one device type; on others, the
+        replicas whose devices, rank by rank, are of the same types and sit alike (each
+        bound holds for every class, so the search takes the largest)."""
+        if self.engine.homogeneous:
+            return [(self.rank_kinds(pool, n, pp, tp, cp, ep, zero), max(counts), None)]
+        key = (pool, n, pp, tp, cp, ep, zero >= 2)
+        hit = self._classes.get(key)
+        if hit is None:
+            per_rank, g = n // pp, tp * cp
+            ranks = [self.rank(pool, p * per_rank, per_rank) for p in range(pp)]
+            cluster = self.engine.cluster
+            groups: dict[tuple, list] = {}
+            for r in range(per_rank // g):
+                # each rank with replica r first, as the engine prices replica r
+                reps = tuple(x[r * g:] + x[:r * g] if r else x for x in ranks)
+                sig = tuple(self._signature(x, tp, cp, ep, zero) for x in reps)
+                entry = groups.setdefault(sig, [reps, [], None])
+                entry[1].append(r)
+                if entry[2] is None:
+                    entry[2] = tuple(
+                        (max(cluster.device_type_of(d).memory_bytes for d in x[:g])
+                         * self.fraction - self.reserve) / (1 + self.frag) for x in reps)
+            hit = [(ByRank(reps), tuple(rs), caps) for reps, rs, caps in groups.values()]
+            if len(self._classes) > 4096:
+                self._classes.clear()
+            self._classes[key] = hit
+        return [(kinds, max(counts[r] for r in rs), caps) for kinds, rs, caps in hit]
+
     def capacities(self, pool: int, n: int, pp: int) -> tuple[float, ...]:
         """Each pipeline rank's usable memory for layers: the largest device memory among
         its devices (the engine's is one of them), less the reserve, over the
@@ -260,7 +291,8 @@ class Bounds:
 
     def _room(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
               tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
-              m: int) -> tuple[float, list[tuple[float, float]]]:
+              m: int, caps: Sequence[float] | None = None
+              ) -> tuple[float, list[tuple[float, float]]]:
         """The memory model the bounds share: each block's model states (and, under
         autocast, its cached 16-bit weight copy), and per rank the bytes left for its
         blocks and its micro-batches in flight.  A rank's fixed bytes: the embeddings or
@@ -270,16 +302,12 @@ class Bounds:
         x = self.sums(kind, tp, cp, ep, sp, 1, Recompute.NONE, b)   # (bytes: any stage)
         shards = n_devices // pp // tp          # dp x cp: what ZeRO shards over
         edp = max(1, shards // ep)
-        pb, gb, ob = self.per_param
         opts = self.engine.options
         copy = AUTOCAST_COPY_BYTES if getattr(opts, "autocast", False) \
             and self.recipe.dtype != "fp32" else 0.0
-        # bytes per parameter (model_state_bytes: ZeRO-1 shards the optimizer, 2 also the
-        # gradients, 3 also the weights), outside and inside expert banks
-        dense = (pb / (shards if zero >= 3 else 1) + gb / (shards if zero >= 2 else 1)
-                 + ob / (shards if zero >= 1 else 1) + copy)
-        expert = (pb / (edp if zero >= 3 else 1) + gb / (edp if zero >= 2 else 1)
-                  + ob / (edp if zero >= 1 else 1) + copy)
+        # bytes per parameter, outside and inside expert banks, as the engine holds them
+        dense = self._state_bytes(zero, shards, m) + copy
+        expert = self._state_bytes(zero, edp, m) + copy
 
         def held(counts) -> tuple[float, float]:
             """States, and activations per micro-batch in flight, of those layers."""
@@ -287,7 +315,7 @@ class Bounds:
                         for t, c in counts),
                     sum(c * x.saved[t] for t, c in counts))
 
-        caps = self.capacities(pool, n_devices, pp)
+        caps = caps or self.capacities(pool, n_devices, pp)
         ranks, ends = self._stage_ends(schedule, pp, v)
         first, last = ranks[0], ranks[-1]
         boundary = self.boundary_bytes * b * self.recipe.activation_scale / cp
@@ -313,6 +341,19 @@ class Bounds:
                      for t in self.block_templates), default=0.0)
         return block, out
 
+    def _state_bytes(self, zero: int, shards: int, m: int) -> float:
+        """Model-state bytes of one parameter at ZeRO stage ``zero`` over ``shards`` ranks,
+        ``m`` micro-batches a step: what the engine holds (FSDP2's fp32 master weights
+        and compute copies, :func:`~autoplan.cost.memory.fsdp2_state_bytes`, where the
+        recipe runs them; else :func:`~autoplan.cost.memory.model_state_bytes`)."""
+        pb, gb, ob = self.per_param
+        if getattr(self.recipe, "fsdp2_master", False):
+            return sum(fsdp2_state_bytes(1.0, zero=zero, shards=shards,
+                                         master_bytes=DTYPE_BYTES["fp32"], compute_bytes=pb,
+                                         grad_bytes=gb, optimizer_bytes=ob,
+                                         accumulates=m > 1))
+        return sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+
     def _stage_ends(self, schedule: Schedule, pp: int, v: int) -> tuple[tuple[int, ...], list[int]]:
         """The rank of each virtual stage, and each rank's chunk inputs and outputs that
         cross to another stage."""
@@ -328,10 +369,11 @@ class Bounds:
 
     def fits(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int, tp: int,
              cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
-             schedule: Schedule, m: int) -> bool:
+             schedule: Schedule, m: int, caps: Sequence[float] | None = None) -> bool:
         """Whether the uniform option ``(zero, rc)`` can fit some split of the blocks over
         the ranks (module docstring); False proves no layout of it fits."""
-        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
+        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
+                                  schedule, m, caps)
         n = self.num_blocks
         if not n:
             return ranks[0][0] >= 0
@@ -367,57 +409,13 @@ class Bounds:
                                   schedule, m, blocks))
         return self.reserve + (1 + self.frag) * used
 
-    def _stage_ends(self, schedule: Schedule, pp: int, v: int) -> tuple[tuple[int, ...], list[int]]:
-        """The rank of each virtual stage, and each rank's chunk inputs and outputs that
-        cross to another stage."""
-        key = (schedule, pp, v)
-        hit = self._ends.get(key)
-        if hit is None:
-            ranks = stage_ranks(schedule, pp, pp * v)
-            ends = [0] * pp
-            for k, p in enumerate(ranks):
-                ends[p] += (k > 0) + (k < len(ranks) - 1)
-            hit = self._ends[key] = (tuple(ranks), ends)
-        return hit
-
-    def fits(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int, tp: int,
-             cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
-             schedule: Schedule, m: int) -> bool:
-        """Whether the uniform option ``(zero, rc)`` can fit some split of the blocks over
-        the ranks (module docstring); False proves no layout of it fits."""
-        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
-        n = self.num_blocks
-        if not n:
-            return ranks[0][0] >= 0
-        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
-        saved = min(x.saved[t] for t in self.block_templates)
-        room = 0
-        for free, flight in ranks:
-            per_block = block + flight * saved
-            if free < 0 or free < v * per_block:
-                return False                 # each chunk holds at least one block
-            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
-        return room >= n
-
-    def peak_bound(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
-                   tp: int, cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
-                   schedule: Schedule, m: int, blocks: Sequence[int]) -> float:
-        """The least peak memory the model above gives a uniform layout with ``blocks[p]``
-        blocks on rank ``p``: what the search checks the engine against."""
-        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule, m)
-        x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
-        saved = min((x.saved[t] for t in self.block_templates), default=0.0)
-        caps = self.capacities(pool, n_devices, pp)
-        used = max(caps[p] - free + k * (block + flight * saved)
-                   for p, ((free, flight), k) in enumerate(zip(ranks, blocks)))
-        return self.reserve + (1 + self.frag) * used
-
     def zero_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
                    pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zero: int, b: int,
                    schedule: Schedule, m: int, threshold: float = math.inf,
                    extra_bytes: Sequence[float] | None = None,
                    rest_s: float = 0.0,
-                   rank_rest_s: Sequence[float] | None = None) -> float | None:
+                   rank_rest_s: Sequence[float] | None = None,
+                   caps: Sequence[float] | None = None) -> float | None:
         """A lower bound of the step time of every layout at ZeRO stage ``zero`` (any
         recompute per block, any split of the blocks), or None when none fits.
 
@@ -441,7 +439,7 @@ class Bounds:
         ``T`` (bisection; what CP-SAT solves in whole numbers)."""
         n = self.num_blocks
         block, room_of = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, zero, b,
-                                    schedule, m)
+                                    schedule, m, caps)
         if extra_bytes is not None:
             room_of = [(free - extra, flight)
                        for (free, flight), extra in zip(room_of, extra_bytes)]
@@ -475,7 +473,6 @@ class Bounds:
                                rest_s)
         if cheap >= threshold:
             return cheap
-        none = self.sums(kinds[0], tp, cp, ep, sp, zero, Recompute.NONE, b)
         none_bytes = self.sums(kinds[0], tp, cp, ep, sp, 1, Recompute.NONE, b)
         a_none = min(none_bytes.saved[t] for t in bt)
         # what recompute saves per block and micro-batch in flight, and at what time: the
@@ -485,11 +482,14 @@ class Bounds:
             if rc is Recompute.NONE or (schedule is Schedule.ZERO_BUBBLE
                                         and rc is Recompute.SELECTIVE):
                 continue
-            x = self.sums(kinds[0], tp, cp, ep, sp, zero, rc, b)
             xb = self.sums(kinds[0], tp, cp, ep, sp, 1, rc, b)
             saved = max(none_bytes.saved[t] - xb.saved[t] for t in bt)
             if saved > 0:
-                points.append((saved, max(0.0, min(x.time_s[t] - none.time_s[t] for t in bt))))
+                # (the least it adds on any kind of rank)
+                extra = min(self.sums(k, tp, cp, ep, sp, zero, rc, b).time_s[t]
+                            - self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b).time_s[t]
+                            for k in kinds for t in bt)
+                points.append((saved, max(0.0, extra)))
         hull = _lower_hull(points)
 
         def cost(free: float, flight: float, k: int) -> float:
@@ -538,16 +538,19 @@ class Bounds:
         at_least = 0.0
         if rank_rest_s is not None and pp > 1:
             sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+            if not isinstance(kinds, ByRank):       # every rank at the fastest kind's
+                sums = [_Sums({t: min(x.time_s[t] for x in sums) for t, _ in self.layers},
+                              {}, {}, {})] * pp
             fixed = [0.0] * pp
-            fixed[first] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.pre)
-            fixed[last] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.post)
+            fixed[first] += sum(c * sums[first].time_s[t] for t, c in self.pre)
+            fixed[last] += sum(c * sums[last].time_s[t] for t, c in self.post)
             fixed = [f + r for f, r in zip(fixed, rank_rest_s)]
-            t_block = min(min(x.time_s[t] for x in sums) for t in bt)
+            t_blocks = [min(x.time_s[t] for t in bt) for x in sums]
 
             def within(p: int, limit: float) -> int:
                 """The most blocks rank ``p`` holds within ``limit`` seconds."""
                 free, flight = room_of[p]
-                lo, hi = 0, n
+                lo, hi, t_block = 0, n, t_blocks[p]
                 while lo < hi:
                     k = (lo + hi + 1) // 2
                     if fixed[p] + k * t_block + cost(free, flight, k) <= limit:
@@ -565,7 +568,7 @@ class Bounds:
                     total += k
                 return total >= n
 
-            lo = (sum(fixed) + n * t_block + spent) / pp
+            lo = (sum(fixed) + n * min(t_blocks) + spent) / pp
             hi = max(lo, 1e-12) * 2
             for _ in range(64):
                 if holds(hi):
@@ -585,13 +588,14 @@ class Bounds:
 
     def cheap_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
                     pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zeros: Sequence[int],
-                    b: int, schedule: Schedule, m: int) -> float | None:
+                    b: int, schedule: Schedule, m: int,
+                    caps: Sequence[float] | None = None) -> float | None:
         """:meth:`zero_bound` without recompute and at ZeRO-0/1's layer times: a bound of
         every layout at any of ``zeros`` (None when none of them can fit)."""
         for z in sorted(zeros, reverse=True):    # the most sharded fits first
             least = self.least_memory(z, schedule)
-            if least is not None and self.fits(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, z,
-                                               least, b, schedule, m):
+            if least is not None and self.fits(pool, n_devices, kinds[0], pp, v, tp, cp, ep,
+                                               sp, z, least, b, schedule, m, caps):
                 break
         else:
             return None
@@ -621,28 +625,41 @@ class Bounds:
         """The least time per micro-batch of the busiest of ``pp`` ranks over whole-block
         splits (at least ``v`` blocks each, no recompute), the embeddings on the first
         rank and the head on the last (``v_shape``: both on the first, as zero-bubble
-        schedules place them)."""
-        key = (self._kinds_key(kinds, tp, cp, ep, zero), sp, b, pp, v, v_shape)
+        schedules place them).  ``kinds``: one per rank (ranks of several speeds: the
+        slower hold fewer blocks), or one for every rank."""
+        key = (self._kinds_key(kinds, tp, cp, ep, zero), isinstance(kinds, ByRank), sp, b, pp,
+               v, v_shape)
         hit = self._busiest.get(key)
         if hit is not None:
             return hit
         sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+        if isinstance(kinds, ByRank):
+            per_rank = sums
+        else:                      # kinds not by rank: each layer at its fastest
+            fast = {t: min(x.time_s[t] for x in sums) for t, _ in self.layers}
+            per_rank = [_Sums(fast, {}, {}, {})] * pp
         fixed_t = [0.0] * pp
-        fixed_t[0] += sum(c * min(x.time_s[t] for x in sums) for t, c in self.pre)
-        fixed_t[0 if v_shape else pp - 1] += sum(c * min(x.time_s[t] for x in sums)
-                                                 for t, c in self.post)
-        t_block = min((min(x.time_s[t] for x in sums) for t in self.block_templates),
-                      default=0.0)
+        fixed_t[0] += sum(c * per_rank[0].time_s[t] for t, c in self.pre)
+        last = 0 if v_shape else pp - 1
+        fixed_t[last] += sum(c * per_rank[last].time_s[t] for t, c in self.post)
+        t_block = [min((x.time_s[t] for t in self.block_templates), default=0.0)
+                   for x in per_rank]
         n = self.num_blocks
-        total = sum(fixed_t) + n * t_block
-        busiest = max(total / pp, max(fixed_t) + v * t_block)
-        if t_block > 0:
-            for _ in range(n + 1):
-                fit = sum(max(0, math.floor((busiest - f) / t_block + 1e-9)) for f in fixed_t)
+        if min(t_block) <= 0:
+            busiest = max(f + v * t for f, t in zip(fixed_t, t_block))
+        else:
+            # the rank speeds' share, then whole blocks: the least T at which the ranks
+            # hold every block (each at most floor((T - fixed) / block time))
+            busiest = max(max(f + v * t for f, t in zip(fixed_t, t_block)),
+                          (n + sum(f / t for f, t in zip(fixed_t, t_block)))
+                          / sum(1 / t for t in t_block))
+            for _ in range(n + pp + 1):
+                fit = sum(max(0, math.floor((busiest - f) / t + 1e-9))
+                          for f, t in zip(fixed_t, t_block))
                 if fit >= n:
                     break
-                busiest = min(f + (math.floor((busiest - f) / t_block + 1e-9) + 1) * t_block
-                              for f in fixed_t)
+                busiest = min(f + (math.floor((busiest - f) / t + 1e-9) + 1) * t
+                              for f, t in zip(fixed_t, t_block))
         if len(self._busiest) > 65536:
             self._busiest.clear()
         self._busiest[key] = busiest

@@ -10,7 +10,6 @@ the same.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Sequence
 

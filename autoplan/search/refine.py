@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
-from ..cost import CostEngine, in_flight, pipeline_time
+from ..cost import CostEngine, in_flight
 from ..errors import InfeasiblePlan
 from ..strategy import Recompute
 from .bounds import Bounds
@@ -24,6 +25,12 @@ from .stage_solver import StageProblem, solve_stage_problem
 __all__ = ["refine", "refine_bound"]
 
 _MiB = float(2**20)
+
+#: CP-SAT's deterministic time budget per refinement (about seconds of one core): the
+#: per-stage problems of a search are solved to optimality in far less, but a few of the
+#: largest (8 ranks, 80 blocks, 3 options) would spend seconds proving it; at this budget
+#: none of the 30 slowest of a Llama-3-70B search on mixed-a100-v100 came out worse.
+REFINE_SOLVER_S = 0.25
 
 
 def refine(cand: _Candidate, builder: _Builder, global_batch: int,
@@ -102,7 +109,7 @@ def refine(cand: _Candidate, builder: _Builder, global_batch: int,
     best: _Candidate | None = None
     for _ in range(3):   # tighten the budget if the engine disagrees on memory
         try:
-            sol = solve_stage_problem(problem)
+            sol = solve_stage_problem(problem, max_deterministic_time_s=REFINE_SOLVER_S)
         except InfeasiblePlan:
             return best
         counts = [sum(row) for row in sol.counts]
@@ -125,7 +132,8 @@ def refine(cand: _Candidate, builder: _Builder, global_batch: int,
 
 
 def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
-                 kinds: tuple[tuple[int, ...], ...], homogeneous: bool) -> float:
+                 kinds: tuple[tuple[int, ...], ...], homogeneous: bool, m: int | None = None,
+                 caps: Any = None) -> float:
     """A lower bound of the step time of every refinement of ``cand`` (any blocks per
     rank, any recompute per block; its degrees, schedule and ZeRO stage).
 
@@ -138,14 +146,17 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
     optimizer add at least the mean of the ranks' optimizer steps (the slowest rank's is
     at least the mean, and the sum, linear in the parameters, is the same however the
     blocks split).  The priced ranks are those of the slowest replicas, which run the
-    most micro-batches.  Ranks of several device types: :meth:`Bounds.zero_bound`
-    alone."""
+    most micro-batches.  Ranks of several device types: for the replica class of
+    ``kinds``, which run at most ``m`` micro-batches in ranks of ``caps`` usable bytes
+    (:meth:`Bounds.classes`), with the priced ranks' bytes only (their work and optimizer
+    steps may be another class's)."""
     c = cand.combo
-    m = max(cand.layout.replica_micro_batches)
+    top = max(cand.layout.replica_micro_batches)
+    m = m or top
     plain = bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                              cand.zero, c.micro_batch, c.schedule, m)
-    if plain is None or not homogeneous:
-        return 0.0 if plain is None else plain
+                              cand.zero, c.micro_batch, c.schedule, m, caps=caps)
+    if plain is None:
+        return 0.0
     est = engine.estimate(cand.layout)
     layers = bounds.summary.layers
     none_time = bounds.sums(kinds[0], c.tp, c.cp, c.ep, c.sp, cand.zero, Recompute.NONE,
@@ -160,19 +171,24 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
                 block = layers[i].is_block
                 blocks[p] += block
                 own[p] += (rc_time if block else none_time).time_s[layers[i].template]
+    # the bounds' model at the most micro-batches any replica runs (the priced ranks',
+    # and at least any other's: what is left over is at most the priced ranks' extra)
     model = bounds.allocated(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                             cand.zero, cand.recompute, c.micro_batch, c.schedule, m, blocks)
+                             cand.zero, cand.recompute, c.micro_batch, c.schedule, top, blocks)
     extra, rest, optimizer = [], [], 0.0
     for p, st in enumerate(est.stages):
         mem = st.memory
         held = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes
                 + mem.activations_bytes + mem.buffers_bytes)
         extra.append(max(0.0, held - model[p] - bounds.bucket_bytes))
-        rest.append(max(0.0, st.forward_s + st.backward_s - own[p]))
-        optimizer += max(0.0, st.busy_s - m * (st.forward_s + st.backward_s))
+        if homogeneous:
+            rest.append(max(0.0, st.forward_s + st.backward_s - own[p]))
+            optimizer += max(0.0, st.busy_s - top * (st.forward_s + st.backward_s))
+        else:       # the priced ranks' work and steps are another class's, maybe
+            rest.append(0.0)
     bound = bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
                               cand.zero, c.micro_batch, c.schedule, m,
-                              extra_bytes=extra, rest_s=sum(rest), rank_rest_s=rest)
+                              extra_bytes=extra, rest_s=sum(rest), rank_rest_s=rest, caps=caps)
     if bound is None:
         return math.inf
-    return bound + optimizer / c.pp
+    return max(plain, bound + optimizer / c.pp)

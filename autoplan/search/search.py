@@ -50,10 +50,10 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from ..cost import CostEngine, CostOptions, pipeline_time
+from ..cost import CostEngine, CostOptions
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..hardware.cluster import as_cluster
@@ -106,8 +106,7 @@ class SearchResult:
 
     ``evaluated``: layouts priced; ``pruned``: combinations (or ZeRO stages of them) whose
     bound, or whose least-memory option, ruled them out without pricing; ``refined``:
-    candidates given to CP-SAT.  ``candidates``: every fitting candidate priced, best
-    first (what :func:`autoplan.replan` chooses among)."""
+    candidates given to CP-SAT."""
 
     plans: list[Plan]
     evaluated: int
@@ -115,7 +114,9 @@ class SearchResult:
     refined: int
     seconds: float
     time_limit_hit: bool
-    candidates: list = None  # type: ignore[assignment]
+    #: With a tolerance: every distinct plan within it of the best, best first (what
+    #: :func:`autoplan.replan` chooses among); else empty.
+    alternatives: list = field(default_factory=list)
 
     @property
     def best(self) -> Plan:
@@ -429,7 +430,8 @@ class _Search:
         pool, B = self.pools[pi], self.batch
         n = tp * cp * pp * dp
         w = self.weight(pi, n)
-        kinds = self.bounds.rank_kinds(pi, n, pp, tp, cp, 1, 1)
+        # (expert parallelism: each degree's ranks, the least bound counts)
+        eps = self._eps(pool, n, tp, cp, dp)
         for mb in _micro_batches(self.space, B // dp):
             base = _Combo(tp, cp, pp, dp, mb, Schedule.ONE_F_ONE_B, 1, False, 1, pi)
             splits = self.builder.replica_splits(base, B, even=self.space.even_batches)
@@ -440,22 +442,36 @@ class _Search:
                 counts = micro_batch_counts(split, mb)
                 for sp in self._sps(tp):
                     # every schedule takes at least m times the busiest rank's micro-batch
-                    if self.bounds.shared_cores(n):
-                        lb_m = 0.0
-                    elif pp == 1:
-                        lb_m = max(counts) * self.bounds.time_per_micro_batch(kinds, tp, cp, 1,
-                                                                              sp, 1, mb)
-                    else:
-                        busiest = self.bounds.busiest(kinds, tp, cp, 1, sp, 1, mb, pp, 1, False)
-                        if Schedule.ZERO_BUBBLE in self.space.schedules:
-                            busiest = min(busiest, self.bounds.busiest(kinds, tp, cp, 1, sp, 1,
-                                                                       mb, pp, 1, True))
-                        lb_m = max(counts) * busiest
+                    lb_m = self._micro_bound(pi, n, tp, cp, pp, eps, sp, mb, counts)
                     if lb_m * w >= self.threshold():
                         self.pruned += 1
                         self._floor(n, pi, lb_m)
                         continue
                     self._push(lb_m * w, ("m", pi, tp, cp, pp, dp, mb, sp, split, counts, lb_m))
+
+    def _micro_bound(self, pi: int, n: int, tp: int, cp: int, pp: int, eps: list[int],
+                     sp: bool, mb: int, counts: tuple[int, ...]) -> float:
+        """Every schedule takes at least ``m`` times its busiest rank's micro-batch: the
+        least over the expert parallel degrees of the largest over the replica classes."""
+        if self.bounds.shared_cores(n):
+            return 0.0
+        shapes = (False, True) if pp > 1 and Schedule.ZERO_BUBBLE in self.space.schedules \
+            else (False,)
+        out = math.inf
+        for ep in eps:
+            worst = 0.0
+            for kinds, m, _ in self.bounds.classes(pi, n, pp, tp, cp, ep, 1, counts):
+                if pp == 1:
+                    t = self.bounds.time_per_micro_batch(kinds, tp, cp, ep, sp, 1, mb)
+                else:
+                    t = min(self.bounds.busiest(kinds, tp, cp, ep, sp, 1, mb, pp, 1, v_shape)
+                            for v_shape in shapes)
+                worst = max(worst, m * t)
+            out = min(out, worst)
+        return out
+
+    def _classes(self, c: _Combo, zero: int, counts: tuple[int, ...]) -> list:
+        return self.bounds.classes(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, zero, counts)
 
     # -------------------------------------------------------------- level 3: schedules
     def expand_micro(self, pi: int, tp: int, cp: int, pp: int, dp: int, mb: int, sp: bool,
@@ -463,16 +479,14 @@ class _Search:
         pool = self.pools[pi]
         n = tp * cp * pp * dp
         w = self.weight(pi, n)
-        m_max, m_min = max(counts), min(counts)
+        m_min = min(counts)
         for sched, v in _schedules(self.space, pp, m_min, self.blocks):
             if any(schedule_problem(sched, pp, v, m) for m in set(counts)):
                 continue
             zeros, _ = _ladder(self.space, sched)
             for ep in self._eps(pool, n, tp, cp, dp):
                 c = _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, pi)
-                kinds = self.bounds.rank_kinds(pi, n, pp, tp, cp, ep, 1)
-                lb = self.bounds.cheap_bound(pi, n, kinds, pp, v, tp, cp, ep, sp, zeros, mb,
-                                             sched, m_max)
+                lb = self.cheap_bound(c, counts, zeros)
                 if lb is None:
                     self.pruned += 1
                     if len(self.memory_out) < 64 and n == pool.size:
@@ -484,9 +498,22 @@ class _Search:
                     continue
                 self._push(lb * w, ("s", c, split, counts, lb))
 
+    def cheap_bound(self, c: _Combo, counts: tuple[int, ...],
+                    zeros: list[int]) -> float | None:
+        """:meth:`Bounds.cheap_bound`, the largest over the replica classes (None: no
+        layout of ``c`` at ``zeros`` fits)."""
+        lb = 0.0
+        for kinds, m, caps in self._classes(c, 1, counts):
+            x = self.bounds.cheap_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                                        zeros, c.micro_batch, c.schedule, m, caps)
+            if x is None:
+                return None
+            lb = max(lb, x)
+        return lb
+
     def expand_combo(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...]) -> None:
         """The bound of each ZeRO stage of ``c``; the combination again, at the least."""
-        zb = self.zero_bounds(c, max(counts))
+        zb = self.zero_bounds(c, counts)
         if not zb:
             self.pruned += 1
             return
@@ -501,18 +528,24 @@ class _Search:
         else:
             self.climb(c, split, counts, tuple(zb))
 
-    def zero_bounds(self, c: _Combo, m: int) -> list[tuple[float, int]]:
+    def zero_bounds(self, c: _Combo, counts: tuple[int, ...]) -> list[tuple[float, int]]:
         """``(bound, zero)`` of every ZeRO stage some layout of ``c`` can fit at, least
-        bound first (:mod:`autoplan.search.bounds`)."""
+        bound first (:mod:`autoplan.search.bounds`; the largest over the replica classes)."""
         zeros, _ = _ladder(self.space, c.schedule)
+        threshold = self.threshold() / self.weight(c.pool, c.n)
         out = []
         for z in zeros:
             if self.bounds.least_memory(z, c.schedule) is None:
                 continue
-            kinds = self.bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, z)
-            lb = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp, z,
-                                        c.micro_batch, c.schedule, m,
-                                        self.threshold() / self.weight(c.pool, c.n))
+            lb = 0.0
+            for kinds, m, caps in self._classes(c, z, counts):
+                x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep,
+                                           c.sp, z, c.micro_batch, c.schedule, m, threshold,
+                                           caps=caps)
+                if x is None:
+                    lb = None
+                    break
+                lb = max(lb, x)
             if lb is not None:
                 out.append((lb, z))
         return sorted(out)
@@ -527,23 +560,23 @@ class _Search:
         builder, engine, bounds = self.builder, self.engine, self.bounds
         w = self.weight(c.pool, c.n)
         _, rcs = _ladder(self.space, c.schedule)
-        m = max(counts)
         for lb, z in zero_bounds:
             if lb * w >= self.threshold():
                 self.pruned += 1
                 self._floor(c.n, c.pool, lb)
                 continue
-            kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, z)
+            classes = self._classes(c, z, counts)
             seed: Recompute | None = None
             for rc in rcs:
-                if not bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp, z,
-                                   rc, c.micro_batch, c.schedule, m):
+                if not all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep,
+                                       c.sp, z, rc, c.micro_batch, c.schedule, m, caps)
+                           for kinds, m, caps in classes):
                     continue
                 seed = rc
-                uniform = bounds.step_bound(c.schedule, c.pp, c.v, m, sum(
+                uniform = max(bounds.step_bound(c.schedule, c.pp, c.v, m, sum(
                     count * min(bounds.sums(k, c.tp, c.cp, c.ep, c.sp, z, rc,
                                             c.micro_batch).time_s[t] for k in kinds)
-                    for t, count in bounds.layers), c.n)
+                    for t, count in bounds.layers), c.n) for kinds, m, _ in classes)
                 if max(lb, uniform) * w >= self.threshold():
                     self.pruned += 1
                     break                # this and more recompute: bounded out
@@ -575,8 +608,9 @@ class _Search:
                 pass
             if seed is not None and c.v == 1 and self.builder.blocks:
                 for later in rcs[rcs.index(seed) + 1:]:
-                    if bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                                   z, later, c.micro_batch, c.schedule, m):
+                    if all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep,
+                                       c.sp, z, later, c.micro_batch, c.schedule, m, caps)
+                           for kinds, m, caps in classes):
                         seed = later
                 lay = builder.layout(c, z, seed, counts, self.batch)
                 self.seeds.append((lb * w, c.key() + (z, seed.value, split, "seed"),
@@ -638,8 +672,13 @@ class _Search:
                 break
             c = cand.combo
             w = self.weight(c.pool, c.n)
-            kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, cand.zero)
-            tight = refine_bound(cand, engine, bounds, kinds, homogeneous)
+            if homogeneous:
+                kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, cand.zero)
+                tight = refine_bound(cand, engine, bounds, kinds, True)
+            else:
+                tight = max(refine_bound(cand, engine, bounds, kinds, False, m, caps)
+                            for kinds, m, caps in self._classes(
+                                c, cand.zero, cand.layout.replica_micro_batches))
             if tight * w >= self.threshold():
                 continue
             better = refine(cand, self.builder, self.batch, w)
@@ -721,9 +760,9 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`.
 
     ``bound_s``: the step time of a plan already known to fit (a warm start); layouts
-    whose bound is at least this are not priced.  ``tolerance``: also keep every
-    candidate within this fraction of the best (``SearchResult.candidates``; what
-    :func:`autoplan.replan` chooses among).
+    whose bound is at least this are not priced.  ``tolerance``: also price every layout
+    within this fraction of the best and keep the distinct plans among them
+    (``SearchResult.alternatives``; what :func:`autoplan.replan` chooses among).
     """
     t0 = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -779,9 +818,25 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         descriptions.add(desc)
         p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
         plans.append(p.with_estimate(engine.estimate(p)))
-    keep = [c for c in s.ranked if c.objective <= s.ranked[0].objective * (1 + tolerance)]
+    alternatives: list[Plan] = []
+    if tolerance > 0:
+        seen: set[str] = set()
+        for cand in s.ranked:
+            if cand.objective > s.ranked[0].objective * (1 + tolerance) or \
+                    len(alternatives) >= MAX_ALTERNATIVES:
+                break
+            p = builder.plan(cand.layout, global_batch, cand.replica_batch)
+            if p.describe() in seen:
+                continue
+            seen.add(p.describe())
+            p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
+            alternatives.append(p.with_estimate(engine.estimate(p)))
     return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
-                        s.limit_hit, candidates=keep)
+                        s.limit_hit, alternatives)
+
+
+#: At most this many plans within the tolerance are kept (best first).
+MAX_ALTERNATIVES = 32
 
 
 def _unsplit(cluster, global_batch: int, unsplit: set[int]) -> ConfigError:
