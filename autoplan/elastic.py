@@ -303,7 +303,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     chosen = Plan.from_json(_agree(lambda: choose_plan(
         plan, world, graph=graph, cluster=cluster, time_limit_s=time_limit_s).to_json(),
         f"planning for {world} processes"))
-    replanned = chosen is not plan
+    replanned = chosen != plan
     if rank == 0 and replanned:
         print(f"elastic: the plan is for {plan.num_devices} processes, the job has {world}: "
               f"replanned\n  {chosen.summary()}\n  "
