@@ -399,6 +399,7 @@ class Plan(Record):
         devices = tuple(range(num_devices)) if devices is None else tuple(devices)
         pp, dp, cp, tp, v = (strategy.pp, strategy.dp, strategy.cp, strategy.tp,
                              strategy.chunks_per_rank)
+        _check_blocks(graph, tp=tp, cp=cp, stages=pp * v)
         _check_tp(graph, tp)
         _check_ep(graph, strategy.ep, dp, cp)
         chunks = split_layers(graph, pp * v, blocks_per_stage)
@@ -516,6 +517,8 @@ class Plan(Record):
                          + (f" ep{self.ep}" if self.ep > 1 else ""))
         if len(set(self.replica_batch)) > 1:
             lines.append(f"  replica batch: {list(self.replica_batch)}")
+        if self.idle_reason:
+            lines.append(f"  idle: {self.idle_reason}")
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -529,6 +532,22 @@ class Plan(Record):
 def _type_name(cluster: "Cluster", devices: tuple[int, ...]) -> str:
     names = list(dict.fromkeys(cluster.device_type_of(d).name for d in devices))
     return "+".join(names)
+
+
+def _check_blocks(graph, *, tp: int, cp: int, stages: int) -> None:
+    """Raise unless ``graph`` has the repeated blocks that tensor, context and pipeline
+    parallelism split: without them (a model captured as one layer) nothing would be
+    split, and a price would count the work whole on every device."""
+    if any(l.kind is LayerKind.BLOCK for l in graph.layers):
+        return
+    asked = [f"{name}={n}" for name, n in (("tp", tp), ("cp", cp), ("pp x virtual stages", stages))
+             if n > 1]
+    if asked:
+        raise StrategyError(
+            f"{', '.join(asked)}: the model {graph.model!r} has no repeated blocks (capture "
+            f"found no stack of identical layers, so its {len(graph.layers)} layer(s) run as "
+            "one), and tensor, context and pipeline parallelism split blocks; use tp=1, "
+            "cp=1, pp=1, or keep the model's blocks in an nn.ModuleList")
 
 
 def _check_tp(graph, tp: int) -> None:

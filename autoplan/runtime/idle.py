@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +36,19 @@ __all__ = ["IdleSplit", "IdleProgram", "compact", "active_ranks"]
 
 #: How long an idle process waits for the active ones (a failure ends the wait sooner).
 IDLE_WAIT = datetime.timedelta(days=365)
+#: How long a failing active process waits for the idle ones to read why.
+ACK_WAIT = datetime.timedelta(seconds=10)
+#: How often an idle process waiting for a step's loss looks for a failure.
+POLL = datetime.timedelta(seconds=1)
+
+
+def _timed_out(e: Exception) -> bool:
+    return "timeout" in str(e).lower() or "timed out" in str(e).lower()
+
+
+def _lost(e: Exception) -> RuntimeError:
+    return RuntimeError(f"an active process of this job failed: the store rank 0 hosts is "
+                        f"gone ({type(e).__name__}: {e})")
 
 
 def active_ranks(plan: Plan) -> tuple[int, ...]:
@@ -80,6 +94,7 @@ class IdleSplit:
     finished: bool = field(default=False)
 
     DONE = "autoplan/done"
+    ACKS = "autoplan/acks"
 
     @classmethod
     def open(cls, plan: Plan, timeout: datetime.timedelta | None = None) -> "IdleSplit":
@@ -128,24 +143,49 @@ class IdleSplit:
             self.store.set(f"autoplan/loss/{step}", repr(float(loss)))
 
     def fail(self, why: str) -> None:
-        """An active process failed: end the idle ones' wait with ``why``."""
+        """An active process failed: end the idle ones' wait with ``why`` (waiting, up to
+        :data:`ACK_WAIT`, until they have read it: rank 0 hosts the store they read)."""
         with contextlib.suppress(Exception):
             self.store.set(self.DONE, why)
+            idle = self.world - self.plan.num_devices
+            deadline = time.monotonic() + ACK_WAIT.total_seconds()
+            while self.store.add(self.ACKS, 0) < idle and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     # -------------------------------------------------------------- idle processes
     def wait_loss(self, step: int) -> float:
         """The loss of ``step`` as the active processes computed it; raises if one of them
         failed first."""
         key = f"autoplan/loss/{step}"
-        self.store.wait([key], self.timeout)
-        return float(self.store.get(key).decode())
+        while True:
+            if self._done():
+                raise RuntimeError(f"the active processes of this job finished without a "
+                                   f"step {step}: call step() as many times on every process")
+            try:
+                self.store.wait([key], POLL)
+                return float(self.store.get(key).decode())
+            except Exception as e:  # noqa: BLE001 - a timeout: look for a failure, again
+                if not _timed_out(e):
+                    raise _lost(e) from None
 
     def wait_done(self) -> None:
         """Block until the active processes finish; raise if one of them failed."""
-        self.store.wait([self.DONE], IDLE_WAIT)
-        status = self.store.get(self.DONE).decode()
+        try:
+            self.store.wait([self.DONE], IDLE_WAIT)
+            status = self.store.get(self.DONE).decode()
+        except Exception as e:  # noqa: BLE001 - the store's host is gone
+            raise _lost(e) from None
         if status != "ok":
+            with contextlib.suppress(Exception):
+                self.store.add(self.ACKS, 1)
             raise RuntimeError(f"an active process of this job failed ({status})")
+
+    def _done(self) -> bool:
+        """Whether the active processes finished (raises when one of them failed)."""
+        if not self.store.check([self.DONE]):
+            return False
+        self.wait_done()                    # raises when they failed
+        return True
 
     # -------------------------------------------------------------- everyone
     def rejoin(self) -> None:

@@ -317,6 +317,8 @@ class _Search:
             (space.tensor_parallel is None or tp in space.tensor_parallel))]
         seq = graph.seq_len or 0
         top = self.cluster.num_devices
+        if not self.blocks:
+            attention = False       # context parallelism splits the blocks' attention
         if space.context_parallel is None:
             cps = [1] + ([cp for cp in range(2, top + 1) if seq % (2 * cp) == 0
                           and seq // cp >= space.min_context_tokens]
