@@ -122,7 +122,7 @@ def test_search_is_never_slower_than_exhaustive(gpt, deep, name):
         assert micro <= x.step_time_s * tol, (x, micro)
         if not x.fits:
             continue
-        cheap = s.cheap_bound(c, counts, [x.zero])
+        cheap = s.cheap_bound(c, counts, x.zero)
         assert cheap is not None and cheap <= x.step_time_s * tol, (x, cheap)
         zb = dict((z, lb) for lb, z in s.zero_bounds(c, counts))
         assert x.zero in zb and zb[x.zero] <= x.step_time_s * tol, (x, zb)

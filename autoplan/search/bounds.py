@@ -36,13 +36,12 @@ ranks can hold its blocks at the stage's least-memory option fits no mix either.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..cost import in_flight, pipeline_time
-from ..cost.engine import AUTOCAST_COPY_BYTES, Segment
+from ..cost.engine import AUTOCAST_COPY_BYTES, GRAD_ACCUMULATE_READS_WRITES, Segment
 from ..cost.memory import fsdp2_state_bytes, model_state_bytes
 from ..precision import DTYPE_BYTES
 from ..strategy import Recompute, Schedule, stage_ranks
@@ -73,6 +72,8 @@ class Bounds:
         self.engine = engine
         self.pools = list(pools)
         self._ranks: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self._where: dict[int, tuple] = {}      # id(rank) -> (rank, (pool, offset, size))
+        self._shapes: dict[tuple, tuple] = {}
         self.summary = engine.summary
         self.recipe = engine.precision_costs(precision)
         self.recompute = tuple(recompute)
@@ -103,6 +104,11 @@ class Bounds:
         self._busiest: dict[tuple, float] = {}
         self._kinds_keys: dict[tuple, tuple] = {}
         self._classes: dict[tuple, list] = {}
+        self._by_sig: dict[tuple, tuple[int, ...]] = {}
+        self._rooms: dict[tuple, tuple] = {}
+        self._flight: dict[tuple, tuple[float, ...]] = {}
+        self._tails: dict[tuple, float] = {}
+        self._cheap: dict[tuple, float] = {}
         self._sig: dict[tuple, tuple] = {}
         cluster = engine.cluster
         self._shared_cores = (cluster.profile_of(0).node.shared_cores
@@ -111,20 +117,33 @@ class Bounds:
     # ------------------------------------------------------------------ per-layer terms
     def _signature(self, rank: tuple[int, ...], tp: int, cp: int, ep: int, zero: int) -> tuple:
         """What the engine's terms of a rank depend on besides the options: its replica's
-        device type and where its groups sit (the data-parallel ones under ZeRO-2/3)."""
+        device type and where its groups sit (the data-parallel ones under ZeRO-2/3).  On
+        a cluster of one device type and nodes of one size, a rank of a pool is priced as
+        any other of its size starting as far into a node (translated by whole nodes)."""
         key = (id(rank), tp, cp, ep, zero >= 2)
         seen = self._sig.get(key)
         hit = seen[1] if seen is not None and seen[0] is rank else None
+        where = self._where.get(id(rank))
+        if hit is None and where is not None and where[0] is rank:
+            shape = (where[1], tp, cp, ep, zero >= 2)
+            hit = self._shapes.get(shape)
+            if hit is None:
+                hit = self._shapes[shape] = self._signature_of(rank, tp, cp, ep, zero)
+            self._sig[key] = (rank, hit)
         if hit is None:
-            engine, place = self.engine, self.engine.cluster.placement
-            g = engine._groups(rank, tp, cp, ep, 0)
-            hit = (engine.device_of(g.replica).name, place(g.tp),
-                   place(g.cp) if g.cp else (), place(g.ep) if g.ep else (),
-                   (len(g.dp), place(g.dp), place(g.edp) if g.edp else ()) if zero >= 2 else ())
+            hit = self._signature_of(rank, tp, cp, ep, zero)
             if len(self._sig) > 65536:
                 self._sig.clear()
             self._sig[key] = (rank, hit)     # by identity: hashing a rank costs more
         return hit
+
+    def _signature_of(self, rank: tuple[int, ...], tp: int, cp: int, ep: int,
+                      zero: int) -> tuple:
+        engine, place = self.engine, self.engine.cluster.placement
+        g = engine._groups(rank, tp, cp, ep, 0)
+        return (engine.device_of(g.replica).name, place(g.tp),
+                place(g.cp) if g.cp else (), place(g.ep) if g.ep else (),
+                (len(g.dp), place(g.dp), place(g.edp) if g.edp else ()) if zero >= 2 else ())
 
     def sums(self, rank: tuple[int, ...], tp: int, cp: int, ep: int, sp: bool, zero: int,
              rc: Recompute, b: int) -> _Sums:
@@ -158,6 +177,10 @@ class Bounds:
         hit = self._ranks.get(key)
         if hit is None:
             hit = self._ranks[key] = self.pools[pool].devices[start:start + size]
+            sizes = self.pools[pool].node_sizes
+            if self.engine.homogeneous and len(set(sizes)) == 1:
+                # (nodes of one size, all whole in a pool: where in a node it starts)
+                self._where[id(hit)] = (hit, (pool, start % sizes[0], size))
         return hit
 
     def rank_kinds(self, pool: int, n: int, pp: int, tp: int, cp: int, ep: int,
@@ -180,6 +203,18 @@ class Bounds:
                 # translated by whole nodes, or (no ZeRO-2/3 terms, which see the
                 # data-parallel group) groups inside a node each: all alike
                 hit = (ranks[0],)
+            elif self.engine.homogeneous and len(set(self.pools[pool].node_sizes)) == 1:
+                # nodes of one size: a rank is priced as any other starting as far into a
+                # node (translated by whole nodes), unless it runs into a partly used one
+                size = self.pools[pool].node_sizes[0]
+                full = n - n % size
+                seen_at: dict[tuple, tuple[int, ...]] = {}
+                for p, r in enumerate(ranks):
+                    start = p * per_rank
+                    seen_at.setdefault((start % size, start + per_rank > full, start // size
+                                        if start + per_rank > full else 0), r)
+                hit = tuple(dict.fromkeys(self._canonical(x, tp, cp, ep, zero)
+                                          for x in seen_at.values()))
             else:
                 seen: dict[tuple, tuple[int, ...]] = {}
                 g = tp * cp
@@ -193,6 +228,12 @@ class Bounds:
                 self._kinds.clear()
             self._kinds[key] = hit
         return hit
+
+    def _canonical(self, rank: tuple[int, ...], tp: int, cp: int, ep: int,
+                   zero: int) -> tuple[int, ...]:
+        """One rank object per signature (what the caches of terms go by)."""
+        sig = self._signature(rank, tp, cp, ep, zero)
+        return self._by_sig.setdefault((sig, tp, cp, ep, zero >= 2), rank)
 
     def classes(self, pool: int, n: int, pp: int, tp: int, cp: int, ep: int, zero: int,
                 counts: Sequence[int]) -> list[tuple[tuple[tuple[int, ...], ...], int,
@@ -299,6 +340,22 @@ class Bounds:
         head it holds (states and activations) and its pipeline buffers (receive buffers
         of every micro-batch of the step where the stack keeps them, else a receive and a
         send buffer of a boundary); every other buffer of the engine is left out."""
+        key = (pool, n_devices, id(kind), pp, v, tp, cp, ep, sp, zero, b, schedule, m,
+               None if caps is None else tuple(caps))
+        hit = self._rooms.get(key)
+        if hit is not None and hit[0] is kind:
+            return hit[1]
+        out = self._room_of(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b, schedule,
+                            m, caps)
+        if len(self._rooms) > 65536:
+            self._rooms.clear()
+        self._rooms[key] = (kind, out)
+        return out
+
+    def _room_of(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
+                 tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
+                 m: int, caps: Sequence[float] | None
+                 ) -> tuple[float, list[tuple[float, float]]]:
         x = self.sums(kind, tp, cp, ep, sp, 1, Recompute.NONE, b)   # (bytes: any stage)
         shards = n_devices // pp // tp          # dp x cp: what ZeRO shards over
         edp = max(1, shards // ep)
@@ -328,15 +385,15 @@ class Bounds:
             pre, post = held(self.pre), held(self.post)
         else:
             pre, post = held(self.layers), (0.0, 0.0)
-        out = []
-        for p in range(pp):
-            flight = in_flight(schedule, p, pp, m, v)
-            free = caps[p] - (buffers * ends[p] if per_end else buffers)
-            if p == first:
-                free -= pre[0] + flight * pre[1]
-            if p == last:
-                free -= post[0] + flight * post[1]
-            out.append((free, flight))
+        flights = self._flights(schedule, pp, m, v)
+        if per_end:
+            out = [(cap - buffers * e, f) for cap, e, f in zip(caps, ends, flights)]
+        else:
+            out = [(cap - buffers, f) for cap, f in zip(caps, flights)]
+        free, f = out[first]
+        out[first] = (free - pre[0] - f * pre[1], f)
+        free, f = out[last]
+        out[last] = (free - post[0] - f * post[1], f)
         block = min((x.params[t] * dense + x.expert_params[t] * expert
                      for t in self.block_templates), default=0.0)
         return block, out
@@ -353,6 +410,49 @@ class Bounds:
                                          grad_bytes=gb, optimizer_bytes=ob,
                                          accumulates=m > 1))
         return sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+
+    def tail(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int, zero: int,
+             shards: int, pp: int, m: int) -> float:
+        """A lower bound of what the step adds after the pipeline drains: the slowest
+        rank's optimizer step, at least the ranks' mean (their parameters add up to the
+        model's whatever the split).  The engine's step per parameter: the optimizer's
+        bytes over the memory bandwidth (the states this rank updates: all under ZeRO-0,
+        ``1 / (dp x cp)`` of them else), and where gradients accumulate over micro-batches
+        (``CostOptions.grad_accumulate_add``) each micro-batch after the first adds them
+        (3 passes over the gradient: whole under ZeRO-0/1, the shard under ZeRO-2/3).
+        0 on devices whose host time the engine prices (CPU profiles)."""
+        key = (self._kinds_key(kinds, tp, cp, ep, 1), zero, shards, pp, m)
+        hit = self._tails.get(key)
+        if hit is not None:
+            return hit
+        engine = self.engine
+        devices = [engine.device_of(engine._groups(k, tp, cp, ep, 0).replica) for k in kinds]
+        if any(d.op_overhead is not None for d in devices):
+            hit = 0.0
+        else:
+            x = self.sums(kinds[0], tp, cp, ep, False, 1, Recompute.NONE, 1)
+            params = sum(c * (x.params[t] + x.expert_params[t]) for t, c in self.layers)
+            edp = max(1, shards // ep)
+            share = 1.0 if zero == 0 else 1.0 / min(shards, edp) if ep > 1 else 1.0 / shards
+            seconds = params * share * self.recipe.optimizer_bytes_accessed
+            if getattr(engine.options, "grad_accumulate_add", False) and m > 1:
+                autocast = getattr(engine.options, "autocast", False) \
+                    and self.recipe.dtype != "fp32"
+                grad = DTYPE_BYTES["fp32"] if autocast else self.recipe.grad_bytes
+                kept = 1.0 if zero <= 1 else (1.0 / min(shards, edp) if ep > 1
+                                              else 1.0 / shards)
+                seconds += (m - 1) * params * kept * GRAD_ACCUMULATE_READS_WRITES * grad
+            hit = seconds / pp / max(d.memory_bw_bytes_per_s for d in devices)
+        self._tails[key] = hit
+        return hit
+
+    def _flights(self, schedule: Schedule, pp: int, m: int, v: int) -> tuple[float, ...]:
+        """Each rank's micro-batches in flight (:func:`autoplan.cost.in_flight`)."""
+        key = (schedule, pp, m, v)
+        hit = self._flight.get(key)
+        if hit is None:
+            hit = self._flight[key] = tuple(in_flight(schedule, p, pp, m, v) for p in range(pp))
+        return hit
 
     def _stage_ends(self, schedule: Schedule, pp: int, v: int) -> tuple[tuple[int, ...], list[int]]:
         """The rank of each virtual stage, and each rank's chunk inputs and outputs that
@@ -415,7 +515,7 @@ class Bounds:
                    extra_bytes: Sequence[float] | None = None,
                    rest_s: float = 0.0,
                    rank_rest_s: Sequence[float] | None = None,
-                   caps: Sequence[float] | None = None) -> float | None:
+                   caps: Sequence[float] | None = None, tail: bool = True) -> float | None:
         """A lower bound of the step time of every layout at ZeRO stage ``zero`` (any
         recompute per block, any split of the blocks), or None when none fits.
 
@@ -426,11 +526,12 @@ class Bounds:
         memory without recompute saves the excess bytes, spread over its blocks, at the
         least seconds the options allow (the lower convex hull of what each saves per
         micro-batch in flight against what it adds); blocks go where that costs least
-        (a convex allocation, solved greedily), so the ranks' work adds up to at least
-        ``S_z`` plus that.  A bound already at ``threshold`` without recompute is returned
+        (:func:`_recompute_lp`), so the ranks' work adds up to at least ``S_z`` plus
+        that.  A bound already at ``threshold`` without recompute is returned
         as it is (the caller prunes it either way).  ``extra_bytes[p]``: more bytes rank
         ``p`` holds whatever its blocks (what refinement reads off a priced layout);
-        ``rest_s``: more seconds the ranks' work adds up to per micro-batch.
+        ``rest_s``: more seconds the ranks' work adds up to per micro-batch.  Plus the
+        optimizer's step (:meth:`tail`; ``tail=False``: without it).
 
         With ``rank_rest_s`` (each rank's seconds beyond its layers', which add up to
         ``rest_s``) the busiest rank is also bounded by the fractional min-max split:
@@ -468,9 +569,10 @@ class Bounds:
             return 0.0
         ranks = stage_ranks(schedule, pp, pp * v)
         first, last = ranks[0], ranks[-1]
+        after = self.tail(kinds, tp, cp, ep, zero, n_devices // pp // tp, pp, m) if tail else 0.0
         # the cheap bound first: ZeRO-0/1's layer times (ZeRO-2/3 only add), no recompute
         cheap = self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, first, last,
-                               rest_s)
+                               rest_s) + after
         if cheap >= threshold:
             return cheap
         none_bytes = self.sums(kinds[0], tp, cp, ep, sp, 1, Recompute.NONE, b)
@@ -485,56 +587,32 @@ class Bounds:
             xb = self.sums(kinds[0], tp, cp, ep, sp, 1, rc, b)
             saved = max(none_bytes.saved[t] - xb.saved[t] for t in bt)
             if saved > 0:
-                # (the least it adds on any kind of rank)
-                extra = min(self.sums(k, tp, cp, ep, sp, zero, rc, b).time_s[t]
-                            - self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b).time_s[t]
-                            for k in kinds for t in bt)
+                # the least it adds on any kind of rank: at ZeRO-2/3 a longer backward hides
+                # more of the layer's exposed collectives, never more than were exposed, so
+                # at least ZeRO-0/1's addition less the exposure without recompute
+                extra = math.inf
+                for k in kinds:
+                    one_none = self.sums(k, tp, cp, ep, sp, 1, Recompute.NONE, b)
+                    one_rc = self.sums(k, tp, cp, ep, sp, 1, rc, b)
+                    at_none = self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b)
+                    for t in bt:
+                        exposed = max(0.0, at_none.time_s[t] - one_none.time_s[t])
+                        extra = min(extra, one_rc.time_s[t] - one_none.time_s[t] - exposed)
                 points.append((saved, max(0.0, extra)))
         hull = _lower_hull(points)
 
         def cost(free: float, flight: float, k: int) -> float:
             """Least recompute seconds for ``k`` blocks in ``free`` bytes: the bytes over
-            spread evenly over them (the hull is convex), inf beyond what it saves."""
+            spread evenly over them (the hull is convex), inf beyond what it saves (what
+            :func:`_recompute_lp` allocates, at whole blocks)."""
             over = k * (block + flight * a_none) - free
             if over <= 0:
                 return 0.0
             return k * _hull_at(hull, over / (k * flight))
 
-        held, spent, heap = 0, 0.0, []
-        for p, (free, flight) in enumerate(room_of):
-            plain = block + flight * a_none
-            k = v if plain <= 0 else max(v, min(n, math.floor(free / plain)))
-            c = cost(free, flight, k)
-            if not math.isfinite(c):
-                return None
-            held += k
-            spent += c
-            nxt = cost(free, flight, k + 1)
-            if math.isfinite(nxt):
-                heap.append((nxt - c, p, k))
-        if held < n:
-            heapq.heapify(heap)
-            while held < n:
-                if not heap:
-                    return None                 # the blocks do not fit, whatever recompute
-                step, p, k = heapq.heappop(heap)
-                free, flight = room_of[p]
-                # this rank takes blocks while they cost no more than any other's next
-                # (its costs grow with each block: convex)
-                ceiling = heap[0][0] if heap else math.inf
-                now = cost(free, flight, k + 1)
-                spent += step
-                held += 1
-                k += 1
-                while held < n:
-                    nxt = cost(free, flight, k + 1)
-                    if not math.isfinite(nxt) or nxt - now > ceiling:
-                        break
-                    spent += nxt - now
-                    now, held, k = nxt, held + 1, k + 1
-                nxt = cost(free, flight, k + 1)
-                if math.isfinite(nxt):
-                    heapq.heappush(heap, (nxt - now, p, k))
+        spent = _recompute_lp(room_of, block, a_none, hull, n, v)
+        if spent is None:
+            return None                         # the blocks do not fit, whatever recompute
         at_least = 0.0
         if rank_rest_s is not None and pp > 1:
             sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
@@ -584,26 +662,35 @@ class Bounds:
                     lo = mid
             at_least = lo
         return max(cheap, self._balanced(kinds, tp, cp, ep, sp, zero, b, schedule, pp, v, m,
-                                         first, last, spent + rest_s, at_least))
+                                         first, last, spent + rest_s, at_least) + after)
 
     def cheap_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
                     pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zeros: Sequence[int],
                     b: int, schedule: Schedule, m: int,
                     caps: Sequence[float] | None = None) -> float | None:
         """:meth:`zero_bound` without recompute and at ZeRO-0/1's layer times: a bound of
-        every layout at any of ``zeros`` (None when none of them can fit)."""
+        every layout at any of ``zeros`` (None when none of them can fit; no ``zeros``:
+        the bound alone, memory unchecked)."""
         for z in sorted(zeros, reverse=True):    # the most sharded fits first
             least = self.least_memory(z, schedule)
             if least is not None and self.fits(pool, n_devices, kinds[0], pp, v, tp, cp, ep,
                                                sp, z, least, b, schedule, m, caps):
                 break
         else:
-            return None
+            if zeros:
+                return None
         if self.shared_cores(n_devices):
             return 0.0
-        ranks = stage_ranks(schedule, pp, pp * v)
-        return self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, ranks[0],
-                              ranks[-1], 0.0)
+        key = (self._kinds_key(kinds, tp, cp, ep, 1), sp, b, schedule, pp, v, m)
+        hit = self._cheap.get(key)
+        if hit is None:
+            ranks, _ = self._stage_ends(schedule, pp, v)
+            hit = self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, ranks[0],
+                                 ranks[-1], 0.0)
+            if len(self._cheap) > 65536:
+                self._cheap.clear()
+            self._cheap[key] = hit
+        return hit
 
     def _balanced(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
                   sp: bool, zero: int, b: int, schedule: Schedule, pp: int, v: int, m: int,
@@ -642,24 +729,32 @@ class Bounds:
         fixed_t[0] += sum(c * per_rank[0].time_s[t] for t, c in self.pre)
         last = 0 if v_shape else pp - 1
         fixed_t[last] += sum(c * per_rank[last].time_s[t] for t, c in self.post)
-        t_block = [min((x.time_s[t] for t in self.block_templates), default=0.0)
-                   for x in per_rank]
+        if isinstance(kinds, ByRank):
+            t_block = [min((x.time_s[t] for t in self.block_templates), default=0.0)
+                       for x in per_rank]
+        else:
+            t_block = [min((per_rank[0].time_s[t] for t in self.block_templates),
+                           default=0.0)] * pp
+        # ranks alike count once, with how many of them there are
+        groups: dict[tuple[float, float], int] = {}
+        for f, t in zip(fixed_t, t_block):
+            groups[(f, t)] = groups.get((f, t), 0) + 1
         n = self.num_blocks
         if min(t_block) <= 0:
-            busiest = max(f + v * t for f, t in zip(fixed_t, t_block))
+            busiest = max(f + v * t for f, t in groups)
         else:
             # the rank speeds' share, then whole blocks: the least T at which the ranks
             # hold every block (each at most floor((T - fixed) / block time))
-            busiest = max(max(f + v * t for f, t in zip(fixed_t, t_block)),
-                          (n + sum(f / t for f, t in zip(fixed_t, t_block)))
-                          / sum(1 / t for t in t_block))
+            busiest = max(max(f + v * t for f, t in groups),
+                          (n + sum(c * f / t for (f, t), c in groups.items()))
+                          / sum(c / t for (f, t), c in groups.items()))
             for _ in range(n + pp + 1):
-                fit = sum(max(0, math.floor((busiest - f) / t + 1e-9))
-                          for f, t in zip(fixed_t, t_block))
+                fit = sum(c * max(0, math.floor((busiest - f) / t + 1e-9))
+                          for (f, t), c in groups.items())
                 if fit >= n:
                     break
                 busiest = min(f + (math.floor((busiest - f) / t + 1e-9) + 1) * t
-                              for f, t in zip(fixed_t, t_block))
+                              for f, t in groups)
         if len(self._busiest) > 65536:
             self._busiest.clear()
         self._busiest[key] = busiest
@@ -701,3 +796,65 @@ def _hull_at(hull: list[tuple[float, float]], x: float) -> float:
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
     return hull[-1][1]
+
+
+def _recompute_lp(room_of: Sequence[tuple[float, float]], block: float, a_none: float,
+                  hull: list[tuple[float, float]], n: int, v: int) -> float | None:
+    """The least recompute seconds per micro-batch that lets the ranks hold ``n`` blocks
+    (the fractional relaxation; None when they cannot, whatever recompute).
+
+    Rank ``p`` has ``free`` bytes for blocks of ``block`` bytes of states and ``a_none``
+    of activations per micro-batch in flight (``flight``).  Holding ``k`` blocks, it saves
+    ``k (block + flight a_none) - free`` bytes, ``x = P / f - free / (k f)`` per block and
+    micro-batch in flight (``P = block + f a_none``), at ``hull(x)`` seconds each (the
+    options' lower convex hull, :func:`_lower_hull`).  On a segment of the hull ``y = a + s
+    x`` that is ``k a + s (k P - free) / f``: linear in ``k``, so each rank offers blocks in
+    bands of one price per block, rising band by band (the hull is convex).  Every rank
+    takes its first ``v`` blocks (a block per chunk) from its cheapest bands, then the
+    rest go to the cheapest bands of any rank.
+
+    >>> hull = [(0.0, 0.0), (10.0, 1.0)]        # saving 10 bytes a block costs 1 s
+    >>> _recompute_lp([(100.0, 1.0)], 0.0, 10.0, hull, 10, 1)   # 10 blocks fit as they are
+    0.0
+    >>> _recompute_lp([(100.0, 1.0)], 0.0, 10.0, hull, 20, 1)   # 100 bytes over: 10 s
+    10.0
+    >>> _recompute_lp([(100.0, 1.0)], 5.0, 10.0, hull, 21, 1) is None   # states: 105 > 100
+    True
+    """
+    x_top = hull[-1][0]
+    bands: list[tuple[float, float]] = []
+    held, spent = 0.0, 0.0
+    for free, flight in room_of:
+        plain = block + flight * a_none
+        if plain <= 0:
+            offers = [(0.0, float(n))]
+        else:
+            def k_at(x: float) -> float:
+                """Blocks held when each saves ``x``: ``free / (P - f x)``."""
+                left = plain - flight * x
+                return math.inf if left <= 0 else max(0.0, free) / left
+
+            offers = [(0.0, k_at(0.0))]
+            for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+                slope = (y1 - y0) / (x1 - x0)
+                price = (y0 - slope * x0) + slope * plain / flight
+                offers.append((max(0.0, price), k_at(x1) - k_at(x0)))
+            if free < 0 or k_at(x_top) < v:
+                return None                     # not one block per chunk
+        # this rank's first v blocks, from its cheapest bands
+        need = float(v)
+        for price, blocks in offers:
+            take = min(need, blocks)
+            spent += take * price
+            need -= take
+            if take < blocks:
+                bands.append((price, blocks - take))
+        held += v
+    left = n - held
+    for price, blocks in sorted(bands):
+        if left <= 0:
+            break
+        take = min(left, blocks)
+        spent += take * price
+        left -= take
+    return spent if left <= 1e-9 else None

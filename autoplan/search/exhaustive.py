@@ -71,7 +71,7 @@ def exhaustive(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction
         sizes = [pool.size] if use_all_devices else range(1, pool.size + 1)
         for n in sizes:
             devices = pool.devices[:n]
-            if devices in seen:
+            if devices in seen or not pool.whole_nodes_first(n):
                 continue               # the same devices in another pool
             seen.add(devices)
             for tp in range(1, n + 1):

@@ -8,9 +8,9 @@ runs on the first ``n`` of a pool (ranks laid out ``tp`` innermost over them, as
 :mod:`autoplan.plan` describes), leaving the rest idle.
 
 * Every cluster has the pool of all its devices in cluster order (node by node, group
-  by group, site by site): its prefixes are whole nodes first, then the devices of one
+  by group, site by site): its prefixes are whole nodes, or some devices of the first
   node where the degrees allow (tensor- and context-parallel groups inside one NVLink
-  domain, :func:`prefix_domain`).
+  domain, :meth:`Pool.domain`; :meth:`Pool.whole_nodes_first`).
 * A cluster of several device types also has one pool per nonempty proper subset of
   its types (the devices of those types, in cluster order): leaving a slow group idle
   is one of the priced options.
@@ -24,7 +24,7 @@ Examples
 ['all', 'A100-SXM4-80GB', 'V100-SXM2-32GB']
 >>> p = pools(load_cluster("a100-sxm4-80gb", nodes=2))[0]
 >>> p.domain(16), p.domain(12), p.domain(5), p.whole_node(16), p.whole_node(12)
-(8, 4, 1, 8, None)
+(8, 4, 5, 8, None)
 """
 
 from __future__ import annotations
@@ -81,6 +81,13 @@ class Pool:
             full, left = self._split(n)
             hit = self._domains[n] = math.gcd(*full, left) if full or left else 1
         return hit
+
+    def whole_nodes_first(self, n: int) -> bool:
+        """Whether a layout may use the first ``n`` devices: whole nodes, or some of the
+        first node's (a layout of several nodes uses each whole: the devices a node
+        leaves idle would be idle for the layout's sake alone)."""
+        full, left = self._split(n)
+        return not left or not full
 
     def whole_node(self, n: int) -> int | None:
         """The device count of every node the first ``n`` devices use, when they fill

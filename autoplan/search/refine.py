@@ -133,7 +133,7 @@ def refine(cand: _Candidate, builder: _Builder, global_batch: int,
 
 def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
                  kinds: tuple[tuple[int, ...], ...], homogeneous: bool, m: int | None = None,
-                 caps: Any = None) -> float:
+                 caps: Any = None, estimate: Any = None) -> float:
     """A lower bound of the step time of every refinement of ``cand`` (any blocks per
     rank, any recompute per block; its degrees, schedule and ZeRO stage).
 
@@ -157,7 +157,7 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
                               cand.zero, c.micro_batch, c.schedule, m, caps=caps)
     if plain is None:
         return 0.0
-    est = engine.estimate(cand.layout)
+    est = estimate if estimate is not None else engine.estimate(cand.layout)
     layers = bounds.summary.layers
     none_time = bounds.sums(kinds[0], c.tp, c.cp, c.ep, c.sp, cand.zero, Recompute.NONE,
                             c.micro_batch)
@@ -188,7 +188,8 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
             rest.append(0.0)
     bound = bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
                               cand.zero, c.micro_batch, c.schedule, m,
-                              extra_bytes=extra, rest_s=sum(rest), rank_rest_s=rest, caps=caps)
+                              extra_bytes=extra, rest_s=sum(rest), rank_rest_s=rest, caps=caps,
+                              tail=not homogeneous)
     if bound is None:
         return math.inf
     return max(plain, bound + optimizer / c.pp)

@@ -187,11 +187,19 @@ def _micro_batches(space: SearchSpace, per_replica: int) -> list[int]:
 
 
 def _schedules(space: SearchSpace, pp: int, m: int, blocks: int) -> list[tuple[Schedule, int]]:
-    """Pipeline schedules and chunks per rank worth pricing with ``m`` micro-batches."""
+    """Pipeline schedules and chunks per rank worth pricing with ``m`` micro-batches.
+
+    GPipe only where 1F1B cannot run (fewer micro-batches than stages): the cost model
+    times them alike ((m - 1) x the slowest rank + every rank once) and GPipe holds every
+    micro-batch in flight where 1F1B holds at most pp, so GPipe is never the faster
+    layout that fits."""
     if pp == 1:
         return [(Schedule.ONE_F_ONE_B, 1)]
+    one_f_one_b = Schedule.ONE_F_ONE_B in space.schedules and m >= pp
     out: list[tuple[Schedule, int]] = []
     for s in space.schedules:
+        if s is Schedule.GPIPE and one_f_one_b:
+            continue
         if s is Schedule.INTERLEAVED:
             out += [(s, v) for v in space.virtual_stages
                     if blocks >= pp * v and m >= pp and m % pp == 0]
@@ -265,6 +273,7 @@ class _Search:
         self.all_floor = math.inf              # bound of the unpriced layouts of all devices
         self._sigma: dict[tuple, list[float]] = {}
         self._zero_lb: dict[int, float] = {}   # id(candidate) -> its ZeRO stage's bound
+        self._estimates: dict[int, Any] = {}   # id(candidate) -> its Estimate
         attention = engine.summary.kv_bytes_per_token is not None
         self.tpcp = self._degrees(attention)
 
@@ -415,7 +424,7 @@ class _Search:
                     for dp in dps:
                         n = g * pp * dp
                         if dp > B or n <= skip_upto or pool.domain(n) % tp \
-                                or not _placed(pool, n, g):
+                                or not _placed(pool, n, g) or not pool.whole_nodes_first(n):
                             continue
                         if sigma is None:
                             sigma = self._sigma_of(pi, tp, cp)
@@ -488,68 +497,89 @@ class _Search:
             zeros, _ = _ladder(self.space, sched)
             for ep in self._eps(pool, n, tp, cp, dp):
                 c = _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, pi)
-                lb = self.cheap_bound(c, counts, zeros)
-                if lb is None:
+                bounds = self.cheap_bounds(c, counts, zeros)
+                for z, lb in bounds.items():
+                    if lb * w >= self.threshold():
+                        self.pruned += 1
+                        self._floor(n, pi, lb)
+                        continue
+                    self._push(lb * w, ("s", c, split, counts, z))
+                if not bounds:
                     self.pruned += 1
                     if len(self.memory_out) < 64 and n == pool.size:
                         self.memory_out.append(c)
-                    continue
-                if lb * w >= self.threshold():
-                    self.pruned += 1
-                    self._floor(n, pi, lb)
-                    continue
-                self._push(lb * w, ("s", c, split, counts, lb))
 
-    def cheap_bound(self, c: _Combo, counts: tuple[int, ...],
-                    zeros: list[int]) -> float | None:
-        """:meth:`Bounds.cheap_bound`, the largest over the replica classes (None: no
-        layout of ``c`` at ``zeros`` fits)."""
-        lb = 0.0
+    def cheap_bounds(self, c: _Combo, counts: tuple[int, ...],
+                     zeros: list[int]) -> dict[int, float]:
+        """:meth:`Bounds.cheap_bound` of each ZeRO stage some layout of ``c`` can fit at,
+        plus the optimizer's step (:meth:`Bounds.tail`), the largest over the replica
+        classes."""
+        out: dict[int, float] = {z: 0.0 for z in zeros}
+        bounds = self.bounds
         for kinds, m, caps in self._classes(c, 1, counts):
-            x = self.bounds.cheap_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                                        zeros, c.micro_batch, c.schedule, m, caps)
-            if x is None:
-                return None
-            lb = max(lb, x)
-        return lb
+            # a higher ZeRO stage holds no more: once one fits its least-memory option,
+            # every higher one does
+            fits_from = None
+            for z in sorted(out):
+                least = bounds.least_memory(z, c.schedule)
+                if least is not None and bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp,
+                                                     c.cp, c.ep, c.sp, z, least,
+                                                     c.micro_batch, c.schedule, m, caps):
+                    fits_from = z
+                    break
+            if fits_from is None:
+                return {}
+            base = bounds.cheap_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                                      [], c.micro_batch, c.schedule, m, caps)
+            for z in list(out):
+                if z < fits_from:
+                    del out[z]
+                    continue
+                out[z] = max(out[z], base + bounds.tail(kinds, c.tp, c.cp, c.ep, z,
+                                                        c.n // c.pp // c.tp, c.pp, m))
+        return out
 
-    def expand_combo(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...]) -> None:
-        """The bound of each ZeRO stage of ``c``; the combination again, at the least."""
-        zb = self.zero_bounds(c, counts)
-        if not zb:
+    def cheap_bound(self, c: _Combo, counts: tuple[int, ...], zero: int) -> float | None:
+        """:meth:`cheap_bounds` of one ZeRO stage (None: no layout of ``c`` at it fits)."""
+        return self.cheap_bounds(c, counts, [zero]).get(zero)
+
+    def expand_combo(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...],
+                     zero: int) -> None:
+        """The bound of ZeRO stage ``zero`` of ``c``; the combination again, at it."""
+        lb = self.zero_bound(c, counts, zero)
+        if lb is None:
             self.pruned += 1
             return
-        lb = zb[0][0]
         w = self.weight(c.pool, c.n)
         if lb * w >= self.threshold():
             self.pruned += 1
             self._floor(c.n, c.pool, lb)
             return
         if self.heap and lb * w > self.heap[0][0]:
-            self._push(lb * w, ("c", c, split, counts, tuple(zb)))
+            self._push(lb * w, ("c", c, split, counts, ((lb, zero),)))
         else:
-            self.climb(c, split, counts, tuple(zb))
+            self.climb(c, split, counts, ((lb, zero),))
+
+    def zero_bound(self, c: _Combo, counts: tuple[int, ...], zero: int) -> float | None:
+        """:meth:`Bounds.zero_bound`, the largest over the replica classes (None: no layout
+        of ``c`` at ``zero`` fits)."""
+        if self.bounds.least_memory(zero, c.schedule) is None:
+            return None
+        threshold = self.threshold() / self.weight(c.pool, c.n)
+        lb = 0.0
+        for kinds, m, caps in self._classes(c, zero, counts):
+            x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                                       zero, c.micro_batch, c.schedule, m, threshold, caps=caps)
+            if x is None:
+                return None
+            lb = max(lb, x)
+        return lb
 
     def zero_bounds(self, c: _Combo, counts: tuple[int, ...]) -> list[tuple[float, int]]:
         """``(bound, zero)`` of every ZeRO stage some layout of ``c`` can fit at, least
-        bound first (:mod:`autoplan.search.bounds`; the largest over the replica classes)."""
+        bound first (:meth:`zero_bound`)."""
         zeros, _ = _ladder(self.space, c.schedule)
-        threshold = self.threshold() / self.weight(c.pool, c.n)
-        out = []
-        for z in zeros:
-            if self.bounds.least_memory(z, c.schedule) is None:
-                continue
-            lb = 0.0
-            for kinds, m, caps in self._classes(c, z, counts):
-                x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep,
-                                           c.sp, z, c.micro_batch, c.schedule, m, threshold,
-                                           caps=caps)
-                if x is None:
-                    lb = None
-                    break
-                lb = max(lb, x)
-            if lb is not None:
-                out.append((lb, z))
+        out = [(lb, z) for z in zeros if (lb := self.zero_bound(c, counts, z)) is not None]
         return sorted(out)
 
     # -------------------------------------------------------------- level 4: the ladder
@@ -584,7 +614,7 @@ class _Search:
                     break                # this and more recompute: bounded out
                 try:
                     lay = builder.layout(c, z, rc, counts, self.batch)
-                    q = engine.quick(lay)
+                    q = engine.estimate(lay)   # (its records: refinement's bound reads them)
                 except StrategyError:
                     seed = None
                     break
@@ -595,6 +625,7 @@ class _Search:
                     self.least_memory = cand
                 if q.fits:
                     self._zero_lb[id(cand)] = lb
+                    self._estimates[id(cand)] = q
                     self._record(cand)
                     seed = None
                     break
@@ -638,7 +669,7 @@ class _Search:
             elif kind == "m":
                 self.expand_micro(*item[1:10])
             elif kind == "s":
-                self.expand_combo(*item[1:4])
+                self.expand_combo(*item[1:5])
             else:
                 self.climb(*item[1:])
         for lb, _, item in self.heap:          # what was never reached
@@ -658,6 +689,8 @@ class _Search:
             c = cand.combo
             if c.v != 1 or not self.builder.blocks or (c.key(), cand.zero) in seen:
                 continue
+            if c.pp == 1 and cand.recompute is Recompute.NONE:
+                continue        # one stage, nothing recomputed: nothing to refine
             seen.add((c.key(), cand.zero))
             queue.append((self._zero_lb.get(id(cand), 0.0) * self.weight(c.pool, c.n),
                           cand.key, cand))
@@ -674,11 +707,13 @@ class _Search:
                 break
             c = cand.combo
             w = self.weight(c.pool, c.n)
+            est = self._estimates.get(id(cand))
             if homogeneous:
                 kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, cand.zero)
-                tight = refine_bound(cand, engine, bounds, kinds, True)
+                tight = refine_bound(cand, engine, bounds, kinds, True, estimate=est)
             else:
-                tight = max(refine_bound(cand, engine, bounds, kinds, False, m, caps)
+                tight = max(refine_bound(cand, engine, bounds, kinds, False, m, caps,
+                                         estimate=est)
                             for kinds, m, caps in self._classes(
                                 c, cand.zero, cand.layout.replica_micro_batches))
             if tight * w >= self.threshold():
