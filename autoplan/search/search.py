@@ -268,7 +268,6 @@ class _Search:
         self.least_memory: _Candidate | None = None
         self.evaluated = self.pruned = self.refined = 0
         self.unsplit: set[int] = set()
-        self.memory_out: list[_Combo] = []     # combos no layout of which can fit
         self.all_best: _Candidate | None = None
         self.all_floor = math.inf              # bound of the unpriced layouts of all devices
         self._sigma: dict[tuple, list[float]] = {}
@@ -506,8 +505,6 @@ class _Search:
                     self._push(lb * w, ("s", c, split, counts, z))
                 if not bounds:
                     self.pruned += 1
-                    if len(self.memory_out) < 64 and n == pool.size:
-                        self.memory_out.append(c)
 
     def cheap_bounds(self, c: _Combo, counts: tuple[int, ...],
                      zeros: list[int]) -> dict[int, float]:
@@ -733,9 +730,11 @@ class _Search:
             self.refined += 1
             if better is not None:
                 self._record(better)
-        if self.ranked or self.least_memory is not None:
+        if self.ranked:
             return
-        for c in self.memory_out:
+        # for the message: the least memory of any layout of every device (each degree
+        # combination at its least-memory option, one-sequence micro-batches)
+        for c in self._least_memory_combos():
             zeros, rcs = _ladder(self.space, c.schedule)
             if not zeros or not rcs:
                 continue
@@ -743,6 +742,8 @@ class _Search:
             if split is None:
                 continue
             counts = micro_batch_counts(split, c.micro_batch)
+            if any(schedule_problem(c.schedule, c.pp, c.v, m) for m in set(counts)):
+                continue
             try:
                 lay = self.builder.layout(c, zeros[-1], rcs[-1], counts, self.batch)
                 q = self.engine.quick(lay)
@@ -754,6 +755,25 @@ class _Search:
                               rcs[-1], lay, split, q.fits)
             if self.least_memory is None or q.peak_memory_bytes < self.least_memory.peak_bytes:
                 self.least_memory = cand
+
+    def _least_memory_combos(self) -> Iterable[_Combo]:
+        """Every degree combination of all of the first pool's devices with one-sequence
+        micro-batches, sequence parallelism where tp > 1, 1F1B (GPipe where 1F1B cannot
+        run) and each expert parallel degree."""
+        pool = self.pools[0]
+        N = pool.size
+        for tp, cp in self.tpcp:
+            g = tp * cp
+            for pp in range(1, max(self.blocks, 1) + 1):
+                if N % (g * pp) or pool.domain(N) % tp or not _placed(pool, N, g):
+                    continue
+                dp = N // (g * pp)
+                if dp > self.batch:
+                    continue
+                m = self.batch // dp
+                sched = Schedule.ONE_F_ONE_B if pp == 1 or m >= pp else Schedule.GPIPE
+                for ep in self._eps(pool, N, tp, cp, dp):
+                    yield _Combo(tp, cp, pp, dp, 1, sched, 1, self._sps(tp)[0], ep, 0)
 
     def idle_reason(self, cand: _Candidate, label: str) -> str:
         """Why ``cand`` leaves devices idle (empty when it uses them all)."""
