@@ -111,7 +111,7 @@ def _priced(engine: CostEngine, builder: _Builder, space: SearchSpace, graph: Mo
         base = _Combo(tp, cp, pp, dp, mb, Schedule.ONE_F_ONE_B, 1, False, 1, pi)
         for split in builder.replica_splits(base, global_batch, even=space.even_batches):
             counts = micro_batch_counts(split, mb)
-            for sched, v in _schedules(space, pp, min(counts), blocks):
+            for sched, v in _schedules(space, pp, max(1, global_batch // (dp * mb)), blocks):
                 if any(schedule_problem(sched, pp, v, m) for m in set(counts)):
                     continue
                 for sp in space.sequence_parallel:

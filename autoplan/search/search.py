@@ -489,8 +489,10 @@ class _Search:
         pool = self.pools[pi]
         n = tp * cp * pp * dp
         w = self.weight(pi, n)
-        m_min = min(counts)
-        for sched, v in _schedules(self.space, pp, m_min, self.blocks):
+        # the schedules of the even split's micro-batches (torch's limits checked per
+        # replica below)
+        for sched, v in _schedules(self.space, pp, max(1, self.batch // (dp * mb)),
+                                   self.blocks):
             if any(schedule_problem(sched, pp, v, m) for m in set(counts)):
                 continue
             zeros, _ = _ladder(self.space, sched)
