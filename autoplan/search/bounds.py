@@ -139,7 +139,10 @@ class Bounds:
 
     def _signature_of(self, rank: tuple[int, ...], tp: int, cp: int, ep: int,
                       zero: int) -> tuple:
-        engine, place = self.engine, self.engine.cluster.placement
+        engine = self.engine
+        # the cluster's placement of a group (Cluster.placement) without its argument
+        # checks: the engine's groups are valid device indices
+        place = engine.cluster._signature
         g = engine._groups(rank, tp, cp, ep, 0)
         return (engine.device_of(g.replica).name, place(g.tp),
                 place(g.cp) if g.cp else (), place(g.ep) if g.ep else (),
@@ -340,6 +343,7 @@ class Bounds:
         head it holds (states and activations) and its pipeline buffers (receive buffers
         of every micro-batch of the step where the stack keeps them, else a receive and a
         send buffer of a boundary); every other buffer of the engine is left out."""
+        m = self._flight_count(schedule, pp, v, m)
         key = (pool, n_devices, id(kind), pp, v, tp, cp, ep, sp, zero, b, schedule, m,
                None if caps is None else tuple(caps))
         hit = self._rooms.get(key)
@@ -351,6 +355,18 @@ class Bounds:
             self._rooms.clear()
         self._rooms[key] = (kind, out)
         return out
+
+    def _flight_count(self, schedule: Schedule, pp: int, v: int, m: int) -> int:
+        """``m``, or a smaller count the memory model sees alike: past ``(v + 1) pp``
+        micro-batches no rank holds more in flight (:func:`autoplan.cost.in_flight`;
+        GPipe holds all of them), and only ``m > 1`` changes the states (gradients
+        accumulate); the per-micro-batch pipeline buffers grow with every one."""
+        if pp == 1:
+            return min(m, 2)
+        if schedule is Schedule.GPIPE or getattr(self.engine.options,
+                                                 "pp_buffers_per_micro_batch", False):
+            return m
+        return min(m, (v + 1) * pp + 1)
 
     def _room_of(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
                  tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
@@ -515,7 +531,8 @@ class Bounds:
                    extra_bytes: Sequence[float] | None = None,
                    rest_s: float = 0.0,
                    rank_rest_s: Sequence[float] | None = None,
-                   caps: Sequence[float] | None = None, tail: bool = True) -> float | None:
+                   caps: Sequence[float] | None = None, tail: bool = True,
+                   exact: bool = True) -> float | None:
         """A lower bound of the step time of every layout at ZeRO stage ``zero`` (any
         recompute per block, any split of the blocks), or None when none fits.
 
@@ -537,7 +554,14 @@ class Bounds:
         ``rest_s``) the busiest rank is also bounded by the fractional min-max split:
         the least time ``T`` at which the ranks can hold every block, rank ``p`` at most
         the blocks whose time, with the recompute its memory forces on them, stays within
-        ``T`` (bisection; what CP-SAT solves in whole numbers)."""
+        ``T`` (bisection; what CP-SAT solves in whole numbers).
+
+        ``exact=False`` at ZeRO-2/3: the layers' times of ZeRO-0/1 (no data-parallel
+        group to price) and recompute at what it adds there.  Still a bound: a block's
+        exposed ZeRO collectives ``e >= 0`` add ``e`` to its time, and recompute hides at
+        most ``e`` of them, so every block's time at ``z`` is at least its ZeRO-0/1
+        time plus, where recomputed, ZeRO-0/1's addition.  What the search takes first;
+        the exact bound only for what that leaves below the best plan."""
         n = self.num_blocks
         block, room_of = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, zero, b,
                                     schedule, m, caps)
@@ -577,6 +601,7 @@ class Bounds:
             return cheap
         none_bytes = self.sums(kinds[0], tp, cp, ep, sp, 1, Recompute.NONE, b)
         a_none = min(none_bytes.saved[t] for t in bt)
+        layers_at = zero if exact else min(zero, 1)
         # what recompute saves per block and micro-batch in flight, and at what time: the
         # lower convex hull of the options' (bytes saved, seconds added)
         points = [(0.0, 0.0)]
@@ -594,7 +619,7 @@ class Bounds:
                 for k in kinds:
                     one_none = self.sums(k, tp, cp, ep, sp, 1, Recompute.NONE, b)
                     one_rc = self.sums(k, tp, cp, ep, sp, 1, rc, b)
-                    at_none = self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b)
+                    at_none = self.sums(k, tp, cp, ep, sp, layers_at, Recompute.NONE, b)
                     for t in bt:
                         exposed = max(0.0, at_none.time_s[t] - one_none.time_s[t])
                         extra = min(extra, one_rc.time_s[t] - one_none.time_s[t] - exposed)
@@ -615,7 +640,7 @@ class Bounds:
             return None                         # the blocks do not fit, whatever recompute
         at_least = 0.0
         if rank_rest_s is not None and pp > 1:
-            sums = [self.sums(k, tp, cp, ep, sp, zero, Recompute.NONE, b) for k in kinds]
+            sums = [self.sums(k, tp, cp, ep, sp, layers_at, Recompute.NONE, b) for k in kinds]
             if not isinstance(kinds, ByRank):       # every rank at the fastest kind's
                 sums = [_Sums({t: min(x.time_s[t] for x in sums) for t, _ in self.layers},
                               {}, {}, {})] * pp
@@ -661,8 +686,8 @@ class Bounds:
                 else:
                     lo = mid
             at_least = lo
-        return max(cheap, self._balanced(kinds, tp, cp, ep, sp, zero, b, schedule, pp, v, m,
-                                         first, last, spent + rest_s, at_least) + after)
+        return max(cheap, self._balanced(kinds, tp, cp, ep, sp, layers_at, b, schedule, pp, v,
+                                         m, first, last, spent + rest_s, at_least) + after)
 
     def cheap_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
                     pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zeros: Sequence[int],
