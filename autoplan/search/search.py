@@ -543,23 +543,35 @@ class _Search:
         return self.cheap_bounds(c, counts, [zero]).get(zero)
 
     def expand_combo(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...],
-                     zero: int) -> None:
-        """The bound of ZeRO stage ``zero`` of ``c``; the combination again, at it."""
-        lb = self.zero_bound(c, counts, zero)
+                     zero: int, exact: bool = False, lb_before: float = 0.0) -> None:
+        """The bound of ZeRO stage ``zero`` of ``c``; the combination again, at it.
+
+        At ZeRO-2/3 the bound without the data-parallel collectives first
+        (:meth:`Bounds.zero_bound`'s ``exact=False``: no terms of the data-parallel
+        group to price), the exact one once that is the least bound left."""
+        exact = exact or zero < 2
+        lb = self.zero_bound(c, counts, zero, exact)
         if lb is None:
             self.pruned += 1
             return
+        lb = max(lb, lb_before)
         w = self.weight(c.pool, c.n)
         if lb * w >= self.threshold():
             self.pruned += 1
             self._floor(c.n, c.pool, lb)
             return
-        if self.heap and lb * w > self.heap[0][0]:
+        if not exact:
+            if self.heap and lb * w > self.heap[0][0]:
+                self._push(lb * w, ("z", c, split, counts, zero, True, lb))
+                return
+            self.expand_combo(c, split, counts, zero, True, lb)
+        elif self.heap and lb * w > self.heap[0][0]:
             self._push(lb * w, ("c", c, split, counts, ((lb, zero),)))
         else:
             self.climb(c, split, counts, ((lb, zero),))
 
-    def zero_bound(self, c: _Combo, counts: tuple[int, ...], zero: int) -> float | None:
+    def zero_bound(self, c: _Combo, counts: tuple[int, ...], zero: int,
+                   exact: bool = True) -> float | None:
         """:meth:`Bounds.zero_bound`, the largest over the replica classes (None: no layout
         of ``c`` at ``zero`` fits)."""
         if self.bounds.least_memory(zero, c.schedule) is None:
@@ -568,7 +580,8 @@ class _Search:
         lb = 0.0
         for kinds, m, caps in self._classes(c, zero, counts):
             x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
-                                       zero, c.micro_batch, c.schedule, m, threshold, caps=caps)
+                                       zero, c.micro_batch, c.schedule, m, threshold, caps=caps,
+                                       exact=exact)
             if x is None:
                 return None
             lb = max(lb, x)
@@ -667,12 +680,12 @@ class _Search:
                 self.expand_devices(*item[1:6], item[6])
             elif kind == "m":
                 self.expand_micro(*item[1:10])
-            elif kind == "s":
-                self.expand_combo(*item[1:5])
+            elif kind in "sz":
+                self.expand_combo(*item[1:])
             else:
                 self.climb(*item[1:])
         for lb, _, item in self.heap:          # what was never reached
-            if item[0] in "cs":
+            if item[0] in "csz":
                 self._floor(item[1].n, item[1].pool, lb / self.weight(item[1].pool, item[1].n))
             else:
                 pi, tp, cp, pp, dp = item[1:6]
@@ -764,9 +777,10 @@ class _Search:
         run) and each expert parallel degree."""
         pool = self.pools[0]
         N = pool.size
+        lo_pp, hi_pp = self.space.pipeline_parallel or (1, max(self.blocks, 1))
         for tp, cp in self.tpcp:
             g = tp * cp
-            for pp in range(1, max(self.blocks, 1) + 1):
+            for pp in range(max(lo_pp, 1), min(hi_pp, max(self.blocks, 1)) + 1):
                 if N % (g * pp) or pool.domain(N) % tp or not _placed(pool, N, g):
                     continue
                 dp = N // (g * pp)
@@ -856,7 +870,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     if not s.ranked:
         s.rescue()
     if not s.ranked:
-        if s.least_memory is not None:
+        if s.least_memory is not None and not s.least_memory.fits:
             raise _infeasible(engine, s.least_memory, graph, cluster)
         if bound_s < math.inf:
             raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
