@@ -3,7 +3,9 @@
 The flow: :func:`trace` captures a model as a costed layer graph;
 :func:`load_cluster` describes the hardware; :func:`estimate` predicts the step
 time and memory of a layout; :func:`plan` searches the layouts;
-:func:`parallelize` runs the chosen plan with torch.distributed.
+:func:`parallelize` runs the chosen plan with torch.distributed.  Embedding-heavy
+models (recommendation) take :func:`trace_sparse` and :func:`plan_sparse`
+(:mod:`autoplan.sparse`), whose :class:`SparsePlan` :func:`parallelize` runs too.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from .zoo import trace  # capture.trace, also taking "zoo:<name>" / "hf:<type>" 
 __all__ = ["trace", "ModelGraph", "LayerRecord", "AutoplanError", "load_cluster", "compose_cluster",
            "available_profiles", "Cluster", "Strategy", "estimate", "estimate_plan", "Estimate",
            "plan", "Plan", "replan", "plan_diff", "parallelize", "ParallelModel", "whatif",
-           "__version__"]
+           "trace_sparse", "plan_sparse", "SparsePlan", "__version__"]
 
 # Heavier entry points load on first use: the runtime pulls in torch.distributed's
 # tensor/FSDP/pipelining stacks, the reports pandas plotting and matplotlib.
-_LAZY = {"parallelize": ".runtime", "ParallelModel": ".runtime", "whatif": ".report"}
+_LAZY = {"parallelize": ".runtime", "ParallelModel": ".runtime", "whatif": ".report",
+         # the sparse mode (embedding tables on GPUs, host memory and CPU servers)
+         "trace_sparse": ".sparse", "plan_sparse": ".sparse", "SparsePlan": ".sparse"}
 __getattr__, __dir__ = _lazy_names(__name__, _LAZY, __all__)
 
 __version__ = "0.1.0"

@@ -18,6 +18,8 @@ from .errors import AutoplanError
 __all__ = ["main"]
 
 EXIT_USAGE = 2
+#: Exit status after Ctrl-C (SIGINT), as shells report a process a signal ended: 128 + 2.
+EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,11 +79,14 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     model, seq = _load_model(args)
     if seq is None:
         raise _UsageError(f"{args.model} needs --seq-len")
-    graph = trace(model, seq_len=seq, micro_batch=args.micro_batch)
+    from .zoo import model_title, parse_model_args
+    graph = trace(model, seq_len=seq, micro_batch=args.micro_batch,
+                  title=model_title(args.model, parse_model_args(args.model_arg)))
     if args.out:
         atomic_write_text(args.out, graph.to_json())
     table = graph.layer_table()
-    text = (f"{graph.model}: {graph.num_params / 1e9:.2f}B parameters, {len(graph.blocks)} blocks, "
+    text = (f"{graph.title or graph.model}: {graph.num_params / 1e9:.2f}B parameters, "
+            f"{len(graph.blocks)} blocks, "
             f"captured with {graph.capture}, objective {graph.objective}\n"
             f"per micro-batch of {graph.micro_batch} x {graph.seq_len} tokens: "
             f"forward {graph.fwd_flops / 1e12:.2f} TFLOP, backward {graph.bwd_flops / 1e12:.2f} TFLOP, "
@@ -108,7 +113,8 @@ class _Step:
     def __exit__(self, exc_type, *_: Any) -> None:
         import time
         if not self.quiet:
-            status = "failed" if exc_type else f"{time.perf_counter() - self.t0:.1f} s"
+            status = ("interrupted" if exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+                      else "failed" if exc_type else f"{time.perf_counter() - self.t0:.1f} s")
             sys.stderr.write(f" {status}\n")
             sys.stderr.flush()
 
@@ -236,9 +242,73 @@ def _plan_text(plan, cluster) -> str:
     return "\n".join(lines)
 
 
+def _is_sparse(args: argparse.Namespace) -> bool:
+    """An embedding model for the sparse planner: a sparse zoo entry, or ``--sparse``."""
+    from .zoo import SPARSE_ZOO
+    return getattr(args, "sparse", False) or (
+        args.model.startswith("zoo:") and args.model[4:] in SPARSE_ZOO)
+
+
+def _sparse_graph(args: argparse.Namespace, quiet: bool):
+    """The sparse capture of ``args.model`` (a file model defines ``example_inputs()``)."""
+    from .sparse import trace_sparse
+    from .zoo import build_model, parse_model_args
+    if args.model.startswith("zoo:"):
+        spec, inputs = args.model, None
+    else:
+        import importlib.util
+        spec, _ = build_model(args.model, parse_model_args(args.model_arg))
+        path = args.model.rpartition(":")[0]
+        mod_spec = importlib.util.spec_from_file_location("_autoplan_user_inputs", path)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        if not callable(getattr(module, "example_inputs", None)):
+            raise _UsageError(f"--sparse needs {path} to define example_inputs() returning one "
+                              "batch of the model's inputs")
+        inputs = module.example_inputs()
+    with _Step(f"capturing {args.model}'s tables and dense part", quiet):
+        return trace_sparse(spec, inputs)
+
+
+def _servers(args: argparse.Namespace):
+    from .errors import ConfigError
+    from .sparse import ServerSpec
+    try:
+        return [ServerSpec.parse(s) for s in (getattr(args, "servers", None) or [])]
+    except ConfigError as exc:
+        raise _UsageError(f"--servers: {exc}") from None
+
+
+def _cmd_plan_sparse(args: argparse.Namespace) -> int:
+    """``autoplan plan`` of an embedding model: every table's placement (autoplan.sparse)."""
+    from .cost import CostOptions
+    from .records import atomic_write_text
+    from .sparse import plan_sparse, plan_text
+    cluster = _load_cluster(args)
+    for srv in _servers(args):
+        cluster = cluster.with_servers(srv.profile, srv.count) if srv.count else cluster
+    _check_search_args(args)
+    graph = _sparse_graph(args, args.json)
+    with _Step(f"placing {len(graph.tables)} tables on {cluster.num_devices} devices"
+               + (f" and {len(cluster.servers)} servers" if cluster.servers else ""), args.json):
+        best = plan_sparse(graph, cluster, global_batch=args.global_batch,
+                           precision=args.precision,
+                           options=CostOptions(memory_fraction=args.memory_fraction))
+    if args.out:
+        atomic_write_text(args.out, best.to_json())
+    _emit(args, {"plan": best.to_dict()},
+          plan_text(best, graph) + (f"\n\nplan written to {args.out}" if args.out else ""))
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .records import atomic_write_text
     from .search import plan as make_plan
+    if _is_sparse(args):
+        return _cmd_plan_sparse(args)
+    if getattr(args, "servers", None):
+        raise _UsageError("--servers places embedding tables: use it with an embedding model "
+                          "(a sparse zoo entry, or --sparse)")
     cluster = _load_cluster(args)           # names and numbers first: capture takes seconds
     _check_search_args(args)
     options = _stack_options(args)
@@ -273,30 +343,51 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="write the best plan's JSON here")
     p.add_argument("--explain", action="store_true",
                    help="add a legend of the layout terms (dp, tp, mb, zero, rc-, ...)")
+    _add_sparse_args(p)
     p.add_argument("--json", action="store_true")
+
+
+def _add_sparse_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    p.add_argument("--sparse", action="store_true",
+                   help="plan an embedding model's tables (autoplan.sparse; implied for the "
+                        "zoo's dlrm-dcnv2, dlrm-criteo and two-tower); a file model then "
+                        "defines example_inputs()")
+    p.add_argument("--servers", nargs="+" if many else 1, metavar="PROFILE:COUNT",
+                   help="CPU parameter servers beside the devices, e.g. cpu-server-2s-epyc:2"
+                        + (" (several: one scenario each; COUNT 0 for none)" if many else ""))
 
 
 #: ``--precision`` of estimate and plan: :class:`autoplan.strategy.Precision`'s recipes
 PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
 
-DEMO = dict(model="zoo:gpt3-175b", cluster="a100-sxm4-80gb", nodes=128, global_batch=1536)
+#: The demo's job: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, hidden 12288, 96 heads,
+#: tied embeddings; vocabulary 51200 as Narayanan et al. 2021) built as the package's own GPT,
+#: so a plain install (no transformers) runs it, on the cluster of Narayanan et al. 2021.
+DEMO = dict(model="gpt", title="GPT-3 175B", seq_len=2048, cluster="a100-sxm4-80gb", nodes=128,
+            global_batch=1536,
+            config=dict(vocab_size=51200, seq_len=2048, hidden=12288, heads=96, layers=96,
+                        tie_embeddings=True))
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from .capture import trace
     from .cost import estimate
     from .search import plan as make_plan
     from .strategy import Strategy
-    ns = argparse.Namespace(model=DEMO["model"], model_arg=[], seq_len=None, cluster=DEMO["cluster"],
-                            nodes=DEMO["nodes"], json=args.json)
+    from .zoo import build_model
+    ns = argparse.Namespace(cluster=DEMO["cluster"], nodes=DEMO["nodes"])
     if not args.json:
         sys.stdout.write(
-            f"autoplan demo: GPT-3 175B (zoo:gpt3-175b, built on the meta device, nothing downloaded)\n"
+            f"autoplan demo: {DEMO['title']} (autoplan's own GPT at GPT-3's shape, built on the "
+            f"meta device: nothing downloaded)\n"
             f"on {DEMO['nodes']} DGX A100 nodes (1024 GPUs, shipped profile {DEMO['cluster']}), "
-            f"global batch {DEMO['global_batch']} x 2048 tokens\n\n")
+            f"global batch {DEMO['global_batch']} x {DEMO['seq_len']} tokens\n\n")
         sys.stdout.flush()
     options = _stack_options(args)
-    graph = _trace_cached(ns, args.json)
     cluster = _load_cluster(ns)
+    model, _ = build_model(DEMO["model"], DEMO["config"])
+    with _Step(f"capturing {DEMO['title']} at seq_len {DEMO['seq_len']}", args.json):
+        graph = trace(model, seq_len=DEMO["seq_len"], title=DEMO["title"])
     with _Step("searching layouts", args.json):
         best = make_plan(graph, cluster, global_batch=DEMO["global_batch"], top_k=5,
                          options=options)
@@ -376,8 +467,13 @@ def _cmd_emit(args: argparse.Namespace) -> int:
     name = os.path.basename(args.out)
     cluster = _load_cluster(args) if args.cluster else None   # emit_script checks it is the plan's
     elastic = dict(min_nodes=args.min_nodes, max_restarts=args.max_restarts)
-    atomic_write_text(args.out, emit_script(plan, args.model, overrides, name, cluster=cluster,
-                                            **elastic))
+    if plan.fingerprint is None:
+        sys.stderr.write(f"note: {args.plan} comes from an older autoplan and records no model "
+                         "fingerprint: only the model's class and layer names are checked against "
+                         "it; plan again to record one\n")
+    with _Step(f"checking {args.model} against the plan", args.json):
+        text = emit_script(plan, args.model, overrides, name, cluster=cluster, **elastic)
+    atomic_write_text(args.out, text)
     os.chmod(args.out, 0o755)
     cmds = launch_commands(plan, name, **elastic)
     _emit(args, {"script": args.out, "commands": cmds},
@@ -430,16 +526,63 @@ def _parse_price(items: list[str] | None):
     return prices
 
 
+def _whatif_clusters(args: argparse.Namespace) -> list:
+    """Every (cluster, nodes) scenario of ``--cluster`` and ``--nodes``, checked (profile names,
+    node counts) before the capture: node profiles take each ``--nodes`` value, composite
+    ones (several kinds of node, sites) are whole and take none."""
+    from .hardware import Profile, load_cluster, load_profile
+    names = [n for item in args.cluster for n in item.split(",") if n]
+    if not names:
+        raise _UsageError("--cluster needs at least one profile name or YAML path")
+    clusters = []
+    for name in dict.fromkeys(names):
+        if not isinstance(load_profile(name), Profile) and args.nodes:
+            raise _UsageError(f"--nodes sets the node count of node profiles, but {name} is a "
+                              "whole cluster (several kinds of node or sites): compare it in a "
+                              "call without --nodes")
+        clusters += [load_cluster(name, nodes=n) for n in dict.fromkeys(args.nodes or [None])]
+    return clusters
+
+
+def _cmd_whatif_sparse(args: argparse.Namespace) -> int:
+    """``autoplan whatif`` of an embedding model: one row per cluster, servers and batch."""
+    from .cost import CostOptions
+    from .records import atomic_write_text
+    from .sparse import Prices, sparse_whatif, whatif_text
+    clusters = _whatif_clusters(args)
+    servers = _servers(args) or [None]
+    price = _parse_price(args.price)
+    if isinstance(price, dict):
+        if len(set(price.values())) != 1:
+            raise _UsageError("an embedding model's what-if takes one --price per device-hour "
+                              "(every device of its clusters rented at it)")
+        price = next(iter(price.values()))
+    prices = None
+    if price is not None:
+        prices = Prices(device_hour=price, server_hour=args.server_price or 0.0,
+                        source="--price and --server-price")
+    graph = _sparse_graph(args, args.json)
+    progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    df = sparse_whatif(graph, clusters=clusters,
+                       global_batch=args.global_batch, servers=servers, prices=prices,
+                       progress=progress, options=CostOptions(memory_fraction=args.memory_fraction))
+    if args.csv:
+        atomic_write_text(args.csv, df.to_csv(index=False))
+    sys.stdout.write((df.to_json(orient="records") if args.json else whatif_text(df)) + "\n")
+    return 0
+
+
 def _cmd_whatif(args: argparse.Namespace) -> int:
+    from .errors import ConfigError
     from .records import atomic_write_text
     from .report import whatif
-    from .hardware import load_cluster
-    from .zoo import build_model, parse_model_args
+    from .zoo import build_model, model_title, parse_model_args
+    if _is_sparse(args):
+        return _cmd_whatif_sparse(args)
     # names and numbers first: building and capturing the model takes seconds
-    nodes = args.nodes or [None]
-    for n in nodes:
-        load_cluster(args.cluster, nodes=n)
-    for flag, values in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len or [])):
+    clusters = _whatif_clusters(args)
+    for flag, values in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len or []),
+                         ("--nodes", args.nodes or [])):
         bad = [v for v in values if v < 1]
         if bad:
             raise _UsageError(f"{flag} values must be positive, got {bad[0]}")
@@ -448,15 +591,31 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
     _check_fraction(args.memory_fraction)
     options = _stack_options(args)
     price = _parse_price(args.price)
-    model, default_seq = build_model(args.model, parse_model_args(args.model_arg))
+    if isinstance(price, dict):          # a GPU type without a price: said now, not per row
+        from .report import cluster_price_per_hour
+        for cluster in clusters:
+            try:
+                cluster_price_per_hour(cluster, price)
+            except ConfigError as exc:
+                raise _UsageError(str(exc).replace("price_per_gpu_hour", "--price")
+                                  + " (TYPE=PRICE), or give one price for every GPU") from None
+    overrides = parse_model_args(args.model_arg)
+    model, default_seq = build_model(args.model, overrides)
     seqs = args.seq_len or ([default_seq] if default_seq else None)
     if not seqs:
         raise _UsageError(f"{args.model} needs --seq-len")
-    clusters = [(args.cluster, n) if n is not None else args.cluster for n in nodes]
+    from .capture import trace
+    title = model_title(args.model, overrides)
     progress = None if args.json else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    df = whatif(model, clusters=clusters, global_batch=args.global_batch, seq_len=seqs,
-                price_per_gpu_hour=price, memory_fraction=args.memory_fraction,
-                top_k=args.top_k, progress=progress, options=options)
+    graphs = []
+    for seq in seqs:
+        with _Step(f"capturing {args.model} at seq_len {seq}", args.json):
+            graphs.append(trace(model, seq_len=seq, title=title))
+    import pandas as pd
+    df = pd.concat([whatif(g, clusters=clusters, global_batch=args.global_batch,
+                           price_per_gpu_hour=price, memory_fraction=args.memory_fraction,
+                           top_k=args.top_k, progress=progress, options=options)
+                    for g in graphs], ignore_index=True)
     if args.csv:
         atomic_write_text(args.csv, df.to_csv(index=False))
     if args.json:
@@ -470,15 +629,24 @@ def _cmd_whatif(args: argparse.Namespace) -> int:
 def _build_whatif(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo:<name>, hf:<model_type>, gpt, or path/to/file.py:factory")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--cluster", required=True, help="a shipped profile name or a YAML path")
-    p.add_argument("--nodes", type=int, nargs="+", help="node counts to compare")
+    p.add_argument("--cluster", required=True, nargs="+", action="extend", metavar="PROFILE",
+                   help="profile names or YAML paths to compare, in one table (several values, "
+                        "a comma-separated list, or the flag repeated)")
+    p.add_argument("--nodes", type=int, nargs="+", help="node counts to compare, for each node "
+                                                       "profile of --cluster")
     p.add_argument("--global-batch", type=int, nargs="+", required=True)
     p.add_argument("--seq-len", type=int, nargs="+")
-    p.add_argument("--price", nargs="+", help="price per GPU-hour: one number or TYPE=PRICE pairs")
+    p.add_argument("--price", nargs="+", metavar="PRICE",
+                   help="price per GPU-hour: one number for every GPU, or one per GPU type as "
+                        "TYPE=PRICE pairs (device type or profile name: "
+                        "a100-sxm4-80gb=1.8 h100-sxm5-80gb=3.0)")
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--csv", help="also write the table as CSV")
     _add_stack_arg(p)
+    _add_sparse_args(p, many=True)
+    p.add_argument("--server-price", type=float, default=None,
+                   help="price of one CPU server per hour (with --price, an embedding model)")
     p.add_argument("--json", action="store_true")
 
 
@@ -486,6 +654,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_plan_report
     from .search import plan as make_plan
     cluster = _load_cluster(args)
+    if args.out and not args.no_figures:       # before planning: the figures need matplotlib
+        from ._optional import require
+        from .errors import MissingDependencyError
+        try:
+            require("matplotlib", "the HTML report's figures")
+        except MissingDependencyError as exc:
+            raise MissingDependencyError(f"{exc}; or pass --no-figures",
+                                         package=exc.package) from None
     if args.plan:
         best = _read_plan(args.plan)
         _check_plan_cluster(best, cluster, args)
@@ -542,14 +718,15 @@ def _build_trace(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the graph as JSON")
 
 
-_register("demo", "plan GPT-3 175B on 1024 A100 GPUs (offline) and explain the choice",
+_register("demo", "plan GPT-3 175B on 1024 A100 GPUs and explain the choice (offline, "
+                  "10-20 s on 2 cores)",
           _build_demo, _cmd_demo)
 _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd_trace)
 _register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
 _register("plan", "search the fastest layout that fits", _build_plan, _cmd_plan)
 _register("emit", "write a torchrun training script for a plan", _build_emit, _cmd_emit)
 _register("report", "a plan's report as text and self-contained HTML", _build_report, _cmd_report)
-_register("whatif", "compare clusters, batches and sequence lengths in one table",
+_register("whatif", "compare clusters, GPU types, batches and prices in one table",
           _build_whatif, _cmd_whatif)
 
 
@@ -587,7 +764,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"autoplan {args.command}: error: {exc}\n")
         return EXIT_USAGE if isinstance(exc, (ValueError, KeyError)) else 1
     except KeyboardInterrupt:
-        return 130
+        if debug:
+            raise
+        sys.stderr.write(f"autoplan {args.command}: interrupted\n")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -205,6 +205,9 @@ def emit_script(plan: Plan, model_spec: str, model_args: dict[str, Any] | None =
 
     Raises
     ------
+    PlanMismatchError
+        When the plan was made for another model (its fingerprint, or in an older plan
+        its layer names, differ from ``model_spec``'s).
     ConfigError
         When the plan's precision is one the runtime cannot run (fp16, fp8), when the
         plan has no sequence length (the script trains token models),
@@ -218,11 +221,13 @@ def emit_script(plan: Plan, model_spec: str, model_args: dict[str, Any] | None =
     if plan.seq_len is None:
         raise ConfigError("emit writes training scripts for token models; this plan has no "
                           "sequence length")
-    vocab_size = getattr(getattr(build_model(model_spec, model_args)[0], "config", None),
-                         "vocab_size", None)
+    model = build_model(model_spec, model_args)[0]
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if not isinstance(vocab_size, int):
         raise ConfigError(f"the model {model_spec!r} has no config.vocab_size: the emitted "
                           "script trains token models")
+    from .capture import trace
+    plan.check_model(trace(model, seq_len=plan.seq_len))    # a plan for another model: refused
     if cluster is not None and ClusterSummary.from_cluster(cluster) != plan.cluster:
         raise ConfigError(f"the plan was made for {plan.cluster.num_devices} devices of "
                           f"{plan.cluster.name!r}, not for the cluster given "

@@ -19,6 +19,8 @@ __all__ = [
     "InfeasiblePlan",
     "PlanMismatchError",
     "CheckpointError",
+    "UserCodeError",
+    "MissingDependencyError",
 ]
 
 
@@ -97,3 +99,23 @@ class PlanMismatchError(AutoplanError, ValueError):
 
 class CheckpointError(AutoplanError):
     """A checkpoint that is missing, partial or corrupt."""
+
+
+class UserCodeError(AutoplanError):
+    """The user's own code failed: a model file that does not import, or a factory or
+    model that raises.  ``file`` and ``line`` point into that code (the innermost frame
+    there), so the message reads as the user's error, not autoplan's."""
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None) -> None:
+        self.file = file
+        self.line = line
+        super().__init__(message)
+
+
+class MissingDependencyError(AutoplanError, ImportError):
+    """An optional package a feature needs is not installed; the message gives the
+    ``pip install`` line that adds it.  ``package`` is the missing import name."""
+
+    def __init__(self, message: str, *, package: str) -> None:
+        self.package = package
+        super().__init__(message)

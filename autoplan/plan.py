@@ -53,6 +53,7 @@ True
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -69,8 +70,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .cost.summary import GraphSummary
     from .hardware import Cluster
 
-__all__ = ["ClusterSummary", "MeshPlan", "StagePlan", "LayerPlacement", "Plan", "MESH_DIMS",
-           "even_block_counts", "chunk_bounds", "expert_counts", "split_layers"]
+__all__ = ["ClusterSummary", "ModelFingerprint", "MeshPlan", "StagePlan", "LayerPlacement", "Plan",
+           "MESH_DIMS", "even_block_counts", "chunk_bounds", "expert_counts", "split_layers"]
 
 #: Mesh dimensions, outermost first.
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -90,6 +91,79 @@ class ClusterSummary(Record):
     def from_cluster(cls, cluster: "Cluster") -> "ClusterSummary":
         return cls(cluster.name, cluster.num_devices, cluster.num_nodes,
                    tuple(t.name for t in cluster.device_types), tuple(cluster.sites))
+
+
+@dataclass(frozen=True)
+class ModelFingerprint(Record):
+    """What a plan records of the model it was made for, so that ``emit``,
+    ``parallelize`` and ``replan`` can refuse a plan for another model.
+
+    ``model`` is the model's class; ``num_params`` its parameter count (a tied
+    parameter once); ``layer_params`` every captured layer's name and parameter count,
+    in model order; ``attributes`` the shape figures the capture read (hidden size,
+    heads, vocabulary, ...); ``linears_sha256`` a digest of every layer's linears
+    (name, in and out features, experts, bias): shapes the counts could leave equal.
+    Plans written before fingerprints were recorded load with ``fingerprint=None``.
+
+    Examples
+    --------
+    >>> from autoplan import trace
+    >>> from autoplan.models import GPT, GPTConfig
+    >>> def fp(hidden):
+    ...     cfg = GPTConfig(vocab_size=64, seq_len=16, hidden=hidden, heads=4, layers=2)
+    ...     return ModelFingerprint.of(trace(GPT(cfg), seq_len=16))
+    >>> fp(32).differences(fp(32))
+    []
+    >>> fp(32).differences(fp(64))[0]
+    'hidden_size 32 (this model: 64)'
+    """
+
+    model: str
+    num_params: int
+    layer_params: dict[str, int]
+    attributes: dict[str, int]
+    linears_sha256: str
+
+    @classmethod
+    def of(cls, graph: ModelGraph) -> "ModelFingerprint":
+        """The fingerprint of a captured model."""
+        digest = hashlib.sha256()
+        for layer in graph.layers:
+            for lin in layer.tp.linears:
+                digest.update(f"{layer.name}/{lin.name}:{lin.in_features}x{lin.out_features}"
+                              f"x{lin.num_experts}:{int(lin.bias)};".encode())
+        return cls(graph.model, graph.num_params, {l.name: l.param_count for l in graph.layers},
+                   dict(graph.attributes), digest.hexdigest())
+
+    def differences(self, other: "ModelFingerprint") -> list[str]:
+        """What this fingerprint's model has that ``other`` ("this model") has not, the
+        most telling first; empty when they match."""
+        out = []
+        if self.model != other.model:
+            out.append(f"a {self.model} (this model: a {other.model})")
+        names, theirs = list(self.layer_params), list(other.layer_params)
+        if names != theirs:
+            first = next((i for i, (a, b) in enumerate(zip(names, theirs)) if a != b),
+                         min(len(names), len(theirs)))
+            at = lambda ls: ls[first] if first < len(ls) else "none"  # noqa: E731
+            count = (f"{len(names)} layers (this model: {len(theirs)}), "
+                     if len(names) != len(theirs) else "")
+            out.append(f"{count}layer {first} {at(names)} (this model: {at(theirs)})")
+        for key in list(dict.fromkeys([*self.attributes, *other.attributes])):
+            a, b = self.attributes.get(key), other.attributes.get(key)
+            if a != b and a is not None and b is not None:
+                out.append(f"{key} {a} (this model: {b})")
+        if self.num_params != other.num_params:
+            out.append(f"{self.num_params:,} parameters (this model: {other.num_params:,})")
+        if names == theirs:
+            for name in names:
+                a, b = self.layer_params[name], other.layer_params[name]
+                if a != b:
+                    out.append(f"layer {name} with {a:,} parameters (this model: {b:,})")
+                    break
+        if not out and self.linears_sha256 != other.linears_sha256:
+            out.append("linear layers of other shapes (the same parameter counts)")
+        return out
 
 
 @dataclass(frozen=True)
@@ -207,6 +281,8 @@ class Plan(Record):
     #: Why the plan leaves some of the cluster's devices idle (:attr:`idle_devices`), in
     #: words; empty when it uses them all.  Written to JSON only when it is not empty.
     idle_reason: str = ""
+    #: What identifies the model the plan was made for (None in plans written before it).
+    fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
     # JSON nor compared (plan == Plan.from_json(plan.to_json()))
     #: The next best plans of the search that made this one (best first).
@@ -425,8 +501,10 @@ class Plan(Record):
         per_replica = strategy.global_batch // dp
         summary = (ClusterSummary("processes", num_devices, 1, (_PROCESS,), ())
                    if isinstance(cluster, int) else ClusterSummary.from_cluster(cluster))
+        fingerprint = ModelFingerprint.of(graph) if isinstance(graph, ModelGraph) else None
         return cls(
-            model=graph.model, title=getattr(graph, "title", ""), cluster=summary,
+            model=graph.model, title=getattr(graph, "title", ""), fingerprint=fingerprint,
+            cluster=summary,
             global_batch=strategy.global_batch, seq_len=graph.seq_len,
             precision=strategy.precision, mesh=mesh, stages=tuple(stages),
             layers=tuple(placements),
@@ -434,8 +512,28 @@ class Plan(Record):
             replica_batch=(per_replica,) * dp, schedule=strategy.schedule,
             virtual_stages=v)
 
+    def check_model(self, graph: ModelGraph) -> None:
+        """Raise :class:`PlanMismatchError`, in one line saying what differs, unless this
+        plan was made for the model ``graph`` captures: its fingerprint, or, in a plan
+        written before fingerprints, its model class and layer names."""
+        if self.fingerprint is not None:
+            diffs = self.fingerprint.differences(ModelFingerprint.of(graph))
+        else:
+            mine = [lp.name for lp in self.layers]
+            theirs = [l.name for l in graph.layers]
+            diffs = ([f"a {self.model} (this model: a {graph.model})"]
+                     if self.model != graph.model else [])
+            if sorted(mine) != sorted(theirs):
+                diffs.append(f"{len(mine)} layers (this model: {len(theirs)}), "
+                             f"e.g. {sorted(set(mine) ^ set(theirs))[0]!r} in one only")
+        if diffs:
+            raise PlanMismatchError("the plan was made for another model: "
+                                    f"{'; '.join(diffs[:3])}; make a plan for this model "
+                                    "(autoplan plan MODEL ...)")
+
     def check(self, graph: ModelGraph, cluster: "Cluster") -> None:
         """Raise :class:`PlanMismatchError` unless this plan fits ``graph`` and ``cluster``."""
+        self.check_model(graph)
         names = [l.name for l in graph.layers]
         mine = [lp.name for lp in self.layers]
         if sorted(names) != sorted(mine):

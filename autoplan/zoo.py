@@ -18,15 +18,17 @@ import difflib
 import importlib.util
 import inspect
 import os
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from .errors import ConfigError
+from .errors import ConfigError, UserCodeError
 
-__all__ = ["ZOO", "TITLES", "ZooEntry", "build_model", "model_title", "parse_model_args", "trace"]
+__all__ = ["ZOO", "TITLES", "ZooEntry", "SPARSE_ZOO", "SparseZooEntry", "build_model",
+           "build_sparse_model", "model_title", "parse_model_args", "trace"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,77 @@ TITLES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class SparseZooEntry:
+    """A shipped embedding-heavy model (:mod:`autoplan.sparse`): its builder, one example
+    batch (shapes only: ids per sample per table), its name and the source of its shape."""
+
+    factory: Callable[[], nn.Module]
+    inputs: Callable[[int], tuple]
+    title: str
+    source: str
+
+
+def _dlrm_dcnv2() -> nn.Module:
+    from .sparse.models import DLRM, MLPERF_DCNV2_HOT, MLPERF_DCNV2_ROWS
+    return DLRM(MLPERF_DCNV2_ROWS, 128, hot=MLPERF_DCNV2_HOT, bottom=(512, 256),
+                top=(1024, 1024, 512, 256, 1), interaction="dcn", cross_layers=3, cross_rank=512)
+
+
+def _dlrm_criteo() -> nn.Module:
+    from .sparse.models import CRITEO_1TB_ROWS, DLRM
+    return DLRM(CRITEO_1TB_ROWS, 128, bottom=(512, 256), top=(1024, 1024, 512, 256, 1))
+
+
+def _two_tower() -> nn.Module:
+    from .sparse.models import TwoTower
+    return TwoTower(100_000_000, 20_000_000, 10_000, 128, tower=(512, 256, 128))
+
+
+def _dlrm_inputs(hot: int) -> Callable[[int], tuple]:
+    return lambda batch: (torch.zeros(batch, 13), torch.zeros(batch, hot, dtype=torch.long))
+
+
+def _two_tower_inputs(batch: int) -> tuple:
+    ids = torch.zeros(batch, dtype=torch.long)
+    return ids, torch.zeros(batch, 50, dtype=torch.long), ids, ids
+
+
+SPARSE_ZOO: dict[str, SparseZooEntry] = {
+    "dlrm-dcnv2": SparseZooEntry(
+        _dlrm_dcnv2, _dlrm_inputs(214), "DLRM-DCNv2 (MLPerf)",
+        "MLPerf Training DLRM-DCNv2 (mlcommons/training recommendation_v2/torchrec_dlrm): 13 dense "
+        "features, 26 tables capped at 40M rows, dimension 128, multi-hot sizes 3,2,1,...,1,1 "
+        "(214 ids per sample), bottom MLP 512-256-128, DCNv2 3 low-rank (512) cross layers, "
+        "top MLP 1024-1024-512-256-1"),
+    "dlrm-criteo": SparseZooEntry(
+        _dlrm_criteo, _dlrm_inputs(26), "DLRM (Criteo 1TB)",
+        "TorchRec DLRM example (facebookresearch/dlrm torchrec_dlrm/README.MD): Criteo 1TB, 26 "
+        "one-hot tables of full cardinality (up to 48.9M rows, 91.1 GiB), dimension 128, dot "
+        "interaction, bottom MLP 512-256-128, top MLP 1024-1024-512-256-1"),
+    "two-tower": SparseZooEntry(
+        _two_tower, _two_tower_inputs, "Two-tower retrieval",
+        "a two-tower retrieval model (Yi et al. 2019; TorchRec examples/retrieval): user id "
+        "(100M rows), mean of the last 50 items (20M rows), item id (20M rows) and category "
+        "(10k rows), dimension 128, towers 512-256-128; table sizes illustrative of "
+        "production retrieval, not a published configuration"),
+}
+
+
+def build_sparse_model(spec: str, *, device: str = "meta",
+                       batch: int = 8) -> tuple[nn.Module, tuple, str]:
+    """A shipped embedding-heavy model (``zoo:dlrm-dcnv2``...): ``(model, example inputs
+    of ``batch`` samples, title)``; on the meta device by default (nothing allocated)."""
+    name = spec[4:] if spec.startswith("zoo:") else spec
+    if name not in SPARSE_ZOO:
+        raise ConfigError(f"unknown sparse zoo model {spec!r}{_closest(name, sorted(SPARSE_ZOO))}; "
+                          f"available: {', '.join('zoo:' + n for n in sorted(SPARSE_ZOO))}")
+    entry = SPARSE_ZOO[name]
+    with torch.device(device):
+        model = entry.factory()
+    return model, entry.inputs(batch), entry.title
+
+
 def model_title(spec: str, overrides: Mapping[str, Any] | None = None) -> str | None:
     """The name people know a model spec by: the zoo's title (``GPT-3 175B``; ``GPT-3 175B
     (modified)`` with overrides), ``GPT (autoplan.models)`` for ``gpt``; None for other
@@ -132,6 +205,8 @@ def model_title(spec: str, overrides: Mapping[str, Any] | None = None) -> str | 
     if spec.startswith("zoo:") and spec[4:] in ZOO:
         title = TITLES.get(spec[4:], spec[4:])
         return f"{title} (modified)" if overrides else title
+    if spec.startswith("zoo:") and spec[4:] in SPARSE_ZOO:
+        return SPARSE_ZOO[spec[4:]].title
     if spec == "gpt":
         return "GPT (autoplan.models)"
     return None
@@ -262,11 +337,8 @@ def _hf_fields(cfg_cls: type) -> tuple[dict[str, Any], dict[str, Any], dict[str,
 
 def _hf_model(model_type: str, overrides: dict[str, Any], head: str | None, dtype: torch.dtype,
               device: str = "meta", preset: Mapping[str, Any] | None = None) -> nn.Module:
-    try:
-        import transformers as tf
-    except ImportError:
-        raise ConfigError("hf: and zoo: models need the transformers package: "
-                          "pip install 'autoplan[hf]'") from None
+    from ._optional import require
+    tf = require("transformers", "zoo: and hf: models")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
         raise ConfigError(f"unknown Hugging Face model type {model_type!r}"
@@ -318,15 +390,53 @@ def _file_model(spec: str, overrides: dict[str, Any]) -> nn.Module:
     module_spec = importlib.util.spec_from_file_location("_autoplan_user_model", path)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's file: their error, one line
+        raise user_code_error(exc, path, "importing the file") from exc
     factory: Callable | None = getattr(module, func, None)
     if factory is None:
         names = [n for n in dir(module) if not n.startswith("_")]
         raise ConfigError(f"{path} has no function {func!r}{_closest(func, names)}")
-    model = factory(**overrides)
+    try:
+        model = factory(**overrides)
+    except Exception as exc:  # noqa: BLE001 - the user's factory: their error, one line
+        raise user_code_error(exc, path, f"calling {func}()") from exc
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{spec} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def user_code_error(exc: BaseException, path: str, doing: str) -> UserCodeError:
+    """``exc``, raised by the user's code in ``path`` while ``doing`` something, as one line
+    that names the file and line in that code where it happened (the innermost frame
+    there; a syntax error's own position), the exception's type and its message.
+
+    Examples
+    --------
+    >>> err = user_code_error(ValueError("bad width"), "model.py", "calling make()")
+    >>> str(err)
+    'your model code failed (calling make()): model.py: ValueError: bad width'
+    """
+    line, where = None, ""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        same = os.path.realpath(exc.filename) == os.path.realpath(path)
+        file, line = (path if same else exc.filename), exc.lineno
+        message = exc.msg
+    else:
+        file = path
+        mine = os.path.realpath(path)
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if os.path.realpath(f.filename) == mine]
+        if frames:
+            line, where = frames[-1].lineno, f", in {frames[-1].name}"
+        message = str(exc)
+    message = " ".join(message.split())
+    if len(message) > 300:
+        message = message[:297] + "..."
+    at = f"{file}, line {line}{where}" if line is not None else file
+    return UserCodeError(f"your model code failed ({doing}): {at}: {type(exc).__name__}"
+                         + (f": {message}" if message else ""), file=file, line=line)
 
 
 def build_model(spec: str, overrides: dict[str, Any] | None = None,
@@ -344,11 +454,17 @@ def build_model(spec: str, overrides: dict[str, Any] | None = None,
     ('LlamaForCausalLM', 8192, 'meta')
     """
     overrides = dict(overrides or {})
+    if spec.startswith("zoo:") and spec[4:] in SPARSE_ZOO:
+        if overrides:
+            raise ConfigError(f"{spec} takes no --model-arg; build the model in a file "
+                              "(path/to/file.py:factory) to change its shape")
+        model, _, _ = build_sparse_model(spec, device=device)
+        return model, None
     if spec.startswith("zoo:"):
         name = spec[4:]
         if name not in ZOO:
-            raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO))}; "
-                              f"available: {', '.join(sorted(ZOO))}")
+            raise ConfigError(f"unknown zoo model {name!r}{_closest(name, sorted(ZOO) + sorted(SPARSE_ZOO))}; "
+                              f"available: {', '.join(sorted(ZOO) + sorted(SPARSE_ZOO))}")
         entry = ZOO[name]
         return _hf_model(entry.model_type, overrides, entry.head, dtype, device,
                          preset=entry.config), entry.seq_len
@@ -379,6 +495,11 @@ def trace(model: Any, *, seq_len: int | None = None, **kwargs: Any):
     'blocks.0'
     """
     from .capture import trace as capture
+    if isinstance(model, str) and model.startswith("zoo:") and model[4:] in SPARSE_ZOO:
+        built, inputs, title = build_sparse_model(model)
+        kwargs.setdefault("example_inputs", inputs)
+        kwargs.setdefault("title", title)
+        return capture(built, seq_len=seq_len, **kwargs)
     if isinstance(model, str):
         kwargs.setdefault("title", model_title(model))
         model, default_seq = build_model(model)

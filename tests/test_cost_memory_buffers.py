@@ -55,23 +55,31 @@ def test_zero0_holds_gradient_buckets_and_zero1_as_its_stack_reduces():
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_pipeline_receive_buffers_per_micro_batch_as_torch_keeps_them(tp):
-    """torch.distributed.pipelining (autoplan's runtime) allocates, per micro-batch of the
+def test_pipeline_receive_buffers_per_micro_batch_or_in_flight(tp):
+    """torch.distributed.pipelining's stages as they come allocate, per micro-batch of the
     step, a receive buffer for a stage's input activation and one for its output gradient,
-    whole on every tp rank; Megatron keeps one receive and one send buffer (tp-scattered)."""
+    whole on every tp rank (``pp_buffers_per_micro_batch``); autoplan's stages allocate them
+    for the micro-batches in flight only, as Megatron does: one receive and one send buffer
+    beyond the activations (whole on every tp rank; Megatron's tp-scattered).
+    (tests/test_memory_truth.py measures the runtime's.)"""
     from autoplan.cost import CostOptions
     from autoplan.cost.toy import toy_cluster
     cluster = toy_cluster(devices_per_node=2 * tp)
     s = Strategy(pp=2, tp=tp, micro_batch=2, global_batch=16, precision="fp32")
     # (without the accumulated gradients' fresh one: the test below)
+    kept = estimate(_graph(), cluster, s, calibration=None,
+                    options=CostOptions(grad_accumulate_add=False,
+                                        pp_buffers_per_micro_batch=True))
     own = estimate(_graph(), cluster, s, calibration=None,
                    options=CostOptions(grad_accumulate_add=False))
     mega = estimate(_graph(), cluster, s, calibration=None,
                     options=CostOptions(stack="megatron-core"))
     cut = 2 * 16 * 32 * 4            # micro-batch x seq x hidden x fp32 bytes at the cut
     m = 16 // 2
-    for st in own.stages:            # stage 0 receives gradients, stage 1 activations
+    for st in kept.stages:           # stage 0 receives gradients, stage 1 activations
         assert st.memory.buffers_bytes == pytest.approx(m * cut, rel=1e-12)
+    for st in own.stages:
+        assert st.memory.buffers_bytes == pytest.approx(2 * cut, rel=1e-12)
     for st in mega.stages:
         assert st.memory.buffers_bytes == pytest.approx(2 * cut / tp, rel=1e-12)
 

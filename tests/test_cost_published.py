@@ -7,7 +7,7 @@ the sources whose memory settings are known fits in predicted memory.  Held out
 predicted by a fit that never saw it): every fitted source within the issue's targets
 (MAPE <= 10%, no row off by more than 30%); the never-fitted MoE sources against the limit
 in :data:`HELD_OUT_LIMITS`, which records what the model reaches today (far from the
-targets; README).
+targets; docs/validation.md).
 
 Captured graphs are cached per distinct (architecture, sequence length) in
 ``$AUTOPLAN_CACHE/traces`` (default ``~/.cache/autoplan/traces``, keyed by a

@@ -374,6 +374,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find workers")
+@pytest.mark.slow   # torchrun restarts a job after a rank is killed: ~1 min
 def test_emitted_program_survives_a_killed_process_under_torchrun(tmp_path):
     from autoplan.emit import RESTART_ENV, emit_script, launch_commands
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -22,9 +23,17 @@ from autoplan.zoo import build_model
 ARGS = dict(vocab_size=128, seq_len=32, hidden=32, heads=4, layers=4)
 
 
-def _plan(devices: int, global_batch: int = 8, nodes: int = 1, precision: str = "bf16"):
+@functools.lru_cache(maxsize=None)
+def _graph():
     model, _ = build_model("gpt", ARGS)
-    graph = autoplan.trace(model, seq_len=32)
+    return autoplan.trace(model, seq_len=32)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(devices: int, global_batch: int = 8, nodes: int = 1, precision: str = "bf16"):
+    """The plan of the test GPT on ``devices`` A100s (made once per arguments: plans are
+    immutable)."""
+    graph = _graph()
     cluster = autoplan.load_cluster("a100-sxm4-80gb", nodes=nodes)
     if devices < cluster.num_devices:
         cluster = cluster.subset(range(devices))

@@ -189,6 +189,7 @@ def test_an_unknown_model_is_refused_before_anything_runs(tmp_path, capsys):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow   # a CPU rehearsal of the whole GPU run: a profile and training steps, ~1 min
 def test_cpu_rehearsal_measures_and_reports(tmp_path, capsys):
     """The measuring half on tiny shapes: a one-rank profile, one model's three recompute
     modes in their own process, results written, then reported."""

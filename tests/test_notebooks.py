@@ -13,7 +13,8 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("transformers")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["gpt3_175b_scaling", "heterogeneous", "moe_expert_parallel", "recompute_zero_tradeoff"]
+NAMES = ["gpt3_175b_scaling", "heterogeneous", "moe_expert_parallel", "recompute_zero_tradeoff",
+         "sparse_parameter_server"]
 # Each notebook runs in 15-35 s on two idle cores; the bound only catches a notebook
 # that has grown pathological, with room for a loaded CI machine.
 BUDGET_S = 300

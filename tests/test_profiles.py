@@ -20,6 +20,7 @@ from autoplan.hardware import (
     MeshLink,
     NodeSpec,
     Profile,
+    ServerProfile,
     available_profiles,
     load_cluster,
     load_profile,
@@ -52,7 +53,10 @@ def test_shipped_profile_round_trips(name):
     assert type(profile).from_json(profile.to_json()) == profile
     # YAML (SI keys), exactly
     assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
-    # and it builds a cluster
+    # and it builds a cluster (a CPU server joins one: it has no device of its own)
+    if isinstance(profile, ServerProfile):
+        assert load_cluster("a100-sxm4-80gb").with_servers(name, 1).servers
+        return
     cluster = load_cluster(name)
     assert cluster.num_devices >= 1
 
@@ -63,6 +67,9 @@ def test_shipped_figures_carry_sources(name):
     if isinstance(profile, CompositeProfile):
         texts = [l.source for l in profile.site_links]
         texts += [l.collective_efficiency.source for l in profile.site_links]
+    elif isinstance(profile, ServerProfile):
+        texts = [profile.host.source, profile.network.source, profile.network.latency_source,
+                 profile.network.collective_efficiency.source]
     else:
         texts = [profile.device.source, profile.node.source, profile.node.latency_source,
                  profile.node.collective_efficiency.source]

@@ -125,12 +125,16 @@ def _example_inputs(model: nn.Module, seq_len: int | None, example_inputs: Any,
         if not isinstance(micro_batch, int) or micro_batch < 1:
             raise InputError(f"micro_batch must be a positive integer, got {micro_batch!r}")
         return (torch.zeros(micro_batch, seq_len, dtype=torch.long, device=device),), {}
+    # a model on the meta device is captured on meta copies of the inputs (only shapes count)
+    def place(t: Any) -> Any:
+        return t.to(device) if device.type == "meta" and isinstance(t, torch.Tensor) else t
+
     if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
+        return (place(example_inputs),), {}
     if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
+        return (), {k: place(v) for k, v in example_inputs.items()}
     if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
+        return tuple(place(t) for t in example_inputs), {}
     raise InputError(f"example_inputs must be a tensor, a tuple of tensors or a dict of "
                      f"keyword tensors, got {type(example_inputs).__name__}")
 

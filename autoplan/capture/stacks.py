@@ -61,8 +61,10 @@ def find_stacks(model: nn.Module) -> list[Stack]:
             counts[s] += 1
         if max(counts.values()) < 2:
             continue
-        # a repeated child must carry parameters (ReLUs repeating is no stack)
+        # a repeated child must carry parameters (ReLUs repeating is no stack), and be no
+        # embedding table: a list of tables of one shape is features, not layers
         if not any(counts[s] >= 2 and any(True for _ in mod._modules[n].parameters())
+                   and not isinstance(mod._modules[n], (nn.Embedding, nn.EmbeddingBag))
                    for n, s in zip(names, sigs)):
             continue
         stacks.append(Stack(path, names, sigs))

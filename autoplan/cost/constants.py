@@ -172,8 +172,12 @@ class CostOptions(Record):
         tokens.  Set it to ``1 + MaxVio`` of your router for a pessimistic price.
     expert_grouped_gemm : bool
         A rank's local experts run as one grouped GEMM per projection (Megatron-Core
-        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``): priced at the
-        efficiency of all their rows as one matmul, with one kernel's overhead.
+        ``--moe-grouped-gemm``, Transformer Engine ``GroupedLinear``, Hugging Face's default
+        ``grouped_mm`` experts under :func:`autoplan.parallelize`): priced at the
+        profile's measured grouped-GEMM efficiency by one expert's rows
+        (``DeviceType.grouped_matmul_efficiency``, :mod:`autoplan.hardware.grouped_gemm`),
+        or without one at the efficiency of all their rows as one matmul, with one
+        kernel's overhead.
         ``False``: one GEMM per local expert, each at one expert's size (a loop over
         experts, the Hugging Face families' eager expert forward).
     moe_tokens_split_over_tp : bool
@@ -194,8 +198,10 @@ class CostOptions(Record):
     pp_buffers_per_micro_batch : bool
         Pipeline receive buffers: one per micro-batch of a step for every chunk's input
         activation and output gradient, allocated once and kept (torch.distributed
-        .pipelining's stages, what :func:`autoplan.parallelize` runs); ``False``: one
-        receive and one send buffer (Megatron's p2p communication).
+        .pipelining's stages as they come); ``False``: those of the micro-batches in
+        flight, one receive and one send buffer beyond the activations (Megatron's p2p
+        communication; :func:`autoplan.parallelize`, whose stages allocate a buffer when
+        its receive is posted and release it after its micro-batch's backward).
     zero_buffer_copies : bool
         Data parallelism copies through flat communication buffers (FSDP2 and DDP, what
         :func:`autoplan.parallelize` runs): each all-gather copies the local shards into
@@ -283,6 +289,18 @@ class CostOptions(Record):
         (in ``buffers_bytes``).  ``False`` where the stack accumulates inside the
         weight-gradient GEMM (Megatron's ``gradient_accumulation_fusion``) or in its
         reduction buffers.
+    loss_parallel : bool
+        Under tensor parallelism the loss runs over the head's vocabulary-sharded logits
+        (torch's ``loss_parallel``, what :func:`autoplan.parallelize` runs with its own
+        loss; Megatron-LM's vocab-parallel cross-entropy): three all-reduces of one fp32
+        number per token, and each rank holds ``1/tp`` of the logits.  ``False``: the
+        logits are all-gathered whole on every rank before the loss.
+    sp_embedding_all_reduce : bool
+        Under sequence parallelism, the vocabulary-parallel embedding's partial sums are
+        all-reduced whole and each rank keeps its sequence shard (DTensor's
+        ``RowwiseParallel`` with a replicated output, what :func:`autoplan.parallelize`
+        runs: the package GPT adds position embeddings to the whole sequence).
+        ``False``: reduce-scattered straight to the shards (Megatron-LM).
     grad_reduce_dtype : {"fp32", "bf16"}
         Under a 16-bit precision, the dtype the data-parallel gradient reduction moves
         (all-reduce, reduce-scatter), in which gradients accumulate over micro-batches and
@@ -336,6 +354,8 @@ class CostOptions(Record):
     grad_accumulate_add: bool | None = None
     grad_reduce_dtype: str | None = None
     master_weights: str | None = None
+    loss_parallel: bool | None = None
+    sp_embedding_all_reduce: bool | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp8_scaling: str = "tensor"
@@ -387,7 +407,7 @@ class Stack:
     """A named software stack: what its implementation overlaps and fuses.
 
     ``settings`` are :class:`CostOptions` implementation fields; ``assumes`` says in
-    words what the stack runs (documented in the README's table of stacks).
+    words what the stack runs (documented in docs/stacks-and-precision.md).
     """
 
     name: str
@@ -412,7 +432,8 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
                           "zero_step_per_layer", "step_loss_all_reduce",
                           "autocast", "loss_fp32_copy", "grad_accumulate_add",
-                          "grad_reduce_dtype", "master_weights")
+                          "grad_reduce_dtype", "master_weights", "loss_parallel",
+                          "sp_embedding_all_reduce")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -436,7 +457,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            zero_step_per_layer: bool = False, step_loss_all_reduce: bool = False,
            autocast: bool = False, loss_fp32_copy: bool = False,
            grad_accumulate_add: bool = False, grad_reduce_dtype: str = "bf16",
-           master_weights: str = "optimizer") -> Stack:
+           master_weights: str = "optimizer", loss_parallel: bool = False,
+           sp_embedding_all_reduce: bool = False) -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -451,7 +473,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         zero_step_per_layer=zero_step_per_layer, step_loss_all_reduce=step_loss_all_reduce,
         autocast=autocast, loss_fp32_copy=loss_fp32_copy,
         grad_accumulate_add=grad_accumulate_add, grad_reduce_dtype=grad_reduce_dtype,
-        master_weights=master_weights))
+        master_weights=master_weights, loss_parallel=loss_parallel,
+        sp_embedding_all_reduce=sp_embedding_all_reduce))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -466,9 +489,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "backward, both through flat buffers it copies into and out of, one collective "
            "per block and one for the rest of a rank's layers); tensor-parallel "
            "collectives not overlapped (DTensor); torch.distributed.pipelining sends not "
-           "overlapped, whole on every tp rank, its receive buffers kept for every "
-           "micro-batch of a step; the model's own attention as captured; MoE: the family's "
-           "own expert forward (one GEMM per local expert), every tp rank routing all tokens; "
+           "overlapped, whole on every tp rank, its receive buffers allocated for the "
+           "micro-batches in flight only; the model's own attention as captured; MoE: the family's "
+           "own expert forward (Hugging Face's default grouped_mm: one grouped GEMM per "
+           "projection over the local experts, at the profile's measured grouped-GEMM speed "
+           "where it has one), every tp rank routing all tokens; "
            "sequence parallelism's norm gradients reduced over tp once per step, one "
            "all-reduce each under FSDP2, all in one without it; the step's mean loss "
            "all-reduced over every rank at its end; a 16-bit precision as FSDP2's "
@@ -480,18 +505,20 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "micro-batches after the first added to the accumulated ones in a pass of "
            "their own",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=True,
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=False,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
            zero_step_per_layer=True, step_loss_all_reduce=True, autocast=False,
            loss_fp32_copy=True, grad_accumulate_add=True, grad_reduce_dtype="fp32",
-           master_weights="fsdp2"),
+           master_weights="fsdp2", loss_parallel=True, sp_embedding_all_reduce=True,
+           expert_grouped_gemm=True),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "
            "pipeline sends scattered over the tp ranks and gathered on arrival, "
            "attention core materialised (fused softmax, no FlashAttention)",
            fused_attention=False, overlap_grad_reduce=False, overlap_param_gather=True,
-           tp_comm_overlap=False, pp_comm_overlap=False, pp_scatter_gather=True),
+           tp_comm_overlap=False, pp_comm_overlap=False, pp_scatter_gather=True,
+           loss_parallel=True),
     _stack("megatron-core",
            "Megatron-Core with Transformer Engine: --overlap-grad-reduce, "
            "--overlap-param-gather (with the distributed optimizer, zero=1), "
@@ -500,7 +527,8 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "MoE: --moe-grouped-gemm, each tp rank routing its sequence-parallel shard",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=True, pp_comm_overlap=True, expert_grouped_gemm=True,
-           moe_tokens_split_over_tp=True, pp_scatter_gather=True, attention_kernel="cudnn"),
+           moe_tokens_split_over_tp=True, pp_scatter_gather=True, attention_kernel="cudnn",
+           loss_parallel=True),
     _stack("deepspeed-zero3",
            "DeepSpeed ZeRO-3: overlap_comm (gradient reduction under the backward), parameter "
            "prefetch per submodule (stage3_max_live_parameters), parameters released after "

@@ -147,6 +147,7 @@ device's alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ from .calibration import _is_gpu
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
+from .ledger import Ledger, LedgerBuilder
 from .memory import activation_bytes, fsdp2_state_bytes, model_state_bytes
 from ..precision import DTYPE_BYTES, precision_program
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
@@ -229,6 +231,29 @@ FP8_CAST_BYTES_PER_ELEMENT = {"tensor": 6.0, "block": 4.0625}
 
 _DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32",
           Precision.FP8: "fp8"}
+
+#: Bytes of one count of the token counts a MoE layer's ranks exchange before each
+#: dispatch (int64, one per expert: ``autoplan.runtime.ep``, step 1)
+COUNT_BYTES = 8
+#: The vocabulary-parallel loss (``CostOptions.loss_parallel``): all-reduces per micro-batch
+#: over the tensor-parallel group (the logits' max, the sum of their exponentials, the
+#: target's logit; torch's ``loss_parallel``, counted on 2 gloo ranks) and bytes per token
+#: of each (one fp32 number)
+LOSS_PARALLEL_REDUCES = 3
+LOSS_PARALLEL_BYTES = 4
+
+
+def _no_volume(_: tuple) -> None:
+    """A ``volumes`` sink for a layer priced without a ledger."""
+
+
+def _ledger_dtypes(recipe: "PrecisionCosts") -> tuple[str, str, str]:
+    """``(activations, gradient reduction, gathered weights)`` dtypes of a recipe as the
+    ledger names them (:mod:`.ledger`)."""
+    if recipe.dtype == "fp32":
+        return "fp32", "fp32", "fp32"
+    act = "fp16" if recipe.dtype == "fp16" else "bf16"
+    return act, {4: "fp32", 2: "bf16"}[recipe.grad_bytes], act
 
 
 # --------------------------------------------------------------------------- layout
@@ -563,6 +588,8 @@ class CostEngine:
         # of floats but never a NamedTuple, and a search caches tens of thousands of them
         # (each collection would walk them all: 15 % of a DeepSeek-V3 search)
         self._terms: dict[tuple, tuple[float, ...]] = {}
+        #: the collectives each cached _LayerTerms priced (_layer_terms' ``volumes``)
+        self._volumes: dict[tuple, tuple[tuple, ...]] = {}
         self._precision_costs: dict[Precision, PrecisionCosts] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
@@ -594,8 +621,42 @@ class CostEngine:
         return layout_from_plan(self.summary, layout)
 
     def estimate(self, layout) -> Estimate:
-        """Full :class:`Estimate` of a Strategy, Plan or Layout."""
-        return self._evaluate(self.layout(layout), full=True)  # type: ignore[return-value]
+        """Full :class:`Estimate` of a Strategy, Plan or Layout, with its :meth:`ledger`."""
+        lay = self.layout(layout)
+        est = self._evaluate(lay, full=True)
+        return dataclasses.replace(est, ledger=self.ledger(lay))  # type: ignore[arg-type]
+
+    def ledger(self, layout) -> Ledger:
+        """What every device moves and computes in one step of ``layout`` (a Strategy,
+        Plan or Layout), from the figures the estimate prices (:mod:`.ledger`).  Each
+        pipeline rank of the replicas priced alike (as :meth:`estimate` groups them) is
+        one :class:`~autoplan.cost.ledger.DeviceLedger` standing for all their devices."""
+        lay = self.layout(layout)
+        recipe = self.precision_costs(lay.precision)
+        act, grad, param = _ledger_dtypes(recipe)
+        matmul = "bf16" if recipe.dtype == "fp8" else recipe.dtype
+        signatures: dict[tuple, list[int]] = {}
+        runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
+                else lay.replica_micro_batches)
+        for r in range(lay.dp):
+            sig = (tuple(self.device_of(self._replica_devices(lay, p, r)).name
+                         for p in range(lay.pp)), runs[r],
+                   tuple(self._placement(lay, p, r) for p in range(lay.pp)))
+            signatures.setdefault(sig, []).append(r)
+        world = tuple(sorted({i for devs in lay.rank_devices for i in devs}))
+        out = []
+        for replicas in signatures.values():
+            r = replicas[0]
+            for p in range(lay.pp):
+                builder = LedgerBuilder(act, grad, param, matmul)
+                self._rank(lay, p, r, runs[r], recipe, builder)
+                if self.options.step_loss_all_reduce and len(world) > 1:
+                    builder.per_step("all_reduce", "world", "float64", LOSS_REDUCE_BYTES, 1,
+                                     "loss")
+                devices = tuple(sorted(d for q in replicas
+                                       for d in self._replica_devices(lay, p, q)))
+                out.append(builder.build(p, devices, runs[r]))
+        return Ledger(tuple(out))
 
     def quick(self, layout) -> QuickEstimate:
         """Step time, peak memory and fit only (what a search loop needs)."""
@@ -710,6 +771,46 @@ class CostEngine:
             self._collective_times[key] = t
         return t
 
+    def template_flops(self, template: str, b: int, tp: int, cp: int) -> tuple[float, float, float]:
+        """``(forward, backward, attention core forward)`` matmul FLOPs of one ``template``
+        layer and micro-batch of ``b`` sequences on one device, as :meth:`template_time`
+        prices them: sharded by tensor and context parallelism; the core at
+        :data:`CAUSAL_BLOCK_FRACTION` under a fused causal kernel, whose backward
+        recomputes its forward (the ledger's figures, :mod:`.ledger`)."""
+        fused = self.options.fused_attention
+        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
+        experts = self._templates[template].num_experts
+        token_split = tp if self.options.moe_tokens_split_over_tp else 1
+        fwd = bwd = core = 0.0
+        for n in self.summary.templates[template]:
+            div = (tp if n.sharded else 1) * cp
+            if n.expert and experts > 1:
+                div *= token_split
+            f, g = n.fwd_flops * b / div, n.bwd_flops * b / div
+            if n.core:
+                f, g = f * causal, g * causal
+                core += f
+                if fused:
+                    g += f
+            fwd += f
+            bwd += g
+        return fwd, bwd, core
+
+    def _ledger_flops(self, ledger: LedgerBuilder, seg: Segment, b: int, cp: int,
+                      ep: int) -> None:
+        """The matmul FLOPs of segment ``seg``'s layers per micro-batch, into ``ledger``:
+        forward, backward and what recompute runs again (a block's forward under full
+        recompute, its attention core under selective, as :meth:`_layer_terms` prices)."""
+        selective = seg.recompute is Recompute.SELECTIVE and not self.options.fused_attention
+        for l in self.summary.layers[seg.lo:seg.hi]:
+            fwd, bwd, core = self.template_flops(l.template, b, seg.tp, cp)
+            rc = 0.0
+            if l.is_block and seg.recompute is Recompute.FULL:
+                rc = fwd
+            elif l.is_block and selective:
+                rc = core
+            ledger.flops(l.name, fwd, bwd, rc)
+
     def template_time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
                       sp: bool = False, ep: int = 1) -> LayerTime:
         """Compute seconds of one ``template`` layer and micro-batch of ``b`` sequences on
@@ -759,11 +860,18 @@ class CostEngine:
             ref = f if f > 0 else g / 2
             if ref <= 0:
                 continue
+            grouped_eff = None
             if n.expert and experts > 1:
                 f, g = f * imbalance, g * imbalance
+                if grouped:
+                    # a measured grouped GEMM, by the FLOPs of one expert's part of it
+                    grouped_eff = device.grouped_efficiency(
+                        ref * imbalance * ep / experts, "bf16" if fp8 else dtype)
                 # one GEMM over all local experts' rows, or one expert's GEMM each
                 ref = ref * imbalance * (1 if grouped else ep / experts)
-            if n.core and attention is not None:
+            if grouped_eff is not None:
+                rate = peak * grouped_eff
+            elif n.core and attention is not None:
                 rate = peak * attention.efficiency(ref)
             elif fp8 and n.weight and not n.core:
                 rate = fp8_peak * device.efficiency(ref, "fp8")
@@ -1104,10 +1212,15 @@ class CostEngine:
             memory_fraction=opts.memory_fraction, notes=tuple(notes))
 
     def _layer_terms(self, layer: LayerCost, seg: Segment, b: int, cp: int, device,
-                     recipe: PrecisionCosts, groups: _RankGroups, ep: int = 1) -> _LayerTerms:
+                     recipe: PrecisionCosts, groups: _RankGroups, ep: int = 1,
+                     volumes: list | None = None) -> _LayerTerms:
         """Everything one layer of segment ``seg`` adds to its rank per micro-batch of
         ``b`` sequences on ``device`` (see the module docstring), its collectives over
-        ``groups``."""
+        ``groups``.  ``volumes``: a list to append the collectives priced to, as
+        ``(kind, group, dtype, bytes, calls, term)`` per micro-batch (:mod:`.ledger`)."""
+        vol = volumes.append if volumes is not None else _no_volume
+        act_dtype, grad_dtype, param_dtype = _ledger_dtypes(recipe)
+        rc_full = seg.recompute is Recompute.FULL and layer.is_block
         s = self.summary
         opts = self.options
         t = seg.tp
@@ -1160,15 +1273,42 @@ class CostEngine:
                             and (host.tp_linear_forward_s > 0 or host.tp_linear_backward_s > 0))
             # and its host work that grows with the payload (OpOverhead.tp_collective_byte_s)
             per_byte = host.tp_collective_byte_s if host is not None and waits_priced else 0.0
+            embedding_all_reduce = (seg.sequence_parallel and layer.kind is LayerKind.PRE
+                                    and opts.sp_embedding_all_reduce)
             for op, phase, nbytes in colls:
+                if embedding_all_reduce and op == "reduce_scatter" and phase == "forward":
+                    # the vocab-parallel embedding's partial sums all-reduced whole, each
+                    # rank then keeping its sequence shard (CostOptions.sp_embedding_all_reduce)
+                    op = "all_reduce"
                 payload = nbytes * b * act_scale / cp
                 seconds = (self.collective_time(op, tp_group, payload,
                                                 after_compute=not waits_priced)
                            + per_byte * payload)
+                # (the recomputed forward runs its collectives again, below)
+                vol((op, "tp", act_dtype, payload,
+                     2 if rc_full and phase == "forward" else 1, "tp"))
                 if phase == "forward":
                     tp_forward += seconds
                 else:
                     tp_backward += seconds
+            if layer.index == len(s.layers) - 1 and s.loss_logits:
+                # the loss over the head's vocabulary-sharded logits: three all-reduces of
+                # one fp32 number per token (max, sum of exponentials, the target's logit;
+                # torch's loss_parallel, Megatron's vocab-parallel cross-entropy), or the
+                # logits gathered whole on every rank
+                tokens = b * (s.seq_len or 1) / cp
+                if opts.loss_parallel:
+                    if s.loss_shifts and cp == 1:
+                        tokens -= b         # the last token of a sequence predicts nothing
+                    nbytes = tokens * LOSS_PARALLEL_BYTES
+                    tp_forward += LOSS_PARALLEL_REDUCES * self.collective_time(
+                        "all_reduce", tp_group, nbytes, after_compute=not waits_priced)
+                    vol(("all_reduce", "tp", "fp32", nbytes, LOSS_PARALLEL_REDUCES, "tp"))
+                else:
+                    nbytes = tokens * s.loss_logits * s.activation_bytes * act_scale
+                    tp_forward += self.collective_time("all_gather", tp_group, nbytes,
+                                                       after_compute=not waits_priced)
+                    vol(("all_gather", "tp", act_dtype, nbytes, 1, "tp"))
         if seg.recompute is Recompute.FULL and layer.is_block:
             tp_backward += tp_forward   # the recomputed forward runs its collectives again
         if opts.tp_comm_overlap:
@@ -1191,6 +1331,8 @@ class CostEngine:
                           + (2 * kv_bytes / cp + 2 * kv_bytes) / bw)
             cp_backward = (self.collective_time("reduce_scatter", groups.cp, kv_bytes)
                            + 4 * kv_bytes / bw)
+            vol(("all_gather", "cp", act_dtype, kv_bytes, 2 if rc_full else 1, "cp"))
+            vol(("reduce_scatter", "cp", act_dtype, kv_bytes, 1, "cp"))
             gather_waits = scatter_waits = 0.0
             if (overhead is not None and not ahead and overhead.cp_measured
                     and len(groups.cp) < self._node_devices(groups.cp[0])):
@@ -1216,10 +1358,20 @@ class CostEngine:
         # blocking, so exposed
         ep_forward = ep_backward = 0.0
         if ep > 1 and layer.expert_tokens:
-            ep_forward = 2 * self.collective_time(
-                "all_to_all", groups.ep, self.dispatch_bytes(layer, b, cp, act_scale, t, groups.ep))
-            ep_backward = ep_forward * (2 if seg.recompute is Recompute.FULL and layer.is_block
-                                        else 1)
+            combine = self.dispatch_bytes(layer, b, cp, act_scale, t, groups.ep)
+            dispatch = combine + self.routing_weight_bytes(layer, b, cp, act_scale, t, groups.ep)
+            counts = layer.num_experts * COUNT_BYTES
+            ep_forward = (self.collective_time("all_to_all", groups.ep, dispatch)
+                          + self.collective_time("all_to_all", groups.ep, combine)
+                          + self.collective_time("all_to_all", groups.ep, counts))
+            ep_backward = (self.collective_time("all_to_all", groups.ep, dispatch)
+                           + self.collective_time("all_to_all", groups.ep, combine))
+            if rc_full:
+                ep_backward += ep_forward   # the recomputed forward dispatches again
+            runs = 2 if rc_full else 1
+            vol(("all_to_all", "ep", act_dtype, dispatch, runs + 1, "ep"))
+            vol(("all_to_all", "ep", act_dtype, combine, runs + 1, "ep"))
+            vol(("all_to_all", "ep", "int64", counts, runs, "ep"))
         # ZeRO: parameters of this layer on this device (the expert banks' 1/ep of them
         # are sharded over the ep-replicas of the same experts, edp = dp x cp / ep)
         local_params, local_expert_params = _local_params(layer, t, ep)
@@ -1267,6 +1419,14 @@ class CostEngine:
             gathers_backward = 2 if (opts.zero3_regather_for_recompute and
                                      seg.recompute is Recompute.FULL and layer.is_block) else 1
             all_gather_backward = all_gather * gathers_backward
+            vol(("reduce_scatter", "dp", grad_dtype, grads, 1, "zero"))
+            if len(edp) > 1:
+                vol(("reduce_scatter", "edp", grad_dtype, expert_grads, 1, "zero"))
+            if seg.zero == 3:
+                vol(("all_gather", "dp", param_dtype, weights, 1 + gathers_backward, "zero"))
+                if len(edp) > 1:
+                    vol(("all_gather", "edp", param_dtype, expert_weights,
+                         1 + gathers_backward, "zero"))
             if opts.overlap_param_gather and seg.zero == 3 and opts.zero3_gather_unit == "module":
                 # one module's gather prefetched under the module before it (module_shares)
                 shares = self.module_shares(layer.template)
@@ -1331,6 +1491,17 @@ class CostEngine:
             cp = cp * tp
         return (l.expert_tokens * b / cp * l.expert_hidden * self.summary.activation_bytes
                 * act_scale * self.dispatch_share(l, group))
+
+    def routing_weight_bytes(self, l: LayerCost, b: int, cp: int, act_scale: float,
+                             tp: int = 1, group: tuple[int, ...] = ()) -> float:
+        """Bytes of the routing weights that travel with one dispatch of layer ``l``: one
+        number per token-to-expert assignment sent, in the activations' dtype (the
+        Hugging Face routers cast their weights to it; :mod:`autoplan.runtime.ep` sends
+        them as one more column of the hidden states)."""
+        if self.options.moe_tokens_split_over_tp:
+            cp = cp * tp
+        return (l.expert_tokens * b / cp * self.summary.activation_bytes * act_scale
+                * self.dispatch_share(l, group))
 
     def dispatch_share(self, l: LayerCost, group: tuple[int, ...]) -> float:
         """The share of a token's ``top-k`` copies that ``CostOptions.moe_dispatcher``
@@ -1401,8 +1572,11 @@ class CostEngine:
                groups.ep_key)
         terms = self._terms.get(key)
         if terms is None:
+            vols: list = []
             terms = self._terms[key] = tuple(self._layer_terms(self._templates[template], seg, b,
-                                                               cp, device, recipe, groups, ep))
+                                                               cp, device, recipe, groups, ep,
+                                                               vols))
+            self._volumes[key] = tuple(vols)
         named = _LayerTerms._make(terms)
         return named.forward_s + named.backward_s
 
@@ -1465,15 +1639,25 @@ class CostEngine:
         self._alike_by_id[quick_key] = (lay.rank_devices, hit)
         return hit
 
+    def _tied_owned(self, lay: Layout, chunks) -> float:
+        """Parameters (on one device, after tp) of the tied weights the layers of
+        ``chunks`` own and a layer of another pipeline rank holds a copy of."""
+        s = self.summary
+        mine = {i: sg.tp for ch in chunks for sg in ch for i in range(sg.lo, sg.hi)}
+        return sum(s.layers[idx].tied_params / mine[owner]
+                   for idx, owner in s.tied_owner.items()
+                   if owner in mine and idx not in mine and s.layers[idx].tied_params)
+
     @staticmethod
     def _replica_devices(lay: Layout, p: int, r: int) -> tuple[int, ...]:
         n = lay.cp * lay.rank_tp[p]
         return lay.rank_devices[p][r * n:(r + 1) * n]
 
     def _rank(self, lay: Layout, rank: int, replica: int, micro_batches: int,
-              recipe: PrecisionCosts) -> _RankEval:
+              recipe: PrecisionCosts, ledger: LedgerBuilder | None = None) -> _RankEval:
         """Pipeline rank ``rank`` of replica ``replica``, which runs ``micro_batches``
-        micro-batches per step, priced in ``recipe``."""
+        micro-batches per step, priced in ``recipe``; with ``ledger``, every collective
+        and matmul priced is also written to it (:meth:`ledger`)."""
         s = self.summary
         opts = self.options
         kmem = self.constants.memory
@@ -1498,7 +1682,8 @@ class CostEngine:
         # the largest module whose gradients accumulate over micro-batches (memory below)
         accumulates = opts.grad_accumulate_add and micro_batches > 1
         largest_accumulated = 0.0
-        cut_out = 0.0
+        cut_out = 0.0                           # largest boundary, scattered over tp
+        cut_whole = 0.0                         # ... and whole
         recv_per_micro_batch = 0.0              # pipeline receive buffers of one micro-batch
         p2p_fwd = p2p_bwd = 0.0                 # pipeline sends of one micro-batch
         shared = 0.0                            # inputs every layer shares (held once)
@@ -1546,6 +1731,8 @@ class CostEngine:
             for seg in chunk:
                 t = seg.tp
                 tp_group = groups.tp if t == len(groups.tp) else devices[:t]
+                if ledger is not None:
+                    self._ledger_flops(ledger, seg, b, cp, ep)
                 for template, count in self.layer_counts(seg.lo, seg.hi):
                     l = self._templates[template]
                     n_layers += count
@@ -1553,8 +1740,12 @@ class CostEngine:
                            cp, device.name, dtype, act_scale, tp_group, dp_key, cp_group, ep_key)
                     terms = self._terms.get(key)
                     if terms is None:
+                        vols: list = []
                         terms = self._terms[key] = tuple(
-                            self._layer_terms(l, seg, b, cp, device, recipe, groups, ep))
+                            self._layer_terms(l, seg, b, cp, device, recipe, groups, ep, vols))
+                        self._volumes[key] = tuple(vols)
+                    if ledger is not None:
+                        ledger.volumes(self._volumes[key], count)
                     # the cached _LayerTerms tuple, unpacked in field order: this is a
                     # search's hot loop, where 19 attribute reads would cost time
                     (forward_compute_s, backward_compute_s, recompute_s, weight_grad_s,
@@ -1610,6 +1801,7 @@ class CostEngine:
             last = chunk[-1]
             cut = s.layers[last.hi - 1].send_bytes * b * act_scale / (cp * last.tp)
             cut_out = max(cut_out, cut)
+            cut_whole = max(cut_whole, cut * last.tp)
             # torch's stages receive whole (replicated) activations on every tp rank.
             # Each rank pays for what it sends: its output activation in the forward, its
             # input's gradient in the backward
@@ -1617,10 +1809,19 @@ class CostEngine:
                 cut_in = s.layers[chunk[0].lo - 1].send_bytes * b * act_scale / cp
                 recv_per_micro_batch += cut_in
                 cut_out = max(cut_out, cut_in / chunk[0].tp)
+                cut_whole = max(cut_whole, cut_in)
                 p2p_bwd += send(k - 1, cut_in, cut_in / chunk[0].tp)
+                if ledger is not None and lay.stage_ranks[k - 1] != rank:
+                    ledger.per_micro_batch("send", "pp", ledger.act_dtype,
+                                           cut_in / chunk[0].tp if opts.pp_scatter_gather
+                                           else cut_in, 1, "pp")
             if k < pp * v - 1:  # and its output's gradient from the next
                 recv_per_micro_batch += s.layers[last.hi - 1].send_bytes * b * act_scale / cp
                 p2p_fwd += send(k + 1, cut * last.tp, cut)
+                if ledger is not None and lay.stage_ranks[k + 1] != rank:
+                    ledger.per_micro_batch("send", "pp", ledger.act_dtype,
+                                           cut if opts.pp_scatter_gather else cut * last.tp,
+                                           1, "pp")
         if pp > 1 and overhead is not None and not host_runs_ahead(device):
             # the pipeline's host work per stage action and message end (CPU devices):
             # each chunk's forward and backward of a micro-batch, and a zero-bubble
@@ -1669,6 +1870,12 @@ class CostEngine:
         if x0:
             t_reduce += self.collective_time("all_reduce", edp_group, x0 * grad_bytes,
                                              dp_concurrency, edp_key)
+        if ledger is not None and zero_degree > 1:
+            ledger.per_step("all_reduce", "dp", ledger.grad_dtype, reduced0 * grad_bytes, 1,
+                            "dp_step")
+        if ledger is not None and edp > 1:
+            ledger.per_step("all_reduce", "edp", ledger.grad_dtype, x0 * grad_bytes, 1,
+                            "dp_step")
         # ZeRO-1's reduce-scatters and ZeRO-1/2's all-gathers: (parameters, expert
         # parameters, calls) each
         if opts.zero_step_per_layer:        # one of each per wrapped unit
@@ -1693,6 +1900,18 @@ class CostEngine:
 
         t_reduce += calls("reduce_scatter", scatters, grad_bytes)
         t_gather = calls("all_gather", gathers, param_bytes)
+        if ledger is not None:
+            for op, units, nbytes, dtype in (("reduce_scatter", scatters, grad_bytes,
+                                              ledger.grad_dtype),
+                                             ("all_gather", gathers, param_bytes,
+                                              ledger.param_dtype)):
+                for n, x, count in units:
+                    if zero_degree > 1:
+                        ledger.per_step(op, "dp", dtype, count * n * nbytes,
+                                        count if n else 0, "dp_step")
+                    if edp > 1:
+                        ledger.per_step(op, "edp", dtype, count * x * nbytes,
+                                        count if x else 0, "dp_step")
         # autoplan.parallelize wraps a data-parallel rank's parameters as DTensors (FSDP2's
         # fully_shard or replicate) unless it uses DDP
         max_zero = max((z for z in range(4) if params_by_zero[z] or experts_by_zero[z]),
@@ -1744,21 +1963,37 @@ class CostEngine:
         exposed_reduce = max(0.0, t_reduce - ev.bwd) if opts.overlap_grad_reduce else t_reduce
         exposed_gather = max(0.0, t_gather - ev.fwd) if opts.overlap_param_gather else t_gather
         ev.dp_step_exposed = exposed_reduce + exposed_gather
-        if tied_extra and pp > 1:
+        # the tied parameters' all-reduce takes both stages: the one holding the copy
+        # (tied_extra) and the one owning the parameter another stage copies
+        tied_pair = tied_extra or (self._tied_owned(lay, chunks) if pp > 1 else 0.0)
+        if tied_pair and pp > 1:
             pair = (devices[0], self._replica_devices(lay, 0 if rank == pp - 1 else pp - 1, replica)[0])
             if pair[0] != pair[1]:
-                t_tied = self.collective_time("all_reduce", pair, tied_extra * grad_bytes)
+                t_tied = self.collective_time("all_reduce", pair, tied_pair * grad_bytes)
                 ev.dp_step_total += t_tied
                 ev.dp_step_exposed += t_tied
+                if ledger is not None:
+                    ledger.per_step("all_reduce", "tied", ledger.grad_dtype,
+                                    tied_pair * grad_bytes, 1, "tied")
         # sequence parallelism: the norms saw a sequence shard, their gradients are partial
         # sums over tp, reduced once per step after the backward: each in its own
         # all-reduce in FSDP2's post-backward (where it wraps the rank and the stack does
         # so), or all together in one (Megatron; autoplan.parallelize without FSDP2)
+        # (under FSDP2's policy a gradient left as autograd made it, 16-bit, where one
+        # micro-batch gives no accumulation in the reduction dtype first)
+        sp_bytes, sp_dtype = grad_bytes, (ledger.grad_dtype if ledger is not None else "")
+        if recipe.fsdp2_master and micro_batches == 1:
+            sp_bytes, sp_dtype = param_bytes, (ledger.act_dtype if ledger is not None else "")
         for group, (n, elements) in sp_grads.items():
-            if fsdp2 and opts.sp_grads_per_tensor_under_fsdp2:   # at their mean size
-                t_sp = n * self.collective_time("all_reduce", group, elements / n * grad_bytes)
+            per_tensor = ((fsdp2 or recipe.fsdp2_master)
+                          and opts.sp_grads_per_tensor_under_fsdp2)
+            if per_tensor:   # at their mean size
+                t_sp = n * self.collective_time("all_reduce", group, elements / n * sp_bytes)
             else:
-                t_sp = self.collective_time("all_reduce", group, elements * grad_bytes)
+                t_sp = self.collective_time("all_reduce", group, elements * sp_bytes)
+            if ledger is not None:
+                ledger.per_step("all_reduce", "tp", sp_dtype, elements * sp_bytes,
+                                n if per_tensor else 1, "sp_grads")
             ev.tp_step += t_sp
             ev.dp_step_total += t_sp
             ev.dp_step_exposed += t_sp
@@ -1830,20 +2065,36 @@ class CostEngine:
         # (CostOptions.zero_step_per_layer: FSDP2, what autoplan.parallelize runs for ZeRO-1
         # too), else in its buckets with the replicated gradients
         per_layer_1 = opts.zero_step_per_layer and bool(params_by_zero[1] or x1)
+        # reduction buffers that exist only once a backward frees the activations: under
+        # FSDP2's policy, replicate's one flat all-reduce input (ZeRO-0) after the last
+        # backward, and ZeRO-1's per-layer reduce-scatter inputs in the last micro-batch's
+        # backward, layer by layer as its activations free (DDP's buckets are allocated
+        # for the whole step).  Measured on 2 CPU ranks (tests/test_memory_truth.py): bf16
+        # ZeRO-0 +19% and ZeRO-1 +12% with them added to the activations, +4% and -1% so
+        drained = 0.0
         if (params_by_zero[2] or params_by_zero[3] or x2 or x3 or per_layer_1) and z > 1:
             # ZeRO-2 reduce-scatters each layer's full gradients in the backward as ZeRO-3
             # does (FSDP2 for both): they wait unsharded for their reduce-scatter
-            buffers += max_layer_params * kmem.zero3_unsharded_grad_layers * grad_bytes
+            unsharded = max_layer_params * kmem.zero3_unsharded_grad_layers * grad_bytes
+            buffers += unsharded
+            if (recipe.fsdp2_master and micro_batches > 1 and per_layer_1
+                    and not (params_by_zero[2] or params_by_zero[3] or x2 or x3)):
+                drained += unsharded
         bucketed = params_by_zero[0] + x0 + (0.0 if per_layer_1 else params_by_zero[1] + x1)
         if z > 1 and bucketed:
-            buffers += min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
-                           bucketed * grad_bytes)
+            bucket = min(kmem.grad_bucket_bytes * kmem.grad_buckets_in_flight,
+                         bucketed * grad_bytes)
+            buffers += bucket
+            if recipe.fsdp2_master:
+                drained += bucket
         if pp > 1 and opts.pp_buffers_per_micro_batch:
             # torch.distributed.pipelining allocates a receive buffer per micro-batch of the
             # step for every chunk's input and output gradient, and keeps them
             buffers += micro_batches * recv_per_micro_batch
         elif pp > 1:
-            buffers += 2 * cut_out   # a receive and a send buffer, of the largest boundary
+            # a receive and a send buffer of the largest boundary: its tp share where the
+            # stack scatters it, whole on every tp rank where it does not
+            buffers += 2 * (cut_out if opts.pp_scatter_gather else cut_whole)
         if autocast:
             buffers += AUTOCAST_COPY_BYTES * computed   # its cache of bf16 weight copies
         if accumulates:
@@ -1857,8 +2108,11 @@ class CostEngine:
         # the loss's working set, on the stage that computes it (loss_bytes_per_logit)
         head_tp = next((sg.tp for ch in chunks for sg in ch if sg.hi == len(s.layers)), None)
         if opts.loss_fp32_copy and s.loss_logits and head_tp is not None:
-            logits = b * (s.seq_len or 1) / cp * s.loss_logits / head_tp
+            logits = (b * (s.seq_len or 1) / cp * s.loss_logits
+                      / (head_tp if opts.loss_parallel else 1))
             acts += logits * loss_bytes_per_logit(recipe.dtype, s.loss_shifts)
+        # (the drained buffers count only where they exceed the activations they replace)
+        buffers += max(0.0, drained - acts) - drained
         allocated = held_params + held_grads + held_optimizer + acts + buffers
         reserve = kmem.runtime_reserved_bytes + kmem.allocator_fragmentation_fraction * allocated
         ev.memory = MemoryBreakdown(held_params, held_grads, held_optimizer, acts, buffers, reserve)

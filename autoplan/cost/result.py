@@ -7,9 +7,10 @@ Every record round-trips through JSON exactly (:class:`~autoplan.records.Record`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ..records import Record
+from ..records import TRANSIENT, Record
 
 __all__ = ["MemoryBreakdown", "StageEstimate", "Estimate", "BREAKDOWN_KEYS", "COMM_KINDS"]
 
@@ -106,6 +107,10 @@ class Estimate(Record):
     fits: bool
     memory_fraction: float
     notes: tuple[str, ...] = ()
+    #: What every device moves over each group and computes in the step, as priced
+    #: (:class:`autoplan.cost.ledger.Ledger`); carried in memory, not in JSON (a plan's
+    #: file stays as it was; ``CostEngine.ledger`` rebuilds it)
+    ledger: Any = field(default=None, compare=False, repr=False, metadata=TRANSIENT)
 
     def stage_table(self):
         """One row per pipeline rank (pandas DataFrame): time, memory by kind, fit."""
@@ -127,14 +132,30 @@ class Estimate(Record):
         return pd.DataFrame(rows)
 
     def summary(self) -> str:
-        """One line: step time, throughput, MFU, peak memory."""
-        fit = "fits" if self.fits else "DOES NOT FIT"
+        """One line: step time, throughput, MFU, peak memory and whether it fits: the
+        planning limit (``memory_fraction`` of a device) or the device itself."""
+        fit = "fits" if self.fits else self._misfit()
         # a CPU "device" runs at GFLOP/s: print what it does, not "0 TFLOP/s"
         rate = (f"{self.model_tflops_per_gpu:.0f} TFLOP/s/GPU" if self.model_tflops_per_gpu >= 1
                 else f"{self.model_tflops_per_gpu * 1e3:.3g} GFLOP/s/device")
         return (f"step {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tok/s, "
                 f"{rate}, MFU {self.mfu:.1%}, "
                 f"peak {self.peak_memory_bytes / 2**30:.1f} GiB ({fit})")
+
+    def _misfit(self) -> str:
+        """What a layout that does not fit exceeds: the device, or only the planning limit
+        (75.4 GiB on an 80 GiB A100 is over 90% of it, not over the card)."""
+        if not self.stages:
+            return "DOES NOT FIT"
+        worst = max(self.stages, key=lambda s: s.peak_memory_bytes / s.memory_capacity_bytes)
+        cap = worst.memory_capacity_bytes / 2**30
+        if worst.peak_memory_bytes > worst.memory_capacity_bytes:
+            return f"DOES NOT FIT the {cap:.3g} GiB device"
+        limit = cap * self.memory_fraction
+        if worst.peak_memory_bytes / 2**30 > limit:
+            return (f"over the planning limit, {self.memory_fraction:.0%} of {cap:.3g} GiB = "
+                    f"{limit:.1f} GiB; the {cap:.3g} GiB device holds it")
+        return "DOES NOT FIT"
 
     def report(self) -> str:
         """Several lines: the summary, the breakdown and the per-stage table."""

@@ -9,7 +9,8 @@
   needs torch.
 """
 
-from .cluster import ClusterNode, Cluster, Device, Link, compose_cluster, load_cluster
+from .cluster import ClusterNode, Cluster, Device, Link, ServerNode, compose_cluster, load_cluster
+from .hosts import HostSpec, ServerProfile
 from .collectives import CollectiveLevel, CollectiveOp, CollectiveParams
 from .profiles import (
     COLLECTIVE_OPS,
@@ -47,6 +48,9 @@ __all__ = [
     "profile_to_yaml",
     "Cluster",
     "ClusterNode",
+    "ServerNode",
+    "HostSpec",
+    "ServerProfile",
     "Device",
     "Link",
     "CollectiveOp",

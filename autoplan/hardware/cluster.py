@@ -63,6 +63,7 @@ from .collectives import (
     collective_candidates,
     parse_op,
 )
+from .hosts import ServerProfile
 from .profiles import (
     CompositeProfile,
     DeviceType,
@@ -74,8 +75,8 @@ from .profiles import (
     load_profile,
 )
 
-__all__ = ["Device", "ClusterNode", "Link", "Cluster", "as_cluster", "compose_cluster",
-           "load_cluster"]
+__all__ = ["Device", "ClusterNode", "ServerNode", "Link", "Cluster", "as_cluster",
+           "compose_cluster", "load_cluster"]
 
 #: The kinds of :class:`Link` (and of :class:`CollectiveLevel` resources).
 LINK_KINDS = ("intra_node", "inter_node", "inter_site")
@@ -103,6 +104,15 @@ class ClusterNode(Record):
     profile: str
     site: str
     local_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ServerNode(Record):
+    """One CPU-only server node (no device): its name, :class:`ServerProfile` name and site."""
+
+    name: str
+    profile: str
+    site: str
 
 
 @dataclass(frozen=True)
@@ -143,12 +153,20 @@ class Cluster(Record):
         In global order (group, node).
     site_links : tuple of SiteLink
         One link for every pair of sites.
+    servers : tuple of ServerNode
+        CPU-only server nodes (parameter servers) beside the devices: no layer is placed
+        on them; the sparse planner (:mod:`autoplan.sparse`) may keep embedding tables
+        there.  Add them with :meth:`with_servers`.
+    server_profiles : dict of str to ServerProfile
+        Every profile a server uses, by name.
     """
 
     name: str
     profiles: dict[str, Profile] = field(repr=False)
     nodes: tuple[ClusterNode, ...] = field(repr=False)
     site_links: tuple[SiteLink, ...] = field(default=(), repr=False)
+    servers: tuple[ServerNode, ...] = field(default=(), repr=False)
+    server_profiles: dict[str, ServerProfile] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -195,17 +213,35 @@ class Cluster(Record):
         if missing:
             raise ConfigError(f"no site link between {', '.join(f'{a!r} and {b!r}' for a, b in missing)}; "
                               f"every pair of sites needs one (SiteLink(sites=(a, b), ...))")
+        self._check_servers(names, sites)
+
+    def _check_servers(self, names: set[str], sites: list[str]) -> None:
+        for name, profile in self.server_profiles.items():
+            if profile.name != name:
+                raise ConfigError(f"server_profiles[{name!r}] holds profile {profile.name!r}")
+        for i, server in enumerate(self.servers):
+            where = f"servers[{i}] ({server.name!r})"
+            if server.name in names:
+                raise ConfigError(f"{where}: duplicate node name")
+            names.add(server.name)
+            if server.profile not in self.server_profiles:
+                raise ConfigError(f"{where}: server profile {server.profile!r} is not among the "
+                                  f"cluster's server profiles {sorted(self.server_profiles)}")
+            if server.site not in sites:
+                raise ConfigError(f"{where}: site {server.site!r} has no devices; servers sit at "
+                                  f"one of the cluster's sites {sites}")
 
     def __hash__(self) -> int:
-        return hash((self.name, self.nodes, self.site_links))
+        return hash((self.name, self.nodes, self.site_links, self.servers))
 
     def __repr__(self) -> str:
         kinds = {}
         for d in self.devices:
             kinds[d.device_type] = kinds.get(d.device_type, 0) + 1
         devs = ", ".join(f"{n}x {k}" for k, n in kinds.items())
+        servers = f", {len(self.servers)} servers" if self.servers else ""
         return (f"Cluster({self.name!r}: {self.num_nodes} nodes, {self.num_devices} devices "
-                f"[{devs}], sites {list(self.sites)})")
+                f"[{devs}]{servers}, sites {list(self.sites)})")
 
     # ------------------------------------------------------------------ structure
 
@@ -523,12 +559,67 @@ class Cluster(Record):
         sites = {n.site for n in nodes}
         profiles = {n.profile: self.profiles[n.profile] for n in nodes}
         links = tuple(l for l in self.site_links if set(l.sites) <= sites)
-        return Cluster(self.name, profiles, tuple(nodes), links)
+        servers = tuple(s for s in self.servers if s.site in sites)
+        return Cluster(self.name, profiles, tuple(nodes), links, servers,
+                       {s.profile: self.server_profiles[s.profile] for s in servers})
 
     def without(self, devices: Iterable[int]) -> "Cluster":
         """A cluster without ``devices`` (e.g. after a failure); see :meth:`subset`."""
         drop = {self._device(i).index for i in devices}
         return self.subset(i for i in range(self.num_devices) if i not in drop)
+
+    # ------------------------------------------------------------------ servers
+
+    def with_servers(self, profile: "str | os.PathLike[str] | ServerProfile", count: int, *,
+                     site: str | None = None) -> "Cluster":
+        """This cluster with ``count`` more CPU-only servers of ``profile`` (a server
+        profile's name, path or record) at ``site`` (default: the first site).
+
+        Examples
+        --------
+        >>> c = load_cluster("a100-sxm4-80gb", nodes=2).with_servers("cpu-server-2s-epyc", 2)
+        >>> len(c.servers), c.num_devices, c.server_profile_of(0).host.memory_bytes // 2**30
+        (2, 16, 2048)
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(f"count must be an integer >= 1, got {count!r}")
+        server = _resolve_server(profile)
+        site = self.sites[0] if site is None else site
+        have = self.server_profiles.get(server.name)
+        if have is not None and have != server:
+            raise ConfigError(f"two different server profiles are named {server.name!r}")
+        start = len(self.servers)
+        added = tuple(ServerNode(f"s{start + i}", server.name, site) for i in range(count))
+        return replace(self, servers=self.servers + added,
+                       server_profiles={**self.server_profiles, server.name: server})
+
+    def server_profile_of(self, s: int) -> ServerProfile:
+        """The :class:`ServerProfile` of server ``s``."""
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < len(self.servers):
+            raise ConfigError(f"server index {s!r} out of range [0, {len(self.servers)})")
+        return self.server_profiles[self.servers[s].profile]
+
+    def server_link(self, s: int, device: int) -> Link:
+        """The path between server ``s`` and device ``device``: the device's NIC share (a
+        server's NICs serve every device at once, :meth:`server_nic_bytes_per_s`) and the
+        larger network latency; across sites, the site link's too."""
+        server = self.server_profile_of(s)
+        d = self._device(device)
+        profile = self.profile_of(device)
+        if profile.network is None:
+            raise ConfigError(f"profile {profile.name!r} has no 'network' section, so its devices "
+                              "cannot reach a server; add a network to the profile")
+        bw = min(self._nic_share(profile), self.server_nic_bytes_per_s(s))
+        latency = max(profile.network.latency_s, server.network.latency_s)
+        site = self.servers[s].site
+        if site == d.site:
+            return Link(bw, latency, "inter_node")
+        link = self._site_link(site, d.site)
+        return Link(min(bw, link.bw_bytes_per_s), latency + link.latency_s, "inter_site")
+
+    def server_nic_bytes_per_s(self, s: int) -> float:
+        """All NICs of server ``s``, one direction, under full load (its oversubscription)."""
+        return self.server_profile_of(s).network.effective_bw_per_node_bytes_per_s
 
 
 def _check_nbytes(nbytes: float) -> None:
@@ -595,6 +686,23 @@ def _resolve(profile: str | os.PathLike[str] | Profile, where: str) -> Profile:
     if isinstance(loaded, CompositeProfile):
         raise ProfileError(f"{where}: {os.fspath(profile)!r} is a composite profile; a node group "
                            f"needs a node profile")
+    if isinstance(loaded, ServerProfile):
+        raise ProfileError(f"{where}: {os.fspath(profile)!r} is a server profile (CPU-only, no "
+                           "device); add servers with Cluster.with_servers(profile, count)")
+    return loaded
+
+
+def _resolve_server(profile: "str | os.PathLike[str] | ServerProfile") -> ServerProfile:
+    if isinstance(profile, ServerProfile):
+        return profile
+    if not isinstance(profile, (str, os.PathLike)):
+        raise ConfigError(f"expected a server profile name, path or ServerProfile, got "
+                          f"{type(profile).__name__}")
+    loaded = load_profile(profile)
+    if not isinstance(loaded, ServerProfile):
+        raise ProfileError(f"{os.fspath(profile)!r} is a {'composite' if isinstance(loaded, CompositeProfile) else 'node'} "
+                           "profile; servers need a server profile (kind: server), e.g. "
+                           "'cpu-server-2s-epyc'")
     return loaded
 
 
@@ -689,6 +797,10 @@ def load_cluster(name_or_path: str | os.PathLike[str], nodes: int | None = None,
         ``[1, the profile's devices_per_node]`` or is given for a composite profile.
     """
     profile = load_profile(name_or_path)
+    if isinstance(profile, ServerProfile):
+        raise ProfileError(f"{os.fspath(name_or_path)!r} is a server profile (CPU-only, no device): "
+                           "a cluster needs devices; add servers to one with "
+                           f"load_cluster(<node profile>, nodes=N).with_servers({profile.name!r}, count)")
     if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1):
         raise ConfigError(f"nodes must be an integer >= 1, got {nodes!r}")
     if devices_per_node is not None:

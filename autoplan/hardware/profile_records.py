@@ -629,6 +629,11 @@ class DeviceType(Record):
         Measured memory-bound operators by kind (``autoplan profile``: on CPU ranks the
         operator kinds, on a GPU the layout kinds too);
         ``None``: every memory-bound operator at ``memory_bw_bytes_per_s``.
+    grouped_matmul_efficiency : dict of str to EfficiencyTable or None
+        Measured grouped GEMMs (MoE expert banks, ``torch._grouped_mm``; ``autoplan
+        profile``, :mod:`autoplan.hardware.grouped_gemm`) per dtype: the fraction of the
+        dtype's peak at which a grouped GEMM runs, against the FLOPs of one group's GEMM.
+        ``None``: expert GEMMs are priced from ``matmul_efficiency``.
     attention_efficiency : EfficiencyTable or None
         Measured fused attention (``autoplan profile`` on CUDA: causal SDPA, forward and
         backward): the fraction of the 16-bit peak at which the cost model's fused-
@@ -648,6 +653,7 @@ class DeviceType(Record):
     measured: bool = False
     attention_efficiency: EfficiencyTable | None = None
     elementwise_rates: ElementwiseRates | None = None
+    grouped_matmul_efficiency: dict[str, EfficiencyTable] | None = None
 
     def __post_init__(self) -> None:
         _require(_text(self.name), "name", "expected a non-empty device name")
@@ -685,6 +691,17 @@ class DeviceType(Record):
         _require(self.elementwise_rates is None
                  or isinstance(self.elementwise_rates, ElementwiseRates), "elementwise_rates",
                  f"expected ElementwiseRates or None, got {self.elementwise_rates!r}")
+        for key, table in (self.grouped_matmul_efficiency or {}).items():
+            _require(key in DTYPES, f"grouped_matmul_efficiency.{key}",
+                     f"unknown dtype {key!r}; expected one of {list(DTYPES)}")
+            _require(isinstance(table, EfficiencyTable), f"grouped_matmul_efficiency.{key}",
+                     f"expected an efficiency table, got {table!r}")
+
+    def grouped_efficiency(self, per_group_flops: float, dtype: str) -> float | None:
+        """The measured efficiency of a grouped GEMM whose groups run ``per_group_flops``
+        each (``grouped_matmul_efficiency``), or None without a table for ``dtype``."""
+        table = (self.grouped_matmul_efficiency or {}).get(self.resolve_dtype(dtype))
+        return table.efficiency(per_group_flops) if table is not None else None
 
     def resolve_dtype(self, dtype: str) -> str:
         """The dtype a matmul requested in ``dtype`` runs in on this device.
@@ -971,6 +988,9 @@ class Profile(Record):
     device: DeviceType
     node: NodeSpec
     network: NetworkSpec | None = None
+    #: The node's DRAM, cores and each device's host link (:mod:`.hosts`); ``None`` in
+    #: profiles that do not state them (embedding tables then stay in device memory).
+    host: "HostSpec | None" = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and bool(_NAME_RE.fullmatch(self.name)), "name",
@@ -1052,3 +1072,6 @@ class CompositeProfile(Record):
 
 
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+# the host records name NetworkSpec, _require and _NAME_RE above; Profile names HostSpec
+from .hosts import HostSpec  # noqa: E402

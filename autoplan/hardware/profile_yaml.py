@@ -16,6 +16,7 @@ from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, Collec
                               IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
                               NodeSpec, OpOverhead, Profile, SiteLink, RATE_KINDS,
                               ElementwiseRates)
+from .hosts import HostSpec, ServerProfile
 
 __all__ = ["parse_profile", "profile_to_yaml"]
 
@@ -247,11 +248,22 @@ def _parse_device(sec: _Section) -> DeviceType:
     rates_sec = sec.mapping("elementwise_rates", "memory-bound operators' measured speed by kind",
                             required=False)
     rates = _parse_elementwise_rates(rates_sec) if rates_sec is not None else None
+    grouped_sec = sec.mapping("grouped_matmul_efficiency",
+                              "measured grouped-GEMM tables per dtype", required=False)
+    grouped = None
+    if grouped_sec is not None:
+        grouped = {}
+        for key in DTYPES:
+            table_sec = grouped_sec.mapping(key, "an efficiency table", required=False)
+            if table_sec is not None:
+                grouped[key] = _parse_efficiency_table(table_sec)
+        grouped_sec.finish()
     sec.finish()
     return _build(DeviceType, sec, name=name, peak_flops_per_s=peaks, memory_bytes=int(round(memory)),
                   memory_bw_bytes_per_s=memory_bw, matmul_efficiency=tables, source=source,
                   architecture=architecture, op_overhead=overhead, measured=measured,
-                  attention_efficiency=attention, elementwise_rates=rates)
+                  attention_efficiency=attention, elementwise_rates=rates,
+                  grouped_matmul_efficiency=grouped)
 
 
 def _parse_elementwise_rates(sec: _Section) -> ElementwiseRates:
@@ -452,7 +464,36 @@ def _parse_site_link(sec: _Section) -> SiteLink:
                   collective_efficiency=efficiency, source=source)
 
 
-def parse_profile(data: Any, file: str | None = None) -> Profile | CompositeProfile:
+def _parse_host(sec: _Section, *, devices: bool) -> HostSpec:
+    """A node's ``host`` section (:class:`~autoplan.hardware.hosts.HostSpec`); a server's
+    (``devices=False``) has no host link."""
+    memory = sec.quantity("memory", _BYTES, "the host memory capacity of the node", _positive, "> 0")
+    memory_bw = sec.quantity("memory_bw", _BW_BYTES, "the node's aggregate host memory bandwidth",
+                             _positive, "> 0")
+    cores = sec.integer("cores", "the node's physical CPU cores")
+    pcie = None
+    if devices and any(f"pcie_bw_{u}" in sec.data for u in _BW_BYTES):
+        pcie = sec.quantity("pcie_bw", _BW_BYTES, "each device's host link (one direction)",
+                            _positive, "> 0")
+    elif devices:
+        sec.allowed.extend(f"pcie_bw_{u}" for u in _BW_BYTES)
+    source = sec.text("source", "where the host figures come from")
+    sec.finish()
+    return _build(HostSpec, sec, memory_bytes=int(round(memory)), memory_bw_bytes_per_s=memory_bw,
+                  cores=cores, source=source, pcie_bw_bytes_per_s=pcie)
+
+
+def _host_yaml(host: HostSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"memory_bytes": host.memory_bytes,
+                           "memory_bw_bytes_per_s": host.memory_bw_bytes_per_s,
+                           "cores": host.cores}
+    if host.pcie_bw_bytes_per_s is not None:
+        out["pcie_bw_bytes_per_s"] = host.pcie_bw_bytes_per_s
+    out["source"] = host.source
+    return out
+
+
+def parse_profile(data: Any, file: str | None = None) -> Profile | CompositeProfile | ServerProfile:
     """Build a profile from parsed YAML ``data`` (``file`` only names it in errors).
 
     Raises
@@ -461,22 +502,33 @@ def parse_profile(data: Any, file: str | None = None) -> Profile | CompositeProf
         Naming ``file``, the field path and what was expected.
     """
     top = _Section(data, file, "", "a profile")
-    kind = top.text("kind", "'node' or 'composite'")
-    if kind not in ("node", "composite"):
-        raise top.error("kind", f"expected 'node' or 'composite', got {kind!r}")
+    kind = top.text("kind", "'node', 'composite' or 'server'")
+    if kind not in ("node", "composite", "server"):
+        raise top.error("kind", f"expected 'node', 'composite' or 'server', got {kind!r}")
     name = top.text("name", "the profile name")
     description = top.text("description", "a one-line description")
+    if kind == "server":
+        host_sec = top.mapping("host", "the server's host (memory, cores)")
+        network_sec = top.mapping("network", "the server's network")
+        assert host_sec is not None and network_sec is not None
+        host = _parse_host(host_sec, devices=False)
+        network = _parse_network(network_sec)
+        top.finish()
+        return _build(ServerProfile, top, name=name, description=description, host=host,
+                      network=network)
     if kind == "node":
         device_sec = top.mapping("device", "the device type")
         node_sec = top.mapping("node", "the intra-node fabric")
         network_sec = top.mapping("network", "the inter-node network", required=False)
+        host_sec = top.mapping("host", "the node's host memory and host link", required=False)
         assert device_sec is not None and node_sec is not None
         device = _parse_device(device_sec)
         node = _parse_node(node_sec)
         network = _parse_network(network_sec) if network_sec is not None else None
+        host = _parse_host(host_sec, devices=True) if host_sec is not None else None
         top.finish()
         return _build(Profile, top, name=name, description=description, device=device,
-                      node=node, network=network)
+                      node=node, network=network, host=host)
     groups = []
     for i, raw in enumerate(top.listing("groups", "node groups")):
         sec = _Section(raw, file, f"groups[{i}]", "a node group")
@@ -511,8 +563,22 @@ def _collective_efficiency_yaml(eff: CollectiveEfficiency) -> dict[str, Any]:
     return {**{op: getattr(eff, op) for op in COLLECTIVE_OPS}, "source": eff.source}
 
 
-def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
+def _network_yaml(w: NetworkSpec) -> dict[str, Any]:
+    return {
+        "nics_per_node": w.nics_per_node, "bw_per_nic_bytes_per_s": w.bw_per_nic_bytes_per_s,
+        "latency_s": w.latency_s, "topology": w.topology.value,
+        "oversubscription": w.oversubscription,
+        "collective_efficiency": _collective_efficiency_yaml(w.collective_efficiency),
+        "source": w.source, "latency_source": w.latency_source,
+    }
+
+
+def profile_to_yaml(profile: Profile | CompositeProfile | ServerProfile) -> str:
     """YAML text for ``profile`` in SI-suffixed keys; :func:`parse_profile` reads it back exactly."""
+    if isinstance(profile, ServerProfile):
+        data = {"kind": "server", "name": profile.name, "description": profile.description,
+                "host": _host_yaml(profile.host), "network": _network_yaml(profile.network)}
+        return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)
     if isinstance(profile, CompositeProfile):
         data: dict[str, Any] = {
             "kind": "composite", "name": profile.name, "description": profile.description,
@@ -542,6 +608,10 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
         t = d.attention_efficiency
         device["attention_efficiency"] = {"points": [list(p) for p in t.points],
                                           "source": t.source}
+    if d.grouped_matmul_efficiency:
+        device["grouped_matmul_efficiency"] = {
+            k: {"points": [list(p) for p in t.points], "source": t.source}
+            for k, t in d.grouped_matmul_efficiency.items()}
     if d.elementwise_rates is not None:
         r = d.elementwise_rates
         device["elementwise_rates"] = {"forward": dict(r.forward_bytes_per_s),
@@ -612,11 +682,7 @@ def profile_to_yaml(profile: Profile | CompositeProfile) -> str:
     data = {"kind": "node", "name": profile.name, "description": profile.description,
             "device": device, "node": node}
     if w is not None:
-        data["network"] = {
-            "nics_per_node": w.nics_per_node, "bw_per_nic_bytes_per_s": w.bw_per_nic_bytes_per_s,
-            "latency_s": w.latency_s, "topology": w.topology.value,
-            "oversubscription": w.oversubscription,
-            "collective_efficiency": _collective_efficiency_yaml(w.collective_efficiency),
-            "source": w.source, "latency_source": w.latency_source,
-        }
+        data["network"] = _network_yaml(w)
+    if profile.host is not None:
+        data["host"] = _host_yaml(profile.host)
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=100)

@@ -14,6 +14,8 @@ training):
 * on CUDA, torch's fused attention (causal ``scaled_dot_product_attention`` in bf16,
   forward and backward) over sequence lengths, as the profile's
   ``attention_efficiency`` (:func:`_attention_table`);
+* the host: its RAM, cores and the bandwidth of a large copy in host memory, and on CUDA
+  one GPU's host link (:func:`measure_host`), for embedding tables kept in host memory;
 * on CPU, the host's time per operator: tiny transformer blocks (so small their
   arithmetic is negligible), the forward per operator they dispatch and the backward per
   autograd node they run (and both per captured operator, for older graphs), the extra
@@ -68,7 +70,7 @@ Examples
 --------
 .. code-block:: console
 
-    $ autoplan profile --quick          # about 10-20 s on 2 CPU cores
+    $ autoplan profile --quick          # about a minute on 2 CPU cores (63 s; 124 s shared)
     $ autoplan profile --nproc 4 --out my-box.yaml --json
 
 Without ``--out`` the profile goes to ``$AUTOPLAN_HOME/profiles/local-<host>.yaml``
@@ -101,6 +103,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
 from .profile_records import ELEMENTWISE_KINDS, RATE_KINDS, cuda_architecture
+from .hosts import HostSpec
 from .profiles import (
     COLLECTIVE_OPS,
     CollectiveEfficiency,
@@ -1647,6 +1650,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
             say(f"matmul {name} {n}^3: {2 * n**3 / sec / 1e9:.1f} GFLOP/s")
     if cuda:
         torch.set_float32_matmul_precision("highest")
+    # grouped GEMMs, as MoE experts run them (autoplan.hardware.grouped_gemm)
+    grouped = _measure_grouped_gemms(torch, dist, device, dtypes, plan, cuda, sync, timed, say)
 
     elems = plan.copy_bytes // 4
     src = torch.ones(elems, device=device)
@@ -1878,7 +1883,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         info = {"name": _cpu_name(), "memory_bytes": _physical_memory_bytes()}
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
             **({"reference": list(reference)} if reference is not None else {}),
-            "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise}
+            "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise,
+            "grouped": grouped}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -1909,6 +1915,55 @@ def _physical_memory_bytes() -> int:
     except ImportError:
         raise RuntimeError("cannot read the physical memory size here; install psutil") from None
     return int(psutil.virtual_memory().total)
+
+
+def measure_host(*, cuda: bool, quick: bool = False) -> HostSpec:
+    """The host of this machine: its RAM, its cores, the bandwidth of a large copy in host
+    memory with every core, and on CUDA one GPU's host link (a pinned host buffer copied to
+    the device; ``None`` without one).
+
+    The copy counts the bytes read and written, as the device's copy bandwidth does; the
+    host link counts the bytes moved one way, one device alone (devices that share a
+    PCIe switch's uplink get less each when they all read at once).
+    """
+    import torch
+
+    nbytes = (64 if quick else 512) * 2**20
+    repeats = 3 if quick else 5
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = min(_timed_once(lambda: dst.copy_(src)) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+    copy_bw = 2.0 * nbytes / best
+    pcie = None
+    how = (f"measured by `autoplan profile` on {socket.gethostname()}: RAM from the OS, "
+           f"{os.cpu_count()} logical cores, a {_fmt_bytes(nbytes)} tensor copy with every "
+           f"core (bytes read + written, best of {repeats})")
+    if cuda:
+        host = torch.ones(nbytes // 4, dtype=torch.float32).pin_memory()
+        dev = torch.empty_like(host, device="cuda")
+
+        def h2d() -> None:
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        h2d()
+        pcie = nbytes / min(_timed_once(h2d) for _ in range(repeats))
+        how += (f"; host link: a pinned {_fmt_bytes(nbytes)} buffer copied to GPU 0, one "
+                f"device alone, best of {repeats}")
+    return HostSpec(memory_bytes=_physical_memory_bytes(), memory_bw_bytes_per_s=copy_bw,
+                    cores=max(1, os.cpu_count() or 1), source=how, pcie_bw_bytes_per_s=pcie)
+
+
+def _timed_once(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _free_port() -> int:
@@ -2151,10 +2206,12 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                        "of the ranks' mean" if raw.get("shares_cores") else "")))
     attention, attention_table = _attention_table(ranks, peaks, how)
     elementwise_rates = _elementwise_rates(ranks, how, bool(raw.get("shares_cores")), cuda)
+    grouped_tables = _grouped_tables(ranks, peaks, how)
     device = DeviceType(
         name=device_name, architecture=architecture, peak_flops_per_s=peaks, memory_bytes=memory,
         memory_bw_bytes_per_s=copy_bytes_per_s, matmul_efficiency=tables, op_overhead=op_overhead,
         measured=True, attention_efficiency=attention_table, elementwise_rates=elementwise_rates,
+        grouped_matmul_efficiency=grouped_tables or None,
         source=(f"{how}. Peaks are the best measured matmul throughput, not datasheet figures; "
                 + ("memory is the smallest GPU's total memory; " if cuda else
                    f"memory is the physical RAM divided among the {nproc} ranks; ")
@@ -2162,6 +2219,15 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     reference = ([max(float(r["reference"][i]) for r in ranks)
                   for i in range(min(len(r["reference"]) for r in ranks))]
                  if op_overhead is not None and all(r.get("reference") for r in ranks) else None)
+    if reference is not None and not (reference[0] > 0 and reference[1] > 0):
+        # a timing that came out empty (a machine too busy to time the blocks apart):
+        # the profile keeps its per-operator figures, without layer scales, and says so
+        assert op_overhead is not None
+        op_overhead = replace(op_overhead, source=op_overhead.source + (
+            f"; no layer scales: the reference blocks' timing came out "
+            f"{reference[0] * 1e3:.2f} ms forward, {reference[1] * 1e3:.2f} ms backward"))
+        device = replace(device, op_overhead=op_overhead)
+        reference = None
     if reference is not None:
         # the slowest rank's reference blocks against their price from the figures above
         assert op_overhead is not None
@@ -2269,6 +2335,59 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
     return profile, measurements
 
 
+def _measure_grouped_gemms(torch, dist, device, dtypes: dict, plan: MeasurementPlan, cuda: bool,
+                           sync: Callable[[], None], timed, say) -> dict[str, list]:
+    """Grouped GEMMs per 16-bit or fp32 dtype the plan times matmuls in, over
+    :data:`~autoplan.hardware.grouped_gemm.GROUPED_SHAPES`: ``dtype -> [(experts, rows, k,
+    n, seconds)]``; a dtype the device's grouped kernel refuses is left out."""
+    from .grouped_gemm import GROUPED_SHAPES, grouped_gemm_call, grouped_gemm_flops
+
+    experts, rows_list, k, n = GROUPED_SHAPES["cuda" if cuda else "cpu"]
+    out: dict[str, list] = {}
+    for name in ("bf16", "fp32"):
+        if name not in plan.matmul_sizes:
+            continue
+        points = []
+        for rows in rows_list:
+            try:
+                call = grouped_gemm_call(torch, experts=experts, rows=rows, k=k, n=n,
+                                         dtype=dtypes[name], device=device)
+                call()
+            except (RuntimeError, NotImplementedError) as exc:   # no kernel for this dtype
+                say(f"grouped GEMM {name}: not measured ({type(exc).__name__}: {exc})"[:200])
+                points = []
+                break
+            dist.barrier()
+            sec = (_time_local(call, sync, plan.matmul_target_s, plan.repeats) if cuda
+                   else timed(call, plan.matmul_target_s, local=True))
+            del call
+            points.append((experts, rows, k, n, sec))
+            flops = grouped_gemm_flops(experts=experts, rows=rows, k=k, n=n)
+            say(f"grouped GEMM {name} {experts} x {rows} rows: {flops / sec / 1e9:.1f} GFLOP/s")
+        if points:
+            out[name] = points
+    return out
+
+
+def _grouped_tables(ranks: list[dict[str, Any]], peaks: dict[str, float],
+                    how: str) -> dict[str, EfficiencyTable]:
+    """Per dtype, the grouped-GEMM efficiency table of the slowest rank at each point."""
+    from .grouped_gemm import grouped_gemm_table
+
+    out = {}
+    for dtype, points in (ranks[0].get("grouped") or {}).items():
+        if dtype not in peaks or any(dtype not in (r.get("grouped") or {}) for r in ranks):
+            continue
+        worst = [(*p[:4], max(r["grouped"][dtype][i][4] for r in ranks))
+                 for i, p in enumerate(points)]
+        out[dtype] = grouped_gemm_table(
+            worst, peaks[dtype],
+            f"{how}: grouped GEMMs (torch grouped_mm) of {worst[0][0]} experts, "
+            f"{', '.join(str(p[1]) for p in worst)} rows each, {worst[0][2]} x {worst[0][3]} "
+            f"weights, over the best measured {dtype} matmul")
+    return out
+
+
 def _attention_table(ranks: list[dict[str, Any]], peaks: dict[str, float], how: str
                      ) -> tuple[list[dict[str, Any]], EfficiencyTable | None]:
     """The measured attention calls (the slowest rank's time per shape) and the profile's
@@ -2368,6 +2487,10 @@ def _summary(profile: Profile, path: Path, elapsed: float) -> str:
            + ", ".join(f"{e:.2f}" for _, e in d.attention_efficiency.points)
            + " of the 16-bit peak (causal SDPA, forward + backward)"]
           if d.attention_efficiency is not None else []),
+        *([f"  grouped GEMM {dtype} {len(t.points)} points, "
+           + ", ".join(f"{e:.2f}" for _, e in t.points)
+           + " of the peak (MoE experts, by rows per expert)"
+           for dtype, t in (d.grouped_matmul_efficiency or {}).items()]),
         *([f"  after compute: +{n.arrival_s * 1e6:.0f} us per collective call (ranks share "
            f"{n.shared_cores} cores)"] if n.arrival_s else []),
         *([f"  overhead {d.op_overhead.forward_dispatch_s * 1e6:.1f} us per dispatched operator "
@@ -2426,7 +2549,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Measure this machine (CPU, or each CUDA GPU) and write a hardware profile "
                     "that autoplan.load_cluster reads.")
     p.add_argument("--quick", action="store_true",
-                   help="fewer sizes and shorter timings (about 10-20 s on a small CPU)")
+                   help="fewer sizes and shorter timings (about a minute with 2 ranks on 2 CPU "
+                        "cores: 63 s measured, 124 s with the cores shared)")
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks to measure with (default: 2 on CPU, every GPU on CUDA)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -2504,6 +2628,8 @@ def main(argv: list[str] | None = None) -> int:
         name, raw, cuda=cuda, nproc=nproc, threads=threads,
         devices_per_node=gpus if cuda else nproc, quick=args.quick, copy_bytes=plan.copy_bytes,
         cores=cores, runs=args.repeat)
+    _say("host memory" + (" and host link" if cuda else ""), start)
+    profile = replace(profile, host=measure_host(cuda=cuda, quick=args.quick))
     header = (f"# Measured by `autoplan profile` ({'quick, ' if args.quick else ''}{nproc} "
               f"rank{'s' if nproc > 1 else ''}"
               f"{f', the median of {args.repeat} runs' if args.repeat > 1 else ''}) "

@@ -45,6 +45,7 @@ from .profile_records import (COLLECTIVE_OPS, DTYPE_FALLBACK, DTYPES, Collective
                               MeshLink, NetworkSpec, NetworkTopology, NodeGroup, NodeSpec, OpOverhead,
                               ElementwiseRates, Profile, SiteLink)
 from .profile_yaml import parse_profile, profile_to_yaml
+from .hosts import HostSpec, ServerProfile
 
 __all__ = [
     "DTYPES",
@@ -65,6 +66,8 @@ __all__ = [
     "NodeGroup",
     "SiteLink",
     "CompositeProfile",
+    "HostSpec",
+    "ServerProfile",
     "PROFILES_ENV",
     "HOME_ENV",
     "shipped_profiles_dir",

@@ -11,8 +11,9 @@
 * :func:`schedule_timeline` -- the operation-by-operation pipeline schedule
   that :func:`plot_schedule` draws.
 
-The figures and HTML need matplotlib (``pip install autoplan[notebooks]``);
-they are imported on first use, so :func:`whatif` works without it.
+The figures need matplotlib (``pip install 'autoplan[plots]'``); they are
+imported on first use, so :func:`whatif` and an HTML report without figures work
+without it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,15 @@ from typing import Any
 
 from ..plan_facts import PLAN_FACTS
 
-__all__ = ["plan_label", "LEGEND", "legend_text", "plan_differences"]
+__all__ = ["plan_label", "model_name", "LEGEND", "legend_text", "plan_differences"]
+
+
+def model_name(obj: Any) -> str:
+    """The one name a model goes by in every report: the title the capture or the zoo
+    gave it (``GPT-3 175B``, ``llama 8.03B``), else its class (``LlamaForCausalLM``).
+
+    Works on a :class:`~autoplan.Plan` or a :class:`~autoplan.ModelGraph`."""
+    return getattr(obj, "title", "") or getattr(obj, "model", "") or type(obj).__name__
 
 
 def plan_label(plan: Any) -> str:

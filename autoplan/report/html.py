@@ -21,7 +21,7 @@ from .. import __version__
 from ..cost.result import BREAKDOWN_KEYS
 from ..errors import ConfigError
 from ..records import atomic_write_text
-from ._text import plan_label
+from ._text import model_name, plan_label
 from .tables import plan_stage_table
 
 __all__ = ["plan_report_html", "write_plan_report"]
@@ -156,7 +156,8 @@ def plan_report_html(plan, *, cluster: Any = None, graph: Any = None, title: str
     if est is None:
         raise ConfigError("plan_report_html() needs a plan with an estimate: use "
                           "plan.with_estimate(autoplan.estimate_plan(graph, cluster, plan))")
-    title = title or f"autoplan: {plan.model} on {plan.num_devices} GPUs of {plan.cluster.name}"
+    title = title or (f"autoplan: {model_name(plan)} on {plan.num_devices} devices of "
+                      f"{plan.cluster.name}")
     c = plan.cluster
     runners = list(getattr(plan, "runners_up", ()) or ())
     parts = [
@@ -166,7 +167,7 @@ def plan_report_html(plan, *, cluster: Any = None, graph: Any = None, title: str
         f'<p class="summary" id="summary">{_esc(plan.summary())}</p>',
         "<h2>Inputs</h2>",
         _table(["what", "value"], [
-            ["model", plan.model], ["sequence length", plan.seq_len or "-"],
+            ["model", model_name(plan)], ["sequence length", plan.seq_len or "-"],
             ["global batch (sequences)", plan.global_batch],
             ["tokens per step", est.tokens_per_step], ["precision", plan.precision.value],
             ["cluster", c.name], ["devices", c.num_devices], ["nodes", c.num_nodes],
@@ -194,7 +195,7 @@ def plan_report_html(plan, *, cluster: Any = None, graph: Any = None, title: str
     ]
     if figures:
         from .plots import plot_schedule
-        parts += ["<h2>Pipeline schedule</h2>",
+        parts += ["<h2>Pipeline schedule</h2>" if plan.pp > 1 else "<h2>Step timeline</h2>",
                   _image(plot_schedule(plan), "pipeline schedule", "schedule")]
     parts += ["<h2>Memory per pipeline rank</h2>", _memory_table(est)]
     if figures:

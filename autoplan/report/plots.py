@@ -21,16 +21,18 @@ import io
 import os
 from typing import Any, Sequence
 
-import matplotlib
-import matplotlib.ticker
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from .._optional import require
+
+matplotlib = require("matplotlib", "figures")       # one line with the pip install, not a traceback
+import matplotlib.ticker  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.result import BREAKDOWN_KEYS, Estimate
 from ..errors import ConfigError
 from ..records import atomic_write_bytes
-from ._text import plan_label
+from ._text import model_name, plan_label
 from .timeline import BlockKind, Timeline, schedule_timeline
 
 __all__ = ["plot_schedule", "plot_memory", "plot_scaling", "plot_top_k", "save_figure",
@@ -127,8 +129,8 @@ def plot_schedule(plan: Any, *, estimate: Estimate | None = None, path: str | No
         gid ``"kind/rank/chunk"`` (``"comm/rank/0"`` for the communication hatch).
     """
     tl = schedule_timeline(plan, estimate)
-    return _draw_timeline(tl, title=f"{plan.model}: {plan_label(plan)}", path=path, width=width,
-                          label_micro_batches=label_micro_batches)
+    return _draw_timeline(tl, title=f"{model_name(plan)}: {plan_label(plan)}", path=path,
+                          width=width, label_micro_batches=label_micro_batches)
 
 
 def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
@@ -190,9 +192,18 @@ def _draw_timeline(tl: Timeline, *, title: str, path: str | None, width: float,
         handles.append(Line2D([0], [0], color="black", linestyle="--", label="predicted step"))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
               frameon=False)
-    sched = tl.schedule.value + (f" x{v}" if v > 1 else "")
-    ax.set_title(f"{title}\n{sched}, {tl.micro_batches} micro-batches, {tl.pp} ranks", fontsize=10)
+    ax.set_title(f"{title}\n{_schedule_caption(tl)}", fontsize=10)
     return _finish(fig, path)
+
+
+def _schedule_caption(tl: Timeline) -> str:
+    """``1f1b x2, 8 micro-batches, 4 pipeline ranks``; without a pipeline, what runs instead
+    (no schedule: each micro-batch's forward then its backward)."""
+    mbs = f"{tl.micro_batches} micro-batch{'es' if tl.micro_batches != 1 else ''}"
+    if tl.pp == 1:
+        return f"no pipeline: {mbs} per step, each forward then backward"
+    sched = tl.schedule.value + (f" x{tl.virtual_stages}" if tl.virtual_stages > 1 else "")
+    return f"{sched}, {mbs}, {tl.pp} pipeline ranks"
 
 
 # ------------------------------------------------------------------ memory
@@ -248,7 +259,7 @@ def plot_memory(plan_or_estimate: Any, *, path: str | None = None) -> Figure:
     ax.set_ylim(0, max(max(caps), max(bottom)) * 1.1)
     title = "memory per pipeline rank"
     if hasattr(plan_or_estimate, "model") and not isinstance(plan_or_estimate, Estimate):
-        title = f"{plan_or_estimate.model}: {plan_label(plan_or_estimate)}"
+        title = f"{model_name(plan_or_estimate)}: {plan_label(plan_or_estimate)}"
     ax.set_title(title, fontsize=10)
     return _finish(fig, path)
 
@@ -414,6 +425,6 @@ def plot_top_k(plans: Any, *, path: str | None = None, labels: Sequence[str] | N
     handles, names = ax.get_legend_handles_labels()
     ax.legend(list(reversed(handles)), list(reversed(names)), loc="center left",
               bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
-    model = getattr(plans[0], "model", None)
+    model = model_name(plans[0]) if hasattr(plans[0], "model") else None
     ax.set_title(f"top {n} plans" + (f" for {model}" if model else ""), fontsize=10)
     return _finish(fig, path)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import AutoplanError, ConfigError, InfeasiblePlan, StrategyError
-from ._text import plan_label
+from ._text import model_name, plan_label
 
 __all__ = ["whatif_text", "whatif", "WHATIF_COLUMNS", "cluster_price_per_hour"]
 
@@ -73,7 +73,7 @@ def _model_specs(model: Any) -> list[_ModelSpec]:
             module, seq = build_model(m)      # on the meta device: nothing is allocated
             specs.append(_ModelSpec(m, module, seq))
         elif isinstance(m, ModelGraph):
-            specs.append(_ModelSpec(m.model, m, m.seq_len))
+            specs.append(_ModelSpec(model_name(m), m, m.seq_len))
         elif isinstance(m, nn.Module):
             specs.append(_ModelSpec(type(m).__name__, m, None))
         else:
@@ -266,7 +266,8 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
             for cluster, cluster_prices in zip(cluster_list, prices):
                 for gb in _batches(global_batch, cluster.num_devices):
                     base = {
-                        "model": spec.label, "cluster": cluster.name,
+                        "model": model_name(graph) if graph is not None else spec.label,
+                        "cluster": cluster.name,
                         "device_types": "+".join(t.name for t in cluster.device_types),
                         "nodes": cluster.num_nodes, "gpus": cluster.num_devices,
                         "global_batch": gb, "seq_len": seq,
@@ -351,7 +352,8 @@ def whatif_text(df: Any) -> str:
     out["MFU"] = fmt(df["mfu"], lambda v: f"{v:.1%}")
     out["peak_GiB"] = fmt(df["peak_memory_GiB"], lambda v: f"{v:.1f}")
     out["fits"] = df["fits"].map({True: "yes", False: "no"}).fillna("-")
-    for col, name in (("cost_per_step", "$/step"), ("cost_per_million_tokens", "$/Mtok")):
+    for col, name in (("cost_per_hour", "$/h"), ("cost_per_step", "$/step"),
+                      ("cost_per_million_tokens", "$/Mtok")):
         if col in df.columns:
             out[name] = fmt(df[col], lambda v: f"{v:.4g}")
     reasons = df["reason"].fillna("")

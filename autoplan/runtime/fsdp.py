@@ -99,8 +99,13 @@ def apply_replicate(root: nn.Module, dp_mesh: DeviceMesh, *,
 
 
 def apply_ddp(root: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """Classic DDP (no ``device_ids`` on CPU) over the data-parallel group."""
-    return DistributedDataParallel(root, process_group=dp_mesh.get_group())
+    """Classic DDP (no ``device_ids`` on CPU) over the data-parallel group.  Buffers are
+    synchronised once, when it wraps the model, not broadcast from rank 0 before each
+    forward (``forward_sync_buffers=False``): every rank builds them alike, and FSDP2's
+    wrappers, which run every other layout, do not broadcast them either, so every layout
+    moves the same bytes for them in a step (none)."""
+    return DistributedDataParallel(root, process_group=dp_mesh.get_group(),
+                                   forward_sync_buffers=False)
 
 
 def set_micro_batch_sync(root: nn.Module, last: bool) -> None:

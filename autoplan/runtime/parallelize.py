@@ -31,11 +31,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .cpu_heap import keep_cpu_heap
 from .loss import token_cross_entropy
 from ..errors import ConfigError, PlanMismatchError
-from ..graph import LayerKind, ModelGraph
+from ..graph import LayerKind, LinearRole, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
 from ..strategy import Precision, Recompute, Strategy, uses_ddp
@@ -69,7 +70,8 @@ def _graph_of(model: nn.Module, seq_len: int | None, example_inputs: Any) -> Mod
 
     shapes = None
     if example_inputs is not None:
-        flat = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        flat = (list(example_inputs.values()) if isinstance(example_inputs, dict) else
+                example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,))
         shapes = tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
     key = (type(model).__qualname__, repr(model),
            tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), seq_len, shapes)
@@ -104,6 +106,7 @@ def resolve_plan(model: nn.Module, target: Any, graph: ModelGraph, *, world_size
                               f"global_batch={target.global_batch}; they must agree")
         plan = plan_of(target, graph, world_size=world_size)
     elif isinstance(target, Plan):
+        target.check_model(graph)      # one line saying what differs, for another model's plan
         plan = target
     elif isinstance(target, Cluster):
         if global_batch is None:
@@ -166,6 +169,9 @@ class ParallelModel:
     tied: Any = None                     # TiedGrads of cross-stage tied parameters
     aliases: dict[str, str] = field(default_factory=dict)   # stage copy -> canonical name
     split: Any = None                    # IdleSplit when the plan leaves processes idle
+    #: The logits stay sharded over the vocabulary and the loss runs under torch's
+    #: ``loss_parallel`` (the built-in loss under tensor parallelism)
+    vocab_parallel: bool = False
 
     def finish(self) -> None:
         """Every process of the job back in one process group, when the plan left some
@@ -215,17 +221,18 @@ class ParallelModel:
                 raise ConfigError("the batch of a non-token model is (inputs, targets), each with "
                                   "global_batch rows")
             inputs, targets = batch
-        for t in (inputs, targets):
-            if t.shape[0] != plan.global_batch:
-                raise ConfigError(f"the batch has {t.shape[0]} rows; the plan's global batch "
-                                  f"is {plan.global_batch}")
+        rows = _rows_of(inputs) | _rows_of(targets)     # inputs: a tensor, tuple or dict
+        if rows != {plan.global_batch}:
+            raise ConfigError(f"the batch has {sorted(rows)} rows; the plan's global batch "
+                              f"is {plan.global_batch} (every input and target tensor has one "
+                              "row per sample)")
         if self.token_model and self.seq_len is not None and inputs.shape[1] != self.seq_len:
             raise ConfigError(f"the batch has sequences of {inputs.shape[1]} tokens; the program "
                               f"was built for seq_len={self.seq_len}")
         r = self.replica
         lo, n = plan.replica_offset(r), plan.replica_batch[r]
         # this rank's rows on its device (a batch built on the host, a program on a GPU)
-        inputs, targets = inputs[lo:lo + n].to(self.device), targets[lo:lo + n].to(self.device)
+        inputs, targets = split_rows(inputs, lo, n, self.device), split_rows(targets, lo, n, self.device)
         if plan.cp > 1:
             # this rank's load-balanced share of every sequence, targets shifted before the split
             local = shard_batch(inputs, plan.cp, self.coords["cp"])
@@ -240,8 +247,19 @@ class ParallelModel:
     def _forward(self, part: nn.Module, x: torch.Tensor) -> torch.Tensor:
         builtin = self.loss_fn is _next_token_loss or isinstance(self.loss_fn, NextTokenLoss)
         with _root_view_warning_silenced(part) if builtin else contextlib.nullcontext():
-            out = part(input_ids=x, use_cache=False) if self.hf else part(x)
+            out = (part(input_ids=x, use_cache=False) if self.hf else
+                   part(**x) if isinstance(x, dict) else
+                   part(*x) if isinstance(x, (tuple, list)) else part(x))
         return model_output(out)
+
+    def _loss_context(self):
+        """torch's ``loss_parallel`` around a loss and its backward over vocabulary-sharded
+        logits (:attr:`vocab_parallel`)."""
+        if not self.vocab_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def step(self, batch: Any) -> float:
         """One training step on the global ``batch``; returns the mean loss over it on every rank."""
@@ -252,8 +270,9 @@ class ParallelModel:
         if plan.pp == 1:
             part = self.parts[0]
             total = torch.zeros((), dtype=torch.float64, device=self.device)
-            xs, ys = inputs.split(plan.micro_batch), targets.split(plan.micro_batch)
-            n = inputs.shape[0]   # the replica's sequences (its last micro-batch may be short)
+            xs, ys = _micro_batches(inputs, plan.micro_batch), _micro_batches(targets, plan.micro_batch)
+            # the replica's sequences (its last micro-batch may be short)
+            n = next(iter(_rows_of(inputs)))
             for i in range(runs):
                 # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
                 # its data with zero weight: their collectives match the other replicas'
@@ -262,13 +281,17 @@ class ParallelModel:
                 set_micro_batch_sync(part, last)
                 sync = (part.no_sync() if isinstance(part, nn.parallel.DistributedDataParallel)
                         and not last else contextlib.nullcontext())
-                with sync:
+                with sync, self._loss_context():
                     loss = self.loss_fn(self._forward(part, x), y)
-                    (loss * (weight * x.shape[0] / n if i < m else 0.0)).backward()
+                    rows = next(iter(_rows_of(x)))
+                    (loss * (weight * rows / n if i < m else 0.0)).backward()
                 if i < m:
-                    total += loss.detach().double() * x.shape[0]
+                    total += _local_value(loss).detach().double() * rows
             local = total / n
         else:
+            if not isinstance(inputs, torch.Tensor):
+                raise ConfigError("pipeline parallelism runs models of one input tensor; use pp=1 "
+                                  "for a model of several inputs")
             if runs > m:   # zero-weight micro-batches repeat the replica's first ones, their
                 # targets marked (torch's schedules do not compute losses in micro-batch order)
                 extra = (runs - m) * plan.micro_batch
@@ -283,11 +306,12 @@ class ParallelModel:
             # return_outputs=False: the last stage would otherwise keep every micro-batch's
             # output (the logits) until the step ends, to merge them for a caller that
             # only needs the losses
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            with self._loss_context():
+                self.schedule.step(*args, return_outputs=False, **kwargs)
             if self.tied is not None:
                 self.tied()
             # the schedule's losses are scaled by weight / m, padding by 0 (_attach_pipeline)
-            local = (torch.stack([l.detach().double() for l in losses]).sum() / weight
+            local = (torch.stack([_local_value(l).detach().double() for l in losses]).sum() / weight
                      if self.holds_loss else torch.zeros((), dtype=torch.float64,
                                                          device=self.device))
         reduce_partial_grads(self.parts)
@@ -420,11 +444,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         initialisation).  Without pipelining it is modified in place; with it,
         each rank builds its stages from it (sharing its tensors); do not use
         it afterwards.
-    target : Strategy, Plan or Cluster
+    target : Strategy, Plan, Cluster or SparsePlan
         A uniform :class:`~autoplan.Strategy` to apply (laid out as
         :meth:`Plan.from_strategy` lays it out for the cost model), a searched or
         hand-made :class:`~autoplan.Plan`, or a :class:`~autoplan.Cluster` to plan
-        for (rank 0 searches and broadcasts the plan).
+        for (rank 0 searches and broadcasts the plan).  An embedding model's
+        :class:`~autoplan.sparse.SparsePlan` runs its tables sharded and on servers
+        (:func:`autoplan.sparse.runtime.parallelize_sparse`, which this returns).
     global_batch : int, optional
         Sequences per step; must agree with the target's (required for a Cluster).
     seq_len : int, optional
@@ -465,6 +491,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     >>> # pm = parallelize(GPT(cfg), Strategy(dp=2, tp=2, global_batch=8, precision="fp32"), seq_len=16)
     >>> # loss = pm.step(ids)   # ids: (8, 16), the same on every rank
     """
+    from ..sparse.plan import SparsePlan
+    if isinstance(target, SparsePlan):
+        # an embedding-heavy model's plan (autoplan.sparse): sharded tables, servers
+        from ..sparse.runtime import parallelize_sparse
+        return parallelize_sparse(model, target, loss_fn=loss_fn, optimizer=optimizer)
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError("parallelize() runs inside a torch.distributed job: call "
                           "torch.distributed.init_process_group first (e.g. under torchrun)")
@@ -487,6 +518,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
     banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn)
+    # the built-in loss over logits sharded on the vocabulary (torch's loss_parallel): no
+    # rank gathers the whole logits; a loss of the user's gets them whole
+    vocab_parallel = (loss_fn is None and uniform_degrees(plan)[0] > 1
+                      and any(l.role is LinearRole.VOCAB_HEAD
+                              for layer in graph.layers for l in layer.tp.linears))
     loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
     optimizer = optimizer or default_optimizer
     # ---- no collective before this point (but for a Cluster's plan broadcast)
@@ -503,11 +539,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         parts, ties = _build_stages(model, graph, plan, stage_ids, seq_len)
     for i, s in enumerate(stage_ids):
         parts[i] = _apply_parallelisms(parts[i], plan.stages[s].layers, model, graph, plan,
-                                       mesh, seq_len, banks, expert_mesh)
+                                       mesh, seq_len, banks, expert_mesh, vocab_parallel)
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
-                       hf=is_hf(model), split=split)
+                       hf=is_hf(model), split=split, vocab_parallel=vocab_parallel)
     if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm
@@ -599,7 +635,8 @@ def _build_stages(model: nn.Module, graph: ModelGraph, plan: Plan,
 def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
                         graph: ModelGraph, plan: Plan, mesh: DeviceMesh,
                         seq_len: int | None, banks: Sequence[ExpertBank] = (),
-                        expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None) -> nn.Module:
+                        expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None,
+                        vocab_parallel: bool = False) -> nn.Module:
     """Tensor/sequence parallelism, expert parallelism, then activation checkpointing,
     then data parallelism on one part (the model or a stage) holding the layers ``names``."""
     kinds = {l.name: l.kind for l in graph.layers}
@@ -611,7 +648,8 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
         first_block = next((l.name for l in graph.layers if l.kind is LayerKind.BLOCK), None)
         apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
                  sequence_parallel=sp, first_block=first_block,
-                 region_kwargs=adapter.region_kwargs if adapter is not None else {})
+                 region_kwargs=adapter.region_kwargs if adapter is not None else {},
+                 vocab_parallel_loss=vocab_parallel)
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], seq_len=seq_len)
     # (MoE layers are not tensor-parallel: an ep group holds ranks of one tp index)
@@ -705,6 +743,40 @@ def _root_view_warning_silenced(root: nn.Module):
         warnings.filterwarnings("ignore", category=UserWarning, message=(
             rf"FSDP2-wrapped module \({re.escape(type(root).__name__)}\) returned a view"))
         yield
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (``loss_parallel`` returns a replicated DTensor)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def split_rows(value: Any, lo: int, n: int, device: torch.device | None = None) -> Any:
+    """Rows ``[lo, lo + n)`` of every tensor in ``value`` (a tensor, tuple, list or dict)."""
+    if isinstance(value, torch.Tensor):
+        out = value[lo:lo + n]
+        return out.to(device) if device is not None else out
+    if isinstance(value, (tuple, list)):
+        return type(value)(split_rows(v, lo, n, device) for v in value)
+    if isinstance(value, dict):
+        return {k: split_rows(v, lo, n, device) for k, v in value.items()}
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
+def _rows_of(value: Any) -> set[int]:
+    """The first dimensions of every tensor in ``value`` (-1 for a scalar)."""
+    if isinstance(value, torch.Tensor):
+        return {int(value.shape[0])} if value.dim() else {-1}
+    if isinstance(value, (tuple, list, dict)):
+        parts = value.values() if isinstance(value, dict) else value
+        return set().union(*(_rows_of(v) for v in parts))
+    raise ConfigError(f"a batch holds tensors (in a tuple, list or dict), got {type(value).__name__}")
+
+
+def _micro_batches(value: Any, size: int) -> list[Any]:
+    """``value`` (a tensor, or a tuple or dict of tensors) split into micro-batches of
+    ``size`` rows."""
+    rows = next(iter(_rows_of(value)))
+    return [split_rows(value, lo, min(size, rows - lo)) for lo in range(0, rows, size)]
 
 
 def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -232,6 +232,80 @@ def build_schedule(schedule: Schedule, stages: list[PipelineStage], num_micro_ba
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
+class _ZeroStage(PipelineStage):
+    """torch's pipeline stage with two changes, both what the cost model prices.
+
+    **ZeRO per micro-batch.**  Its FSDP2 units reduce and reshard after each
+    micro-batch's backward as their ZeRO stage asks
+    (:func:`autoplan.runtime.fsdp.set_micro_batch_sync`: ZeRO-2 and ZeRO-3 reduce-scatter
+    every micro-batch, ZeRO-3 reshards).  torch's stage runs every backward without
+    reduction or resharding and reduces once at the step's end (``REDUCE_GRAD``), which
+    keeps every unit's gathered weights and whole gradients until then: ZeRO-2 and ZeRO-3
+    would save no memory under a pipeline.  The step's ``REDUCE_GRAD`` then reduces what
+    is left (the ZeRO-0/1 units; a unit already reduced has nothing pending).  Split
+    backwards (zero-bubble schedules' input and weight passes) keep torch's handling.
+
+    **Receive buffers while in use.**  torch allocates a receive buffer for every
+    micro-batch's input activation and output gradient when the step starts and keeps
+    them all (Llama-3-70B tp8 pp4 interleaved x5 on 64 A100: 164 GiB a device).  Here a
+    buffer is allocated when its receive is posted and released once its micro-batch's
+    backward is done, so a stage holds those of the micro-batches in flight, as
+    Megatron-LM does (``CostOptions.pp_buffers_per_micro_batch=False``).
+    """
+
+    #: (recv infos kind, chunk, position) -> (shape, stride, dtype) of a released buffer
+    _released: dict
+
+    def _fresh_buffers(self, infos) -> None:
+        """Allocate the released receive buffers among ``infos`` again (empty)."""
+        released = self.__dict__.setdefault("_released", {})
+        for info in infos:
+            layout = released.pop(id(info), None)
+            if layout is not None:
+                shape, stride, dtype = layout
+                info.buffer = torch.empty_strided(shape, stride, dtype=dtype, device=self.device)
+
+    def _release_buffers(self, infos) -> None:
+        """Drop this stage's references to the receive buffers among ``infos`` (autograd
+        keeps what the backward still needs)."""
+        released = self.__dict__.setdefault("_released", {})
+        for info in infos:
+            buf = getattr(info, "buffer", None)
+            if getattr(info, "is_root_arg", True) or buf is None or not buf.numel():
+                continue
+            released[id(info)] = (tuple(buf.shape), tuple(buf.stride()), buf.dtype)
+            info.buffer = buf.new_empty(0)
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int):
+        self._fresh_buffers(self.args_recv_info[fwd_chunk_id])
+        return super().get_fwd_recv_ops(fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int):
+        self._fresh_buffers(self.grad_recv_info[bwd_chunk_id])
+        return super().get_bwd_recv_ops(bwd_chunk_id)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self._release_buffers(self.args_recv_info.get(bwd_chunk_id, ()))
+        self._release_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
+        return out
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict,
+                                   last_backward: bool = False):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.pipelining.stage import stage_backward
+
+        from .fsdp import set_micro_batch_sync
+
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        self.submod.set_is_last_backward(False)
+        set_micro_batch_sync(self.submod, last=False)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                               bwd_kwargs["input_values"])
+        return grads, None
+
+
 def make_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device,
                group) -> PipelineStage:
-    return PipelineStage(module, stage_index, num_stages, device, group=group)
+    return _ZeroStage(module, stage_index, num_stages, device, group=group)

@@ -6,7 +6,10 @@ capture found (:class:`~autoplan.graph.LinearRole`), not from module names:
 - ``column`` -> :class:`ColwiseParallel`, ``row`` -> :class:`RowwiseParallel`
   (Megatron-LM, Shoeybi et al. 2019, Sec. 3);
 - ``vocab_embedding`` -> a row-sharded embedding table (vocab-parallel),
-  ``vocab_head`` -> a column-sharded head whose logits are gathered;
+  ``vocab_head`` -> a column-sharded head whose logits stay sharded over the
+  vocabulary for the built-in loss, computed under torch's ``loss_parallel``
+  (three all-reduces of one number per token; Megatron-LM's vocab-parallel
+  cross-entropy), and are all-gathered for a loss of the user's;
 - sequence parallelism (Korthikanti et al. 2022, Sec. 4.2.2): the residual
   stream between blocks is sharded on the sequence dimension; every
   parameterised module outside the tensor-parallel regions (the norms) runs
@@ -63,12 +66,15 @@ def _parent(path: str) -> str:
 
 
 def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
-            first_block: bool = False, region_kwargs: dict[str, str] | None = None
-            ) -> dict[str, object]:
+            first_block: bool = False, region_kwargs: dict[str, str] | None = None,
+            vocab_parallel_loss: bool = False) -> dict[str, object]:
     """The ``parallelize_module`` plan of one layer, relative to ``module``.
 
     ``module`` is the block itself for a block layer, the model (or pipeline
-    stage) root for the pre and post layers.
+    stage) root for the pre and post layers.  ``vocab_parallel_loss``: the head's
+    logits stay sharded over the vocabulary (a DTensor ``Shard(-1)``) for a loss
+    computed under torch's ``loss_parallel`` (no rank holds the whole logits);
+    otherwise they are all-gathered.
     """
     region_kwargs = region_kwargs or {}
     # MoE: the experts and the router stay whole on every tp rank (each runs the block's
@@ -124,8 +130,12 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             # partial lookups are all-reduced
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif role is LinearRole.VOCAB_HEAD and isinstance(module.get_submodule(name), nn.Linear):
-            plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                         output_layouts=Replicate())
+            if vocab_parallel_loss:
+                plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                             output_layouts=Shard(-1), use_local_output=False)
+            else:
+                plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                             output_layouts=Replicate())
     if sp and layer.kind is LayerKind.POST:
         leaves = [path for path in layer.modules if _has_module(module, path)
                   and _own_params(module.get_submodule(path))
@@ -137,9 +147,11 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
 
 def apply_tp(root: nn.Module, layers: Iterable[tuple[LayerRecord, str]], tp_mesh: DeviceMesh, *,
              sequence_parallel: bool, first_block: str | None = None,
-             region_kwargs: dict[str, str] | None = None) -> None:
+             region_kwargs: dict[str, str] | None = None,
+             vocab_parallel_loss: bool = False) -> None:
     """Shard the linears of ``layers`` (``(record, module path)`` pairs present in ``root``)
-    over ``tp_mesh``; tied parameters are re-tied after sharding."""
+    over ``tp_mesh``; tied parameters are re-tied after sharding.  ``vocab_parallel_loss``:
+    see :func:`tp_plan`."""
     ties = _tied_groups(root)
     for layer, path in layers:
         if layer.kind is LayerKind.BLOCK:
@@ -151,7 +163,7 @@ def apply_tp(root: nn.Module, layers: Iterable[tuple[LayerRecord, str]], tp_mesh
         else:
             module = root
             plan = tp_plan(layer, root, sequence_parallel=sequence_parallel,
-                           region_kwargs=region_kwargs)
+                           region_kwargs=region_kwargs, vocab_parallel_loss=vocab_parallel_loss)
         own = plan.pop("", None)
         if plan:
             parallelize_module(module, tp_mesh, plan)

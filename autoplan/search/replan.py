@@ -96,6 +96,8 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     InfeasiblePlan
         When no layout of the model fits the devices that remain (the message says
         the memory it would need and the devices there are).
+    PlanMismatchError
+        When ``graph`` is of another model than the one ``plan`` was made for.
 
     Examples
     --------
@@ -111,8 +113,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     if graph is None:
         raise ConfigError("replan needs the model graph: this plan was loaded from JSON, so pass "
                           "graph=autoplan.trace(model, seq_len=...)")
-    if graph.model != plan.model:
-        raise ConfigError(f"the graph is of {graph.model!r} but the plan of {plan.model!r}")
+    plan.check_model(graph)     # PlanMismatchError, saying what differs, for another model
     if memory_fraction is None:
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
     space = space or SearchSpace()

@@ -57,7 +57,7 @@ from ..cost import CostEngine, CostOptions
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..hardware.cluster import as_cluster
-from ..plan import Plan, expert_counts
+from ..plan import ModelFingerprint, Plan, expert_counts
 from ..strategy import Precision, Recompute, Schedule, schedule_problem
 from .bounds import Bounds
 from .builder import _Builder, _Candidate, _Combo, micro_batch_counts
@@ -852,7 +852,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     if expert_counts(graph):
         # what autoplan.parallelize runs on MoE blocks: no sequence parallelism (their
         # experts stay whole on every tp rank), no selective recompute (a Hugging Face MoE
-        # block's operators differ from the captured ones); see the README's limitations
+        # block's operators differ from the captured ones); see docs/limitations.md
         space = replace(space, sequence_parallel=(False,),
                         recompute=tuple(r for r in space.recompute if r is not Recompute.SELECTIVE))
     options = replace(options or CostOptions(), memory_fraction=memory_fraction)
@@ -1026,7 +1026,8 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
 def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
     """The best plan, carrying its runners-up, the search statistics and the graph
     (not serialized: ``replan`` uses the graph to search again)."""
-    plans = [replace(p, graph=graph) for p in result.plans]
+    fingerprint = ModelFingerprint.of(graph)      # emit, parallelize, replan refuse another model
+    plans = [replace(p, graph=graph, fingerprint=fingerprint) for p in result.plans]
     return replace(plans[0], runners_up=tuple(plans[1:]), search_stats=result)
 
 

@@ -135,6 +135,9 @@ def solve_stage_problem(data: StageProblem, *, max_deterministic_time_s: float =
     solver.parameters.num_workers = 1                 # reproducible
     solver.parameters.random_seed = seed
     solver.parameters.max_deterministic_time = max_deterministic_time_s
+    # Ctrl-C stops the whole plan (KeyboardInterrupt once the solve returns), not just this
+    # solve: by default CP-SAT takes SIGINT itself and returns early, and the search went on
+    solver.parameters.catch_sigint_signal = False
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise InfeasiblePlan(f"no assignment of {data.num_blocks} blocks to {len(ranks)} ranks "
