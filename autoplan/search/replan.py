@@ -140,33 +140,45 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
 def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
                 space: SearchSpace) -> float:
     """The step time of the old plan's degrees and options on ``cluster`` with as many
-    replicas as its devices hold (inf when that layout does not fit or cannot be built)."""
+    replicas as its devices hold (inf when that layout does not fit or cannot be built).
+
+    Fewer replicas run more micro-batches each (gradients then accumulate): where the old
+    options no longer fit, full recompute, then ZeRO-3 with it, are tried at the same
+    degrees (still a layout the search prices, so still a bound)."""
     from ..cost import CostOptions, engine_for
-    from ..strategy import Strategy
+    from ..strategy import Recompute, Strategy
 
     tp, cp, pp = max(s.tp for s in plan.stages), plan.cp, plan.pp
     dp = cluster.num_devices // (tp * cp * pp)
-    zeros = {lp.zero for lp in plan.layers}
-    rcs = [lp.recompute for lp in plan.layers if lp.recompute.value != "none"]
-    best = math.inf
+    zero = max(lp.zero for lp in plan.layers)
+    rcs = [lp.recompute for lp in plan.layers if lp.recompute is not Recompute.NONE]
+    options = [(zero, rcs[0] if rcs else Recompute.NONE), (zero, Recompute.FULL),
+               (3, Recompute.FULL)]
     for d in range(dp, 0, -1):
         if plan.global_batch % (d * plan.micro_batch):
             continue
-        try:
-            strategy = Strategy(dp=d, tp=tp, cp=cp, pp=pp, micro_batch=plan.micro_batch,
-                                global_batch=plan.global_batch, zero=max(zeros),
-                                recompute=rcs[0] if rcs else "none",
-                                sequence_parallel=any(lp.sequence_parallel for lp in plan.layers),
-                                schedule=plan.schedule, virtual_stages=plan.virtual_stages,
-                                precision=plan.precision, ep=plan.ep)
-            est = engine_for(graph, cluster.subset(range(d * tp * cp * pp)),
-                             options=CostOptions(memory_fraction=memory_fraction)).estimate(strategy)
-        except (StrategyError, ConfigError):
-            continue
-        if est.fits:
-            best = est.step_time_s
-        break
-    return best
+        built = False
+        engine = None
+        for z, rc in dict.fromkeys(options):
+            try:
+                strategy = Strategy(dp=d, tp=tp, cp=cp, pp=pp, micro_batch=plan.micro_batch,
+                                    global_batch=plan.global_batch, zero=z, recompute=rc,
+                                    sequence_parallel=any(lp.sequence_parallel
+                                                          for lp in plan.layers),
+                                    schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                                    precision=plan.precision, ep=plan.ep)
+                if engine is None:
+                    engine = engine_for(graph, cluster.subset(range(d * tp * cp * pp)),
+                                        options=CostOptions(memory_fraction=memory_fraction))
+                est = engine.estimate(strategy, ledger=False)
+            except (StrategyError, ConfigError):
+                continue
+            built = True
+            if est.fits:
+                return est.step_time_s
+        if built:
+            break
+    return math.inf
 
 
 def plan_diff(old: Plan, new: Plan) -> str:
