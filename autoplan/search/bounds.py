@@ -140,9 +140,7 @@ class Bounds:
     def _signature_of(self, rank: tuple[int, ...], tp: int, cp: int, ep: int,
                       zero: int) -> tuple:
         engine = self.engine
-        # the cluster's placement of a group (Cluster.placement) without its argument
-        # checks: the engine's groups are valid device indices
-        place = engine.cluster._signature
+        place = engine.cluster.placement        # (cached per group)
         g = engine._groups(rank, tp, cp, ep, 0)
         return (engine.device_of(g.replica).name, place(g.tp),
                 place(g.cp) if g.cp else (), place(g.ep) if g.ep else (),

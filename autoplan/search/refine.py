@@ -40,7 +40,7 @@ def refine(cand: _Candidate, builder: _Builder, global_batch: int,
     if c.v != 1 or not builder.blocks:
         return None
     lay = cand.layout
-    full = engine.estimate(lay)
+    full = engine.estimate(lay, ledger=False)
     recipe = engine.precision_costs(lay.precision)
     act_scale = recipe.activation_scale
     m = max(lay.replica_micro_batches)
@@ -157,7 +157,7 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
                               cand.zero, c.micro_batch, c.schedule, m, caps=caps)
     if plain is None:
         return 0.0
-    est = estimate if estimate is not None else engine.estimate(cand.layout)
+    est = estimate if estimate is not None else engine.estimate(cand.layout, ledger=False)
     layers = bounds.summary.layers
     none_time = bounds.sums(kinds[0], c.tp, c.cp, c.ep, c.sp, cand.zero, Recompute.NONE,
                             c.micro_batch)
