@@ -626,7 +626,7 @@ class _Search:
                     break                # this and more recompute: bounded out
                 try:
                     lay = builder.layout(c, z, rc, counts, self.batch)
-                    q = engine.estimate(lay)   # (its records: refinement's bound reads them)
+                    q = engine.estimate(lay, ledger=False)   # (its records: refinement's bound reads them)
                 except StrategyError:
                     seed = None
                     break
@@ -874,6 +874,10 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             raise _infeasible(engine, s.least_memory, graph, cluster)
         if bound_s < math.inf:
             raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
+        if s.limit_hit:
+            raise InfeasiblePlan(f"the search's time limit ({time_limit_s:g} s) ran out before "
+                                 "it priced a layout that fits: give it more time "
+                                 "(time_limit_s, or --time-limit)")
         if s.unsplit:
             raise _unsplit(cluster, global_batch, s.unsplit)
         raise _no_layout(graph, cluster, global_batch, space)
