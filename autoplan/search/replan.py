@@ -15,6 +15,7 @@ new layout, and a layout close to the old one moves fewer bytes.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyError
@@ -120,12 +121,13 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
                   use_all_devices=use_all_devices)
+    t0 = time.perf_counter()
     warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
     try:
         result = search(graph, new_cluster, space=space, tolerance=tolerance,
                         bound_s=warm * (1 + tolerance) * (1 + 1e-9), **common)
     except InfeasiblePlan:
-        if math.isinf(warm):
+        if math.isinf(warm) or time.perf_counter() - t0 > time_limit_s:
             raise
         # nothing within the warm start's bound: the search again, unbounded
         result = search(graph, new_cluster, space=space, tolerance=tolerance, **common)

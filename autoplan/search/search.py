@@ -872,12 +872,12 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     if not s.ranked:
         if s.least_memory is not None and not s.least_memory.fits:
             raise _infeasible(engine, s.least_memory, graph, cluster)
-        if bound_s < math.inf:
-            raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
         if s.limit_hit:
             raise InfeasiblePlan(f"the search's time limit ({time_limit_s:g} s) ran out before "
                                  "it priced a layout that fits: give it more time "
                                  "(time_limit_s, or --time-limit)")
+        if bound_s < math.inf:
+            raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
         if s.unsplit:
             raise _unsplit(cluster, global_batch, s.unsplit)
         raise _no_layout(graph, cluster, global_batch, space)
