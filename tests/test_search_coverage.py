@@ -126,6 +126,9 @@ def test_search_is_never_slower_than_exhaustive(gpt, deep, name):
         assert cheap is not None and cheap <= x.step_time_s * tol, (x, cheap)
         zb = dict((z, lb) for lb, z in s.zero_bounds(c, counts))
         assert x.zero in zb and zb[x.zero] <= x.step_time_s * tol, (x, zb)
+        # the bound a ZeRO-2/3 combination is queued at before its exact one
+        quick = s.zero_bound(c, counts, x.zero, exact=False)
+        assert quick is not None and quick <= x.step_time_s * tol, (x, quick)
         assert all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
                                x.zero, x.recompute, c.micro_batch, c.schedule, m, caps)
                    for kinds, m, caps in s._classes(c, x.zero, counts)), x
