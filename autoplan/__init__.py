@@ -11,6 +11,7 @@ models (recommendation) take :func:`trace_sparse` and :func:`plan_sparse`
 from __future__ import annotations
 
 from ._lazy import lazy_names as _lazy_names
+from ._optional import quiet_torchao as _quiet_torchao
 from .errors import AutoplanError
 from .graph import LayerRecord, ModelGraph
 from .hardware import Cluster, available_profiles, compose_cluster, load_cluster
@@ -33,3 +34,7 @@ _LAZY = {"parallelize": ".runtime", "ParallelModel": ".runtime", "whatif": ".rep
 __getattr__, __dir__ = _lazy_names(__name__, _LAZY, __all__)
 
 __version__ = "0.1.0"
+
+# transformers imports torchao (the fp8 extra) where it is installed: keep its kernel
+# loading messages off the console (autoplan._optional.quiet_torchao)
+_quiet_torchao()

@@ -18,10 +18,12 @@ from types import ModuleType
 
 from .errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "require", "install_hint"]
+import logging
+
+__all__ = ["EXTRAS", "require", "install_hint", "quiet_torchao"]
 
 #: The pip extra of ``pyproject.toml`` that installs each optional package.
-EXTRAS: dict[str, str] = {"matplotlib": "plots", "transformers": "hf"}
+EXTRAS: dict[str, str] = {"matplotlib": "plots", "transformers": "hf", "torchao": "fp8"}
 
 
 def install_hint(package: str) -> str:
@@ -50,3 +52,34 @@ def require(package: str, what: str) -> ModuleType:
             raise       # the package is there; one of its own imports is missing
         raise MissingDependencyError(f"{what} need {package}, which is not installed: "
                                      f"{install_hint(package)}", package=package) from None
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records of one logger whose message contains any of ``parts``."""
+
+    def __init__(self, *parts: str) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(p in message for p in self.parts)
+
+
+_QUIET: list[tuple[str, _DropMessages]] = []
+
+
+def quiet_torchao() -> None:
+    """Keep what torchao logs when it is imported off the console: its CUDA kernels
+    (``_C*.so``), which a CPU wheel cannot load ("Failed to load ..."), and torch's
+    deprecation of its enums' pytree registration.  transformers imports torchao when it
+    is installed (the ``fp8`` extra), so every command that builds a Hugging Face model
+    would print them.  Only these messages of these two loggers are dropped; idempotent.
+    """
+    if _QUIET:
+        return
+    for name, parts in (("torchao", ("Failed to load",)),
+                        ("torch.utils._pytree", ("is an Enum subclass and is now natively",))):
+        f = _DropMessages(*parts)
+        logging.getLogger(name).addFilter(f)
+        _QUIET.append((name, f))

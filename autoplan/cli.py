@@ -14,6 +14,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from .errors import AutoplanError
+from .strategy import Precision
 
 __all__ = ["main"]
 
@@ -215,8 +216,9 @@ def _build_estimate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zero_bubble"))
     p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="the mixed-precision recipe (default bf16; fp8: weight GEMMs at the "
-                        "device's FP8 peak, priced only: parallelize cannot run it)")
+                   help="the mixed-precision recipe (default bf16; fp8, fp8-rowwise: linear "
+                        "GEMMs in FP8 as torchao runs them, fp8-blockwise: Transformer "
+                        "Engine's, with --stack megatron-core)")
     p.add_argument("--memory-fraction", type=float, default=0.9)
     _add_stack_arg(p)
     p.add_argument("--json", action="store_true")
@@ -291,8 +293,11 @@ def _cmd_plan_sparse(args: argparse.Namespace) -> int:
     graph = _sparse_graph(args, args.json)
     with _Step(f"placing {len(graph.tables)} tables on {cluster.num_devices} devices"
                + (f" and {len(cluster.servers)} servers" if cluster.servers else ""), args.json):
+        if len(args.precision) > 1:
+            raise _UsageError("--precision: an embedding model's tables are placed for one "
+                              "recipe; give one")
         best = plan_sparse(graph, cluster, global_batch=args.global_batch,
-                           precision=args.precision,
+                           precision=args.precision[0],
                            options=CostOptions(memory_fraction=args.memory_fraction))
     if args.out:
         atomic_write_text(args.out, best.to_json())
@@ -336,9 +341,10 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=3, help="plans to rank (default 3)")
     p.add_argument("--memory-fraction", type=float, default=0.9)
     p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="the mixed-precision recipe (default bf16; fp8: weight GEMMs at the "
-                        "device's FP8 peak, priced only: parallelize cannot run it)")
+    p.add_argument("--precision", default=["bf16"], choices=PRECISIONS, nargs="+",
+                   help="the mixed-precision recipe (default bf16), or several to search, e.g. "
+                        "'bf16 fp8' (FP8 only when named: fp8, fp8-rowwise run by torchao, "
+                        "fp8-blockwise Transformer Engine's with --stack megatron-core)")
     _add_stack_arg(p)
     p.add_argument("--out", help="write the best plan's JSON here")
     p.add_argument("--explain", action="store_true",
@@ -358,7 +364,7 @@ def _add_sparse_args(p: argparse.ArgumentParser, *, many: bool = False) -> None:
 
 
 #: ``--precision`` of estimate and plan: :class:`autoplan.strategy.Precision`'s recipes
-PRECISIONS = ("bf16", "fp16", "fp32", "fp8")
+PRECISIONS = tuple(p.value for p in Precision)
 
 #: The demo's job: GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, hidden 12288, 96 heads,
 #: tied embeddings; vocabulary 51200 as Narayanan et al. 2021) built as the package's own GPT,

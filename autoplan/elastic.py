@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointError, ConfigError, InfeasiblePlan
+from .errors import CheckpointError, ConfigError, InfeasiblePlan, MissingDependencyError
 from .graph import ModelGraph
 from .hardware.cluster import Cluster, ClusterNode
 from .plan import Plan
@@ -63,6 +63,9 @@ from .runtime.checkpoint_integrity import MANIFEST_FILE, latest_good, save_verif
 __all__ = [
     "MANIFEST_FILE",
     "EXIT_NO_LAYOUT",
+    "EXIT_CANNOT_RUN",
+    "check_device",
+    "CannotRunHere",
     "save_verified",
     "verify",
     "latest_good",
@@ -79,6 +82,9 @@ log = logging.getLogger(__name__)
 
 #: Exit code of a training script whose world size no layout fits (see module docstring).
 EXIT_NO_LAYOUT = 3
+#: Exit code of a training script whose device cannot run the plan's precision
+#: (:func:`check_device`).
+EXIT_CANNOT_RUN = 4
 
 # ---------------------------------------------------------------------- policy
 class NoLayoutFits(InfeasiblePlan):
@@ -213,7 +219,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
                 optimizer: Callable | None = None, graph: ModelGraph | None = None,
                 time_limit_s: float = 30.0, timeout: datetime.timedelta | None = None,
                 on_step: Callable[[int, float], None] | None = None,
-                log_every: int = 1) -> ElasticResult:
+                log_every: int = 1, fp8_emulate: bool = False) -> ElasticResult:
     """Train steps ``1..steps`` across restarts; call it in every process of the job.
 
     Parameters
@@ -261,6 +267,9 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         processes idle (default 10 minutes).
     on_step : callable, optional
         ``on_step(step, loss)`` after each step, before its checkpoint.
+    fp8_emulate : bool
+        An FP8 plan on devices without FP8 matmuls runs its numerics emulated
+        (:func:`autoplan.parallelize`'s ``fp8_emulate``).
 
     Returns
     -------
@@ -326,7 +335,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
             model_factory, model, split.plan if split is not None else chosen, graph,
             steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             seed=seed, keep=keep, data=data, vocab_size=vocab_size, optimizer=optimizer,
-            on_step=on_step, log_every=log_every)
+            on_step=on_step, log_every=log_every, fp8_emulate=fp8_emulate)
     except BaseException as e:
         if split is not None:
             split.fail(f"rank {rank}: {type(e).__name__}: {e}")
@@ -341,8 +350,8 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
            plan: Plan, graph: ModelGraph, *, steps: int, checkpoint_dir: str | None,
            checkpoint_every: int, seed: int, keep: int, data: Callable[[int], Any] | None,
            vocab_size: int | None, optimizer: Callable | None,
-           on_step: Callable[[int, float], None] | None, log_every: int = 1
-           ) -> tuple[int, dict[int, float], list[str]]:
+           on_step: Callable[[int, float], None] | None, log_every: int = 1,
+           fp8_emulate: bool = False) -> tuple[int, dict[int, float], list[str]]:
     """Lay the model out under ``plan`` over the current process group, resume, train;
     returns the step resumed from, the loss of every step run and the checkpoints written."""
     import torch.distributed as dist
@@ -353,7 +362,7 @@ def _train(model_factory: Callable[[], torch.nn.Module], model: torch.nn.Module 
     if model is None:       # built only once a plan fits
         torch.manual_seed(seed)
         model = model_factory()
-    program = parallelize(model, plan, graph=graph, optimizer=optimizer)
+    program = parallelize(model, plan, graph=graph, optimizer=optimizer, fp8_emulate=fp8_emulate)
 
     if data is None:
         vocab = vocab_size or getattr(getattr(model, "config", None), "vocab_size", None)
@@ -407,13 +416,56 @@ def _step_rate(seconds: float, tokens: int, predicted: float | None) -> str:
     return text
 
 
+class CannotRunHere(ConfigError):
+    """Some process's device cannot run the plan's precision (:func:`check_device`, which
+    has printed the reason)."""
+
+
+def check_device(plan: Plan, device: torch.device, *, fp8_emulate: bool = False) -> None:
+    """Stop every process of a training script when a device cannot run ``plan``'s
+    precision: an FP8 plan on a device without FP8 matmuls unless ``fp8_emulate``, or
+    without torchao; a recipe the runtime does not run.
+
+    Called by every process once the default process group exists (otherwise alone): the
+    processes exchange their verdicts, rank 0 prints the first refusal as one line on
+    stderr (before a barrier, so that no process ends first and has torchrun stop rank 0
+    before it says why), and every process raises :class:`CannotRunHere`, which
+    :func:`main_exit_code` turns into :data:`EXIT_CANNOT_RUN`.
+    """
+    import torch.distributed as dist
+
+    from .runtime.parallelize import check_runnable_precision
+
+    try:
+        check_runnable_precision(plan.precision, device, fp8_emulate=fp8_emulate,
+                                 emulate_hint="add --fp8-emulate to the script's arguments")
+        problem = None
+    except (ConfigError, MissingDependencyError) as e:
+        problem = str(e)
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        problems: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem is None:
+        return
+    if not grouped or dist.get_rank() == 0:
+        print(f"autoplan: {problem}", file=sys.stderr, flush=True)
+    if grouped:
+        dist.barrier()
+    raise CannotRunHere(problem)
+
+
 def main_exit_code(fn: Callable[[], Any]) -> int:
     """Run ``fn()`` (a training script's body calling :func:`run_elastic`); return the
-    process exit code: 0, or :data:`EXIT_NO_LAYOUT` with the reason on stderr when no
-    layout fits the world size.  Other errors propagate."""
+    process exit code: 0, :data:`EXIT_NO_LAYOUT` with the reason on stderr when no
+    layout fits the world size, or :data:`EXIT_CANNOT_RUN` when :func:`check_device`
+    refused a device (and printed why).  Other errors propagate."""
     try:
         fn()
     except NoLayoutFits as e:
         print(f"autoplan.elastic: {e}", file=sys.stderr, flush=True)
         return EXIT_NO_LAYOUT
+    except CannotRunHere:
+        return EXIT_CANNOT_RUN
     return 0

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan import trace
-from autoplan.elastic import batch_for_step, main_exit_code, run_elastic
+from autoplan.elastic import batch_for_step, check_device, main_exit_code, run_elastic
 from autoplan.hardware.cluster import Cluster
 from autoplan.plan import Plan
 from autoplan.zoo import build_model
@@ -70,16 +70,23 @@ def main():
     parser.add_argument("--timeout-min", type=float, default=10.0, help="collective timeout")
     parser.add_argument("--log-every", type=int, default=1,
                         help="print loss, step time, tokens/s and the prediction every N steps")
+    parser.add_argument("--fp8-emulate", action="store_true",
+                        help="an FP8 plan on devices without FP8 matmuls (CPU, pre-Hopper GPUs): "
+                             "run its numerics emulated, slowly (torchao emulate=True)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = "cuda" if cuda else "cpu"
+    plan = Plan.from_json(PLAN_JSON)
     dist.init_process_group("nccl" if cuda else "gloo",
                             timeout=datetime.timedelta(minutes=args.timeout_min))
     try:
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = "cuda" if cuda else "cpu"
-        plan = Plan.from_json(PLAN_JSON)
+        # a device that cannot run the plan's precision (FP8 without FP8 matmuls and
+        # without --fp8-emulate) stops every rank, with one line saying why
+        check_device(plan, torch.device(device, torch.cuda.current_device()) if cuda
+                     else torch.device("cpu"), fp8_emulate=args.fp8_emulate)
         cluster = Cluster.from_json(CLUSTER_JSON) if CLUSTER_JSON else None
 
         def model():
@@ -96,7 +103,8 @@ def main():
                       seq_len=plan.seq_len)
         run_elastic(model, plan, cluster=cluster, graph=graph, steps=args.steps, seed=args.seed,
                     checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                    keep=args.keep, data=data, log_every=args.log_every)
+                    keep=args.keep, data=data, log_every=args.log_every,
+                    fp8_emulate=args.fp8_emulate)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -209,7 +217,9 @@ def emit_script(plan: Plan, model_spec: str, model_args: dict[str, Any] | None =
         When the plan was made for another model (its fingerprint, or in an older plan
         its layer names, differ from ``model_spec``'s).
     ConfigError
-        When the plan's precision is one the runtime cannot run (fp16, fp8), when the
+        When the plan's precision is one the runtime cannot run (fp16; fp8-blockwise,
+        Transformer Engine's: an FP8 plan needs torchao, the ``fp8`` extra, and FP8 matmuls
+        or ``--fp8-emulate`` where the script runs), when the
         plan has no sequence length (the script trains token models),
         the model has no ``config.vocab_size``, the cluster disagrees with the
         plan, or an elastic launch has no cluster to replan for.

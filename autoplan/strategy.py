@@ -71,17 +71,19 @@ class Precision(str, enum.Enum):
     sets what the cost model counts (a model built in fp32, in bf16 or on the meta device
     is estimated the same).
 
-    ========  ===================  =============  ========  ===================================
-    recipe    compute/activations  weights        gradients optimizer (Adam)
-    ========  ===================  =============  ========  ===================================
-    bf16      bf16                 bf16 + fp32    bf16      fp32 master copy, m and v
-                                   master
-    fp16      fp16 (loss scaling)  fp16 + fp32    fp16      fp32 master copy, m and v
-                                   master
-    fp32      fp32                 fp32           fp32      fp32 m and v
-    fp8       weight GEMMs in FP8  bf16 + fp32    bf16      fp32 master copy, m and v
-              (TE), the rest bf16  master
-    ========  ===================  =============  ========  ===================================
+    ==============  ===================  =============  ========  =============================
+    recipe          compute/activations  weights        gradients optimizer (Adam)
+    ==============  ===================  =============  ========  =============================
+    bf16            bf16                 bf16 + fp32    bf16      fp32 master copy, m and v
+                                         master
+    fp16            fp16 (loss scaling)  fp16 + fp32    fp16      fp32 master copy, m and v
+                                         master
+    fp32            fp32                 fp32           fp32      fp32 m and v
+    fp8             linear GEMMs in FP8, bf16 + fp32    bf16      fp32 master copy, m and v
+                    one scale a tensor   master
+    fp8-rowwise     as fp8, one scale a row (torchao's rowwise recipe)
+    fp8-blockwise   as fp8, one scale a block (Transformer Engine's MXFP8 / blockwise)
+    ==============  ===================  =============  ========  =============================
 
     Bytes per parameter: ``2 + 2 + 12`` under bf16/fp16 (Rajbhandari et al. 2020, Sec. 3.1),
     ``4 + 4 + 8`` under fp32 (``profiles/cost/cost-model.yaml``).  Every floating
@@ -91,20 +93,47 @@ class Precision(str, enum.Enum):
     fp32 parameters are the master weights, bf16 copies are gathered for compute,
     gradients are reduced in the stack's ``grad_reduce_dtype`` (fp32): 4 + 4 + 8 bytes per
     parameter as the ZeRO stage shards them, plus 2 for the compute copy while it is held.
-    ``fp8``: the weight GEMMs (linear layers) run at the device's FP8 peak, as Transformer
-    Engine recipes do (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"); the
-    transient FP8 copies of weights and inputs are not counted; the runtime cannot run it.
+    The FP8 recipes (Micikevicius et al. 2022, "FP8 Formats for Deep Learning") run the bf16
+    program with the GEMMs of the linears :func:`autoplan.precision.fp8_linears` names in
+    FP8: their inputs, weights and output gradients are quantized with the recipe's scales
+    (:attr:`fp8_scaling`) and multiplied at the device's FP8 peak.  ``fp8`` and
+    ``fp8-rowwise`` are torchao's recipes, which :func:`autoplan.parallelize` runs;
+    ``fp8`` and ``fp8-blockwise`` Transformer Engine's (``CostOptions.fp8_library``).
     """
 
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
     FP8 = "fp8"
+    FP8_ROWWISE = "fp8-rowwise"
+    FP8_BLOCKWISE = "fp8-blockwise"
 
     @property
     def bytes(self) -> int:
         """Bytes of an activation element kept between operators."""
         return 4 if self is Precision.FP32 else 2
+
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the recipe runs linear GEMMs in FP8."""
+        return self.fp8_scaling is not None
+
+    @property
+    def fp8_scaling(self) -> str | None:
+        """How an FP8 recipe scales a tensor to FP8: ``"tensor"`` (one scale a tensor,
+        from its current absolute maximum: torchao's tensorwise recipe, Transformer
+        Engine's ``Float8CurrentScaling``), ``"row"`` (one scale a row, rounded down to a
+        power of two: torchao's rowwise recipe), ``"block"`` (one scale a block: Transformer
+        Engine's MXFP8, 32 elements, and blockwise, 128); None for the other recipes.
+
+        >>> Precision("fp8-rowwise").fp8_scaling, Precision.BF16.fp8_scaling
+        ('row', None)
+        """
+        return _FP8_SCALING.get(self)
+
+
+_FP8_SCALING = {Precision.FP8: "tensor", Precision.FP8_ROWWISE: "row",
+                Precision.FP8_BLOCKWISE: "block"}
 
 
 def stage_ranks(schedule: "Schedule", pp: int, num_stages: int) -> tuple[int, ...]:

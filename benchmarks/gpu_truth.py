@@ -35,6 +35,8 @@ report (the default; no GPU needed)
     ``max_memory_allocated`` counts.
 
     python benchmarks/gpu_truth.py --run --out gpu-run           # on the GPU machine (~4 min)
+    python benchmarks/gpu_truth.py --run --precision bf16 --precision fp8 --model llama-1b
+                                    # FP8 (torchao, autoplan.runtime.fp8) against bf16
     python benchmarks/gpu_truth.py          # report the committed runs (H100, H200)
     python benchmarks/gpu_truth.py --results benchmarks/gpu_truth/h100-2026-11-26
     python benchmarks/gpu_truth.py --run --device cpu --out /tmp/rehearsal   # tiny, on a CPU
@@ -59,7 +61,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from autoplan.records import atomic_write_text  # noqa: E402
-from local_truth import _free_port  # noqa: E402  (benchmarks/, this script's folder)
+from _ranks import _free_port  # noqa: E402  (benchmarks/, this script's folder)
 
 #: Models measured on the GPU: (name, family, config, sequence length, global batch,
 #: micro-batch).  GPT: autoplan.models.GPT with GPT-3 XL's shape (Brown et al. 2020,
@@ -91,6 +93,10 @@ _RECOMPUTE_ENV = "AUTOPLAN_GPU_TRUTH_RECOMPUTE"
 WARMUP = 3
 TIMED = 6
 PRECISION = "bf16"
+#: ``--precision`` may run other recipes too (as ``AUTOPLAN_GPU_TRUTH_PRECISION``, for the
+#: model processes): FP8 as torchao runs it, on GPUs with FP8 matmuls (emulated on a CPU
+#: rehearsal)
+_PRECISION_ENV = "AUTOPLAN_GPU_TRUTH_PRECISION"
 
 
 def build_model(family: str, config: dict, seq_len: int, device: str):
@@ -125,10 +131,10 @@ def run_options(results: dict):
     return CostOptions(**PROGRAMS[results.get("precision_program", "autocast")])
 
 
-def strategy(global_batch: int, micro_batch: int, recompute: str):
+def strategy(global_batch: int, micro_batch: int, recompute: str, precision: str = PRECISION):
     from autoplan import Strategy
     return Strategy(global_batch=global_batch, micro_batch=micro_batch, recompute=recompute,
-                    precision=PRECISION)
+                    precision=precision)
 
 
 # ----------------------------------------------------------------------------- run
@@ -154,9 +160,13 @@ def _model_worker(name: str, spec: tuple, device: str, row_file: Path) -> int:
     t0 = time.perf_counter()
     graph = trace(build_model(family, config, seq_len, "meta"), seq_len=seq_len)
     trace_s = time.perf_counter() - t0
-    for recompute in os.environ.get(_RECOMPUTE_ENV, ",".join(RECOMPUTE)).split(","):
+    cases = [(precision, recompute)
+             for precision in os.environ.get(_PRECISION_ENV, PRECISION).split(",")
+             for recompute in os.environ.get(_RECOMPUTE_ENV, ",".join(RECOMPUTE)).split(",")]
+    for precision, recompute in cases:
         row = {"model": name, "family": family, "recompute": recompute, "seq_len": seq_len,
-               "global_batch": global_batch, "micro_batch": micro_batch, "trace_s": trace_s}
+               "global_batch": global_batch, "micro_batch": micro_batch, "trace_s": trace_s,
+               "precision": precision}
         pm = None
         try:
             if cuda:
@@ -164,8 +174,9 @@ def _model_worker(name: str, spec: tuple, device: str, row_file: Path) -> int:
                 torch.cuda.reset_peak_memory_stats()
             model = build_model(family, config, seq_len, device)
             row["params"] = sum(p.numel() for p in model.parameters())
-            pm = parallelize(model, strategy(global_batch, micro_batch, recompute),
-                             global_batch=global_batch, seq_len=seq_len, graph=graph)
+            pm = parallelize(model, strategy(global_batch, micro_batch, recompute, precision),
+                             global_batch=global_batch, seq_len=seq_len, graph=graph,
+                             fp8_emulate=not cuda)
             del model
             gen = torch.Generator().manual_seed(1)
             vocab = config.get("vocab_size")
@@ -199,7 +210,7 @@ def _model_worker(name: str, spec: tuple, device: str, row_file: Path) -> int:
                 torch.cuda.empty_cache()
         with open(row_file, "a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"[gpu_truth] {name} recompute={recompute}: "
+        print(f"[gpu_truth] {name} {precision} recompute={recompute}: "
               + (f"{row['step_s'] * 1e3:.1f} ms, peak {row.get('max_allocated_bytes', 0) / 2**30:.2f} GiB"
                  if "step_s" in row else row["error"][:200]), flush=True)
     dist.destroy_process_group()
@@ -333,9 +344,11 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
         if case["model"] not in graphs:
             graphs[case["model"]] = trace(build_model(family, config, seq_len, "meta"),
                                           seq_len=seq_len)
-        s = strategy(case["global_batch"], case["micro_batch"], case["recompute"])
+        precision = case.get("precision", PRECISION)
+        s = strategy(case["global_batch"], case["micro_batch"], case["recompute"], precision)
         kernels = case.get("kernels") or {}
-        row = {"model": case["model"], "recompute": case["recompute"],
+        row = {"model": case["model"] + ("" if precision == PRECISION else f" {precision}"),
+               "recompute": case["recompute"],
                "measured_s": case.get("step_s"), "measured_bytes": case.get("max_allocated_bytes"),
                "gpu_busy_s": kernels.get("kernel_s"), "error": case.get("error")}
         for label, cluster in clusters.items():
@@ -496,12 +509,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="the shipped profile to compare with (default: the run's GPU's, "
                         "h100-sxm5-80gb for an H100, h200-sxm-141gb for an H200...)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per step of --run")
+    p.add_argument("--precision", action="append", default=[],
+                   choices=("bf16", "fp8", "fp8-rowwise"),
+                   help="run these recipes (repeatable; default bf16): FP8 as torchao runs it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         zoo = TINY if args.device == "cpu" else MODELS
         return _model_worker(args.worker, zoo[args.worker], args.device, args.rows)
+    if args.precision:
+        os.environ[_PRECISION_ENV] = ",".join(args.precision)
     if args.run:
         return run_main(args.out, args.device, args.model, args.timeout)
     if args.results is None and args.out == _DEFAULT_OUT:

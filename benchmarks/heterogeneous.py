@@ -18,7 +18,7 @@ predicted gain vs measured gain.
    different speeds get batches in proportion to their speed) and make the even
    plan of the same degrees (equal replica batches); price both with the cost
    model (no calibration fits CPUs; no communication overlapped: gloo runs it on
-   the computing cores, as ``benchmarks/local_truth.py`` prices it).
+   the computing cores, as ``benchmarks/pick_rank.py`` prices it).
 4. Run both plans with :func:`autoplan.parallelize` on the pinned processes, in one
    run, alternating in rounds so drift in machine load hits both alike; the
    measured step time of each is the median of its timed steps.
@@ -51,7 +51,7 @@ for _p in (REPO, REPO / "tests", REPO / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 from autoplan.models import GPTConfig  # noqa: E402
-from local_truth import GLOO_ON_CPU  # noqa: E402
+from _ranks import GLOO_ON_CPU  # noqa: E402
 
 #: Process -> kind; processes of one kind share a core, the kinds get different cores.
 KINDS = ("cpu-shared", "cpu-shared", "cpu-alone")

@@ -393,8 +393,9 @@ def row_spec(row: pd.Series) -> RunSpec | None:
                                                     " (recipe not stated; assumed)")]
         strategy = Strategy(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch=int(row["micro_batch_size"]),
                             global_batch=gbs, zero=1, sequence_parallel=tp > 1,
-                            schedule=schedule, virtual_stages=v, precision="fp8")
-        options = replace(MEGATRON_CORE_2024, fp8_scaling=scaling)
+                            schedule=schedule, virtual_stages=v,
+                            precision="fp8-blockwise" if scaling == "block" else "fp8")
+        options = MEGATRON_CORE_2024
     elif src == "torchtitan":
         if _recompute_problem(row):
             return None
@@ -443,11 +444,13 @@ def row_spec(row: pd.Series) -> RunSpec | None:
             "flex (DeepEP/HybridEP: one copy per destination node or rank), as the stored "
             "Megatron-Bridge perf recipe for this model and GPU" if dispatcher == "deepep" else
             "alltoall (Megatron-Core's default; the stored perf recipe sets no flex backend)"))
+        if precision == "fp8" and scaling == "block":
+            precision = "fp8-blockwise"
         strategy = Strategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
                             micro_batch=int(row["micro_batch_size"]), global_batch=gbs, zero=1,
                             sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v,
                             precision=precision)
-        options = replace(MEGATRON_CORE_2024, fp8_scaling=scaling, moe_dispatcher=dispatcher)
+        options = replace(MEGATRON_CORE_2024, moe_dispatcher=dispatcher)
     else:
         return None
     nodes = max(1, n // NODE_SIZE[profile])
@@ -672,7 +675,8 @@ def _arch(profile: str) -> str:
 
 
 def _fp8(spec) -> bool:
-    return str(getattr(getattr(spec.strategy, "precision", None), "value", "")) == "fp8"
+    precision = getattr(spec.strategy, "precision", None)
+    return bool(getattr(precision, "is_fp8", False))
 
 
 def _attention_arch(spec) -> str:

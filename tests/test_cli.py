@@ -162,16 +162,21 @@ def test_estimate_takes_a_stack():
 
 def test_fp8_is_a_precision_of_estimate_and_plan(tmp_path: Path):
     """``--precision fp8`` prices FP8 GEMMs on a device with an FP8 peak (faster than bf16
-    there), is refused with the device's dtypes where it has none (an A100), and a plan
-    made for it is refused by ``emit``, which cannot run it, without a traceback."""
+    there with Transformer Engine's fused casts, slower with torchao's eager ones), is refused with the device's dtypes where it has none (an A100); a plan made for
+    it is emitted as an FP8 program (torchao), one for Transformer Engine's blockwise recipe
+    is refused, without a traceback."""
     wide = ["gpt", "--model-arg", "vocab_size=256", "--model-arg", "seq_len=1024",
             "--model-arg", "hidden=2048", "--model-arg", "heads=16", "--model-arg", "layers=2",
             "--seq-len", "1024"]      # GEMMs large enough that FP8 pays for its casts
     base = ["estimate", *wide, "--cluster", "h100-sxm5-80gb", "--dp", "8",
             "--global-batch", "64", "--micro-batch", "8", "--json"]
-    bf16 = json.loads(run(*base).stdout)["estimate"]["step_time_s"]
-    fp8 = json.loads(run(*base, "--precision", "fp8").stdout)["estimate"]["step_time_s"]
+    te = ["--stack", "megatron-core"]
+    bf16 = json.loads(run(*base, *te).stdout)["estimate"]["step_time_s"]
+    fp8 = json.loads(run(*base, *te, "--precision", "fp8").stdout)["estimate"]["step_time_s"]
     assert 0 < fp8 < bf16
+    # torchao's eager casts (the autoplan stack) move ~5x the bytes of Transformer Engine's
+    torchao = json.loads(run(*base, "--precision", "fp8").stdout)["estimate"]["step_time_s"]
+    assert torchao > fp8
     out = run("estimate", *GPT, "--cluster", "a100-sxm4-80gb", "--dp", "8", "--global-batch",
               "16", "--precision", "fp8", check_rc=2)
     assert "no 'fp8' peak" in out.stderr and "Traceback" not in out.stderr
@@ -180,9 +185,19 @@ def test_fp8_is_a_precision_of_estimate_and_plan(tmp_path: Path):
         "--precision", "fp8", "--out", str(dest))
     assert Plan.from_json(dest.read_text()).precision.value == "fp8"
     script = tmp_path / "train.py"
-    out = run("emit", str(dest), "--model", "gpt", *GPT[1:-2], "--out", str(script), check_rc=2)
-    assert "no FP8 kernels" in out.stderr and "Traceback" not in out.stderr
-    assert not script.exists()
+    run("emit", str(dest), "--model", "gpt", *GPT[1:-2], "--out", str(script))
+    assert "--fp8-emulate" in script.read_text()       # torchao's FP8, emulated off GPUs
+    # Transformer Engine's recipe is priced with its stack, and not emitted
+    blockwise = tmp_path / "blockwise.json"
+    out = run("plan", *GPT, "--cluster", "h100-sxm5-80gb", "--global-batch", "16", "--top-k",
+              "1", "--precision", "fp8-blockwise", check_rc=2)
+    assert "torchao does not run" in out.stderr and "Traceback" not in out.stderr
+    run("plan", *GPT, "--cluster", "h100-sxm5-80gb", "--global-batch", "16", "--top-k", "1",
+        "--precision", "fp8-blockwise", "--stack", "megatron-core", "--out", str(blockwise))
+    out = run("emit", str(blockwise), "--model", "gpt", *GPT[1:-2], "--out",
+              str(tmp_path / "te.py"), check_rc=2)
+    assert "torchao does not run" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "te.py").exists()
 
 
 def test_plan_writes_a_plan_that_round_trips(tmp_path: Path):

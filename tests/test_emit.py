@@ -134,14 +134,93 @@ def test_cli_emits_an_elastic_launch(tmp_path: Path):
 
 
 def test_recipes_the_runtime_cannot_run_are_named():
-    """fp16 (no loss scaling) and fp8 (no FP8 kernels) are priced but not run: parallelize
-    and emit refuse them with what to use instead; bf16 and fp32 pass."""
+    """fp16 (no loss scaling) is priced but not run; FP8 runs with torchao where the device
+    has FP8 matmuls, or emulated when asked, and Transformer Engine's blockwise recipe is
+    refused with what to use instead; each refusal is one line."""
+    import torch
+
     from autoplan.errors import ConfigError
     from autoplan.runtime.parallelize import check_runnable_precision
 
-    for ok in ("bf16", "fp32"):
-        check_runnable_precision(ok)
+    for ok in ("bf16", "fp32", "fp8", "fp8-rowwise"):
+        check_runnable_precision(ok)           # emit's check: no device yet
     with pytest.raises(ConfigError, match="loss scaling.*'bf16' or 'fp32'"):
         check_runnable_precision("fp16")
-    with pytest.raises(ConfigError, match="no FP8 kernels.*'bf16'"):
-        check_runnable_precision("fp8")
+    with pytest.raises(ConfigError, match="fp8-blockwise.*torchao does not run.*megatron-core"):
+        check_runnable_precision("fp8-blockwise")
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError) as info:
+        check_runnable_precision("fp8", cpu)
+    assert "needs FP8 matmuls" in str(info.value) and "fp8_emulate=True" in str(info.value)
+    assert "\n" not in str(info.value)
+    try:
+        import torchao  # noqa: F401
+    except ImportError:   # without the fp8 extra: one line that says how to install it
+        from autoplan.errors import MissingDependencyError
+        with pytest.raises(MissingDependencyError, match=r"autoplan\[fp8\]"):
+            check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
+    else:
+        check_runnable_precision("fp8-rowwise", cpu, fp8_emulate=True)
+
+@pytest.mark.slow   # two torchrun launches of 2 ranks: about a minute
+@pytest.mark.distributed
+def test_emitted_fp8_script_refuses_cpu_in_one_line_and_runs_emulated(tmp_path: Path):
+    """``plan --precision fp8`` then ``emit``: on CPU ranks the script stops in one line
+    that names ``--fp8-emulate`` (exit code :data:`autoplan.elastic.EXIT_CANNOT_RUN`, no
+    worker traceback), and with ``--fp8-emulate`` it trains; its first loss is the
+    single-process emulated FP8 loss within 3x that loss's distance from fp32 (the FP8
+    parity tests' tolerance, tests/fp8_cases.py)."""
+    pytest.importorskip("torchao")
+    import copy
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from autoplan.elastic import EXIT_CANNOT_RUN
+    from autoplan.graph import LayerKind
+    from autoplan.precision import fp8_linears
+
+    graph = _graph()
+    cluster = autoplan.load_cluster("h100-sxm5-80gb").subset(range(2))
+    plan = autoplan.plan(graph, cluster, global_batch=8, precision="fp8")
+    assert plan.precision.value == "fp8"
+    plan_file, script = tmp_path / "plan.json", tmp_path / "train.py"
+    plan_file.write_text(plan.to_json())
+    subprocess.run([sys.executable, "-m", "autoplan.cli", "emit", str(plan_file), "--model", "gpt",
+                    "--out", str(script)] + [x for k, v in ARGS.items()
+                                             for x in ("--model-arg", f"{k}={v}")],
+                   capture_output=True, text=True, timeout=120, check=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+              str(script), "--steps", "2"]
+    refused = subprocess.run(launch, capture_output=True, text=True, timeout=300, env=env,
+                             cwd=tmp_path)
+    assert refused.returncode != 0
+    said = [l for l in refused.stderr.splitlines() if l.startswith("autoplan: ")]
+    assert len(said) == 1, refused.stderr[-3000:]
+    assert "needs FP8 matmuls" in said[0] and "--fp8-emulate" in said[0]
+    assert f"exitcode  : {EXIT_CANNOT_RUN}" in refused.stderr
+    assert 'train.py", line' not in refused.stderr      # no traceback from the workers
+    run = subprocess.run(launch + ["--fp8-emulate"], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
+    assert len(losses) == 2 and all(l == l for l in losses)
+    # the single-process reference: the same first batch and weights, the same linears in
+    # emulated FP8 (tensorwise) over bf16 compute weights, and in fp32
+    torch.manual_seed(0)
+    model, _ = build_model("gpt", ARGS, dtype=torch.float32, device="cpu")
+    batch = batch_for_step(0, 1, global_batch=8, seq_len=32, vocab_size=128)
+    paths = {(l.name + "." if l.kind is LayerKind.BLOCK else "") + name
+             for l in graph.layers for name in fp8_linears(l)}
+    assert paths
+    compute = copy.deepcopy(model).to(torch.bfloat16)
+    config = Float8LinearConfig.from_recipe_name("tensorwise")
+    config = Float8LinearConfig(**{**{f: getattr(config, f) for f in config.__dataclass_fields__},
+                                   "emulate": True})
+    convert_to_float8_training(compute, config=config, module_filter_fn=lambda _, fqn: fqn in paths)
+    with torch.no_grad():
+        fp32 = token_cross_entropy(model(batch), batch, shift=True).item()
+        ref = token_cross_entropy(compute(batch), batch, shift=True).item()
+    tolerance = 3 * abs(ref - fp32)
+    assert tolerance > 1e-4      # FP8 moves the loss: the comparison can fail
+    assert abs(losses[0] - ref) <= tolerance, (losses[0], ref, fp32)

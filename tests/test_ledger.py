@@ -7,7 +7,9 @@ collective's kind, group, dtype and bytes; every matmul's dtype and FLOPs) and c
 with the ledger of the same plan's estimate (autoplan.cost.ledger), within 5%
 (ledger_cases.TOLERANCE).  Every collective that runs must be priced, every collective
 priced must run, and a bf16 plan must run every matmul and move every activation and
-weight in bf16 (gradients are reduced in fp32, as the autoplan stack states).  Where
+weight in bf16 (gradients are reduced in fp32, as the autoplan stack states); an FP8 plan
+(torchao, emulated) its converted linears' GEMMs in fp8 and the rest in bf16, with the
+scale all-reduces and FP8 all-gathers of autoplan.cost.fp8.  Where
 tokens are routed to experts, how much a rank sends and computes depends on the router
 (the estimate prices balanced routing): those all-to-alls and the FLOPs are compared
 summed over the ranks, everything else rank by rank.
@@ -15,7 +17,10 @@ summed over the ranks, everything else rank by rank.
 Coverage: DP (DDP at fp32, FSDP2's replicate at bf16), ZeRO-1/2/3 (with gradient
 accumulation), TP and TP + SP, full and selective recompute, PP under GPipe, 1F1B,
 interleaved 1F1B and ZBV, CP, EP (with ZeRO and with PP), and on 4 ranks DP x TP x SP,
-PP x DP x ZeRO, CP x TP, TP x PP with a tied embedding, EP x PP.
+PP x DP x ZeRO, CP x TP, TP x PP with a tied embedding, EP x PP; FP8: DP, ZeRO-3 with
+FP8 all-gathers (also under full recompute), TP + SP with torchao's float8 styles, rowwise
+TP + SP, PP, EP (its experts in bf16), and on 4 ranks DP x TP with ZeRO-3's FP8
+all-gathers and scales over both.
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ TWO_RANKS = [
     ("llama cp2", B(cp=2), "llama"),
     ("mixtral ep2", B(dp=2, ep=2), "mixtral"),
     ("qwen3moe ep2 zero2", B(dp=2, ep=2, zero=2, micro_batch=2), "qwen3moe"),
+    # FP8 (torchao, emulated): GEMMs, scale all-reduces, FP8 all-gathers
+    ("gpt dp2 fp8", B(dp=2, precision="fp8"), "gpt"),
+    ("llama dp2 zero3 fp8 (FP8 all-gather)", B(dp=2, zero=3, micro_batch=2, precision="fp8"),
+     "llama"),
+    ("llama tp2 sp fp8 (float8 styles)", B(tp=2, sequence_parallel=True, micro_batch=4,
+                                          precision="fp8"), "llama"),
+    ("gpt tp2 sp fp8-rowwise", B(tp=2, sequence_parallel=True, micro_batch=4,
+                                 precision="fp8-rowwise"), "gpt"),
+    ("gpt dp2 zero3 full recompute fp8", B(dp=2, zero=3, recompute="full", precision="fp8"),
+     "gpt"),
+    ("gpt pp2 1f1b fp8", B(pp=2, micro_batch=2, schedule="1f1b", precision="fp8"), "gpt"),
+    ("mixtral ep2 fp8 (experts bf16)", B(dp=2, ep=2, precision="fp8"), "mixtral"),
 ]
 FOUR_RANKS = [
     ("gpt dp2 tp2 sp zero1", B(dp=2, tp=2, sequence_parallel=True, zero=1, micro_batch=2),
@@ -63,6 +80,11 @@ FOUR_RANKS = [
      "llama"),
     ("llama pp2 dp2 zero3 1f1b", B(pp=2, dp=2, zero=3, micro_batch=1, schedule="1f1b"),
      "llama"),
+    # (2-D FP8 all-gathers; with sequence parallelism too, ZeRO-3 x TP reduces the norms'
+    # partial gradients in bf16 at the first micro-batch, which the bf16 ledger prices in
+    # fp32 as well: not an FP8 matter)
+    ("llama dp2 tp2 zero3 fp8 (2-D FP8 all-gather)",
+     B(dp=2, tp=2, zero=3, micro_batch=2, precision="fp8"), "llama"),
 ]
 
 
@@ -85,9 +107,10 @@ def _check(label: str, target: Strategy, ranks: list[dict]) -> list[str]:
     """What differs between the run and the estimate of one layout (empty: nothing)."""
     problems = []
     routed = target.ep > 1
-    want = "bf16" if target.precision.value == "bf16" else "fp32"
+    want = (["bf16", "fp8"] if target.precision.is_fp8 else
+            ["bf16"] if target.precision.value == "bf16" else ["fp32"])
     for rank, r in enumerate(ranks):
-        if r["matmul_dtypes"] != [want]:
+        if r["matmul_dtypes"] != want:
             problems.append(f"rank {rank}: matmuls in {r['matmul_dtypes']}, not {want}")
         run_keys, priced_keys = set(r["run"]), set(r["priced"])
         for k in sorted(run_keys - priced_keys):

@@ -102,3 +102,37 @@ def test_dlrm_dcnv2_beyond_one_gpu_plans_sharded_on_a_shipped_profile():
     big = [p for p in plan.tables if g.table(p.table).rows == 40_000_000]
     assert max(sum(d in p.devices for p in big) for d in range(8)) < 4
     assert max(plan.estimate.hbm_bytes) <= min(plan.estimate.hbm_capacity_bytes)
+
+
+def test_the_planner_prices_every_option_as_the_cost_model_does(graph):
+    # Problem prices options of like tables together and moves one device's prices to
+    # devices of the same figures: every entry must equal pricing that option alone
+    from autoplan.sparse.options import Problem
+    from autoplan.sparse.tables import TableColumns
+
+    cluster = load_cluster("a100-sxm4-80gb", nodes=2, devices_per_node=2).with_servers(
+        "cpu-server-2s-epyc", 2)
+    m = SparseCostModel(graph, cluster, global_batch=256)
+    prob = Problem.build(m)
+    assert {p.storage for p in prob.options[0]} == set(Storage)
+    for i, t in enumerate(graph.tables):
+        for o in range(prob.count[i]):
+            ld = m.price(TableColumns.of([t]), prob.placement(i, o))
+            for got, want in ((prob.device_s[i, o], ld.device_s()[0]),
+                              (prob.srv[i, o], ld.server_s[0].sum(axis=1)),
+                              (prob.device_hbm[i, o], ld.hbm_bytes[0]),
+                              (prob.host[i, o], ld.host_bytes[0]),
+                              (prob.smem[i, o], ld.server_bytes[0])):
+                assert got.tolist() == pytest.approx(want.tolist(), rel=1e-12, abs=1e-15)
+
+
+def test_beyond_the_window_cp_sat_improves_windows_and_a_bound_still_holds(graph):
+    cluster = load_cluster("a100-sxm4-80gb", devices_per_node=4).with_servers("cpu-server-2s-epyc", 1)
+    whole = plan_sparse(graph, cluster, global_batch=256)
+    windows = plan_sparse(graph, cluster, global_batch=256, window=1)   # one table at a time
+    assert "of 1 table around the busiest device" in windows.search
+    assert windows.estimate.fits
+    assert windows.estimate.step_time_s <= windows.baseline_step_time_s
+    for p in (whole, windows):
+        assert p.bound_step_time_s <= p.estimate.step_time_s * (1 + 1e-6)
+    assert windows.to_json() == plan_sparse(graph, cluster, global_batch=256, window=1).to_json()

@@ -32,7 +32,7 @@ import yaml
 
 from ..errors import ConfigError, RecordError
 from ..hardware.profiles import shipped_profiles_dir
-from ..precision import GRAD_REDUCE_DTYPES
+from ..precision import FP8_LIBRARIES, GRAD_REDUCE_DTYPES
 from ..records import Record
 
 __all__ = [
@@ -226,12 +226,24 @@ class CostOptions(Record):
         scatter/gather optimisation, Narayanan et al. 2021, Sec. 4.1).  ``False``: every
         tp rank sends the whole activation to its peer (torch.distributed.pipelining,
         what :func:`autoplan.parallelize` runs).
-    fp8_scaling : {"tensor", "block"}
-        With ``Precision.FP8``, how tensors are scaled to FP8: per-tensor current scaling
-        (``"tensor"``, Transformer Engine ``Float8CurrentScaling``, the Hopper default of
-        Megatron-Bridge's FP8-CS recipes) or block scaling (``"block"``: row-wise, MXFP8
-        1x32 on Blackwell, DeepSeek-V3 1x128).  Sets the bytes each quantized element moves
-        (``engine.FP8_CAST_BYTES_PER_ELEMENT``).
+    fp8_library : {"torchao", "transformer-engine"}
+        What runs an FP8 recipe (``Precision.is_fp8``), priced as that library runs it
+        (:mod:`autoplan.cost.fp8`): which linears compute in FP8
+        (:func:`autoplan.precision.fp8_converts`), the scalings it offers
+        (:data:`autoplan.precision.FP8_LIBRARIES`), the passes over memory its casts make
+        and the collectives its scales need.  ``"torchao"``: torchao's float8 training in
+        eager mode (``Float8Linear``, what :func:`autoplan.parallelize` runs): every
+        operand cast once per GEMM it enters, FP8 all-gathers of weights under ZeRO-3 and
+        of activations under sequence parallelism, tensorwise scales all-reduced over the
+        ranks a tensor is split over.  ``"transformer-engine"``: Transformer Engine's fused
+        casts, each operand quantized once with its transpose (Megatron-Core, NeMo).
+    fp32_matmuls : {"fp32", "tf32"}
+        With ``Precision.FP32``, what the matmuls run in: FP32 (``"fp32"``, PyTorch's
+        default since 1.12, ``torch.set_float32_matmul_precision("highest")``) or TF32
+        tensor cores (``"tf32"``: PyTorch 1.7 to 1.11's default,
+        ``torch.backends.cuda.matmul.allow_tf32 = True``, or ``set_float32_matmul_precision
+        ("high")``), at the device's TF32 peak where it has one (FP32 where not: V100).
+        Weights, activations and memory stay FP32.
     sp_grads_per_tensor_under_fsdp2 : bool
         Under sequence parallelism the norms see a sequence shard, so their weights'
         gradients are partial sums over the tp group, all-reduced once per step.  ``True``:
@@ -356,9 +368,10 @@ class CostOptions(Record):
     master_weights: str | None = None
     loss_parallel: bool | None = None
     sp_embedding_all_reduce: bool | None = None
+    fp8_library: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
-    fp8_scaling: str = "tensor"
+    fp32_matmuls: str = "fp32"
     stack: str = "autoplan"
 
     def __post_init__(self) -> None:
@@ -372,8 +385,11 @@ class CostOptions(Record):
         for name, value in preset.settings.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
-        if self.fp8_scaling not in ("tensor", "block"):
-            raise ConfigError(f"fp8_scaling must be 'tensor' or 'block', got {self.fp8_scaling!r}")
+        if self.fp8_library not in FP8_LIBRARIES:
+            raise ConfigError(f"fp8_library must be one of {', '.join(FP8_LIBRARIES)}, got "
+                              f"{self.fp8_library!r}")
+        if self.fp32_matmuls not in ("fp32", "tf32"):
+            raise ConfigError(f"fp32_matmuls must be 'fp32' or 'tf32', got {self.fp32_matmuls!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(f"attention_kernel must be one of {', '.join(ATTENTION_KERNELS)}, "
                               f"got {self.attention_kernel!r}")
@@ -433,7 +449,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "zero_step_per_layer", "step_loss_all_reduce",
                           "autocast", "loss_fp32_copy", "grad_accumulate_add",
                           "grad_reduce_dtype", "master_weights", "loss_parallel",
-                          "sp_embedding_all_reduce")
+                          "sp_embedding_all_reduce", "fp8_library")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -458,7 +474,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            autocast: bool = False, loss_fp32_copy: bool = False,
            grad_accumulate_add: bool = False, grad_reduce_dtype: str = "bf16",
            master_weights: str = "optimizer", loss_parallel: bool = False,
-           sp_embedding_all_reduce: bool = False) -> Stack:
+           sp_embedding_all_reduce: bool = False,
+           fp8_library: str = "transformer-engine") -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -474,7 +491,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         autocast=autocast, loss_fp32_copy=loss_fp32_copy,
         grad_accumulate_add=grad_accumulate_add, grad_reduce_dtype=grad_reduce_dtype,
         master_weights=master_weights, loss_parallel=loss_parallel,
-        sp_embedding_all_reduce=sp_embedding_all_reduce))
+        sp_embedding_all_reduce=sp_embedding_all_reduce, fp8_library=fp8_library))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout
@@ -503,14 +520,14 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "reduced, accumulated and stepped in fp32); the loss as "
            "Hugging Face computes it, over an fp32 copy of the logits; gradients of "
            "micro-batches after the first added to the accumulated ones in a pass of "
-           "their own",
+           "their own; FP8 recipes as torchao's float8 linears (eager)",
            fused_attention=False, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=False, pp_comm_overlap=False, pp_buffers_per_micro_batch=False,
            zero_buffer_copies=True, sp_grads_per_tensor_under_fsdp2=True,
            zero_step_per_layer=True, step_loss_all_reduce=True, autocast=False,
            loss_fp32_copy=True, grad_accumulate_add=True, grad_reduce_dtype="fp32",
            master_weights="fsdp2", loss_parallel=True, sp_embedding_all_reduce=True,
-           expert_grouped_gemm=True),
+           expert_grouped_gemm=True, fp8_library="torchao"),
     _stack("megatron-2021",
            "Megatron-LM as in Narayanan et al. 2021: gradient all-reduce after the last "
            "backward (no overlap), no tensor- or pipeline-parallel communication overlap, "

@@ -16,11 +16,11 @@ and backward times of all its chunks:
   context parallelism), ``peak`` and the efficiency table from the device
   profile (:meth:`DeviceType.efficiency`).  The backward of a matmul runs two
   matmuls of the forward's size (input and weight gradients), so it is priced at
-  the forward's efficiency.  Under ``Precision.FP8`` the weight GEMMs run at the
-  FP8 peak and efficiency, and their inputs, output gradients and weights are
-  quantized first: ``FP8_CAST_BYTES_PER_ELEMENT[options.fp8_scaling]`` bytes
-  per element over the memory bandwidth, with ``m (k + n) ~ 2 m sqrt(kn)``
-  activation elements (``kn`` from the GEMM's FLOPs and ``m`` tokens).
+  the forward's efficiency.  Under an FP8 recipe (``Precision.is_fp8``) the GEMMs of
+  the linears it converts run at the FP8 peak and efficiency, and their operands are
+  quantized first, memory-bound, as the library that runs it does
+  (``CostOptions.fp8_library``; :mod:`autoplan.cost.fp8`: torchao's casts, scale
+  all-reduces and FP8 all-gathers, Transformer Engine's fused casts).
 * **memory-bound operators** (norms, activations, softmax, residual adds,
   copies; the roofline of Williams et al. 2009): the bytes each captured node
   without FLOPs reads and writes, over the device's memory bandwidth, and in the
@@ -160,12 +160,13 @@ from .calibration import _is_gpu
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
+from . import fp8 as _fp8
 from .ledger import Ledger, LedgerBuilder
 from .memory import activation_bytes, fsdp2_state_bytes, model_state_bytes
-from ..precision import DTYPE_BYTES, precision_program
+from ..precision import DTYPE_BYTES, fp8_all_gather, fp8_problem, precision_program
 from .result import BREAKDOWN_KEYS, Estimate, MemoryBreakdown, StageEstimate
 from .schedules import in_flight, pipeline_time
-from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, summarize
+from .summary import BACKWARD_TRAFFIC_DEFAULT, GraphSummary, LayerCost, MatmulNode, summarize
 
 __all__ = ["CostEngine", "QuickEstimate", "LayerTime", "PrecisionCosts", "CAUSAL_BLOCK_FRACTION",
            "ELEMENTWISE_BACKWARD_FACTOR", "layout_from_plan", "Layout", "Segment"]
@@ -215,22 +216,25 @@ def loss_bytes_per_logit(dtype: str, shifts: bool) -> float:
     return 4.0 + (4.0 if new_input else 0.0)
 
 
+#: A fused attention kernel's backward matmuls against its forward's: the gradients of
+#: the values, the probabilities, the queries and the keys (four products) against the
+#: scores and the values (two).  The kernel's recompute of the scores is priced apart
+#: (the forward again, Dao et al. 2022); torch's FLOP formula counts it in the backward.
+FUSED_BACKWARD_PRODUCTS = 2.0
+
 #: Fraction of the attention core a fused kernel computes under a causal mask: the
 #: blocks above the diagonal are skipped (Dao 2023, FlashAttention-2, Sec. 3.1.1).
 CAUSAL_BLOCK_FRACTION = 0.5
 
-#: Device-memory bytes moved per element quantized to FP8, per scaling recipe
-#: (``CostOptions.fp8_scaling``).  ``"tensor"`` (per-tensor current scaling, Transformer
-#: Engine Float8CurrentScaling): an amax pass reads the 16-bit tensor (2 B), then the cast
-#: reads it again (2 B) and writes the FP8 copy and its transpose (1 + 1 B) = 6 B.
-#: ``"block"`` (row-wise / MXFP8 1x32 / DeepSeek 1x128 block scaling): one pass reads the
-#: 16-bit tensor (2 B) and writes both FP8 layouts (1 + 1 B) plus one 8-bit scale per 32
-#: elements for each (2/32 B) = 4.0625 B.  (Transformer Engine user guide, "Using FP8 with
-#: Transformer Engine"; OCP Microscaling Formats (MX) v1.0 specification, Sec. 5.)
-FP8_CAST_BYTES_PER_ELEMENT = {"tensor": 6.0, "block": 4.0625}
-
 _DTYPE = {Precision.BF16: "bf16", Precision.FP16: "fp16", Precision.FP32: "fp32",
-          Precision.FP8: "fp8"}
+          Precision.FP8: "fp8", Precision.FP8_ROWWISE: "fp8-rowwise",
+          Precision.FP8_BLOCKWISE: "fp8-blockwise"}
+
+
+def _fp8_scaling(dtype: str) -> str | None:
+    """The FP8 scaling of a :attr:`PrecisionCosts.dtype` (``"fp8"``, ``"fp8-rowwise"``,
+    ``"fp8-blockwise"``), or None for a 16- or 32-bit recipe."""
+    return Precision(dtype).fp8_scaling if dtype.startswith("fp8") else None
 
 #: Bytes of one count of the token counts a MoE layer's ranks exchange before each
 #: dispatch (int64, one per expert: ``autoplan.runtime.ep``, step 1)
@@ -252,7 +256,7 @@ def _ledger_dtypes(recipe: "PrecisionCosts") -> tuple[str, str, str]:
     ledger names them (:mod:`.ledger`)."""
     if recipe.dtype == "fp32":
         return "fp32", "fp32", "fp32"
-    act = "fp16" if recipe.dtype == "fp16" else "bf16"
+    act = "fp16" if recipe.dtype == "fp16" else "bf16"     # bf16 under FP8 recipes
     return act, {4: "fp32", 2: "bf16"}[recipe.grad_bytes], act
 
 
@@ -355,7 +359,9 @@ class PrecisionCosts(NamedTuple):
     """What a :class:`~autoplan.strategy.Precision` recipe costs per parameter and per
     activation byte (``profiles/cost/cost-model.yaml``; :meth:`CostEngine.precision_costs`)."""
 
-    dtype: str                      # key of the device's peak-FLOPs table: bf16, fp16, fp32
+    dtype: str                      # key of the device's peak-FLOPs table: bf16, fp16, fp32;
+                                    # an FP8 recipe's name (fp8, fp8-rowwise, fp8-blockwise),
+                                    # whose converted GEMMs run at the "fp8" peak
     param_bytes: int                # held per parameter (Rajbhandari et al. 2020, Sec. 3.1)
                                     # and all-gathered: the weights computed with
     grad_bytes: int                 # held, reduced and accumulated (grad_reduce_dtype)
@@ -364,6 +370,11 @@ class PrecisionCosts(NamedTuple):
     activation_scale: float         # the recipe's activation bytes per captured byte
     fsdp2_master: bool = False      # 16-bit compute copies of fp32 master parameters
                                     # (CostOptions.master_weights == "fsdp2")
+
+    @property
+    def peak_dtype(self) -> str:
+        """The device peak the recipe's fastest GEMMs run at: ``fp8`` for FP8 recipes."""
+        return "fp8" if _fp8_scaling(self.dtype) else self.dtype
 
 
 def prefetch_exposed(shares: tuple[float, ...], compute_s: float, comm_s: float) -> float:
@@ -591,6 +602,7 @@ class CostEngine:
         #: the collectives each cached _LayerTerms priced (_layer_terms' ``volumes``)
         self._volumes: dict[tuple, tuple[tuple, ...]] = {}
         self._precision_costs: dict[Precision, PrecisionCosts] = {}
+        self._fp8_cache: dict[tuple[str, str], dict] = {}
         self._strategy_layouts: dict[Strategy, Layout] = {}
         self._rank_stages: dict[tuple[int, ...], dict[int, list[int]]] = {}
         #: The node of every device, and the first device of every node but the first
@@ -637,7 +649,8 @@ class CostEngine:
         lay = self.layout(layout)
         recipe = self.precision_costs(lay.precision)
         act, grad, param = _ledger_dtypes(recipe)
-        matmul = "bf16" if recipe.dtype == "fp8" else recipe.dtype
+        # (FP8 recipes: the FLOPs of their FP8 GEMMs are listed as fp8, _ledger_flops)
+        matmul = "bf16" if _fp8_scaling(recipe.dtype) else recipe.dtype
         signatures: dict[tuple, list[int]] = {}
         runs = ((max(lay.replica_micro_batches),) * lay.dp if lay.padded
                 else lay.replica_micro_batches)
@@ -651,7 +664,8 @@ class CostEngine:
         for replicas in signatures.values():
             r = replicas[0]
             for p in range(lay.pp):
-                builder = LedgerBuilder(act, grad, param, matmul)
+                builder = LedgerBuilder(act, grad, param, matmul,
+                                        fp8=_fp8_scaling(recipe.dtype) is not None)
                 self._rank(lay, p, r, runs[r], recipe, builder)
                 if self.options.step_loss_all_reduce and len(world) > 1:
                     builder.per_step("all_reduce", "world", "float64", LOSS_REDUCE_BYTES, 1,
@@ -676,6 +690,9 @@ class CostEngine:
         hit = self._precision_costs.get(precision)
         if hit is None:
             opts = self.options
+            problem = fp8_problem(precision, opts.fp8_library)
+            if problem:
+                raise ConfigError(problem)
             program = precision_program(precision, opts.grad_reduce_dtype)
             mixed = program.mixed
             param_bytes, grad_bytes, optimizer_bytes = self.constants.model_states.per_param(mixed)
@@ -696,6 +713,69 @@ class CostEngine:
                                  fsdp2_master)
             self._precision_costs[precision] = hit
         return hit
+
+    def _fp8_linears(self, template: str) -> dict[str, "_fp8.Fp8Linear"]:
+        """The linears of ``template`` whose GEMMs the options' FP8 library converts
+        (:func:`autoplan.precision.fp8_converts`), by name."""
+        key = (template, self.options.fp8_library)
+        hit = self._fp8_cache.get(key)
+        if hit is None:
+            linears, _ = self.summary.linears[template]
+            hit = self._fp8_cache[key] = _fp8.fp8_linears_of(linears, self.options.fp8_library)
+        return hit
+
+    def _fp8_terms(self, layer: LayerCost, seg: "Segment", recipe: PrecisionCosts,
+                   shards: int) -> "_fp8.LayerFp8 | None":
+        """torchao's FP8 terms of ``layer`` in segment ``seg`` over ``shards`` data-parallel
+        ranks (:class:`autoplan.cost.fp8.LayerFp8`), or None: not an FP8 recipe, run by
+        another library, or no linear of the layer converted."""
+        scaling = _fp8_scaling(recipe.dtype)
+        if scaling is None or self.options.fp8_library != "torchao":
+            return None
+        converted = self._fp8_linears(layer.template)
+        if not converted:
+            return None
+        t = seg.tp
+        gathered = 0.0
+        if fp8_all_gather(recipe.dtype, seg.zero, shards):
+            gathered = sum(math.prod(l.local(t)) for l in converted.values())
+        linears, entries = self.summary.linears[layer.template]
+        regions = frozenset(e for e in entries if e and _fp8.region_fp8(e, linears, converted))
+        return _fp8.LayerFp8(converted, scaling, t, seg.sequence_parallel, gathered,
+                             regions if _fp8.float8_tp("torchao", scaling, t) else frozenset(),
+                             self.summary.seq_len or 1)
+
+    def _fp8_step_scales(self, chunks, recipe: PrecisionCosts, groups: "_RankGroups",
+                         ledger: LedgerBuilder | None) -> tuple[float, float]:
+        """Seconds of the step's scale all-reduces of the weights torchao all-gathers in
+        FP8 on a rank holding ``chunks`` (one per chunk over the data-parallel group, and one
+        over the tensor-parallel group where it splits them too: 4 bytes a weight), and of
+        reading those weights' shards for their maxima (``_foreach_norm``)."""
+        shards = len(groups.dp)
+        device = self.device_of(groups.replica)
+        seconds = read = 0.0
+        for chunk in chunks:
+            weights, params = 0, 0.0
+            for seg in chunk:
+                for template, count in self.layer_counts(seg.lo, seg.hi):
+                    fp8 = self._fp8_terms(self._templates[template], seg, recipe, shards)
+                    if fp8 is not None and fp8.gathered_params:
+                        weights += count * len(fp8.converted)
+                        params += count * fp8.gathered_params
+            if not weights:
+                continue
+            nbytes = weights * _fp8.SCALE_BYTES
+            tp = chunk[0].tp
+            seconds += self.collective_time("all_reduce", groups.dp, nbytes)
+            if tp > 1:
+                tp_group = groups.tp if tp == len(groups.tp) else groups.replica[:tp]
+                seconds += self.collective_time("all_reduce", tp_group, nbytes)
+            read += params / shards * DTYPE_BYTES["fp32"] / device.memory_bw_bytes_per_s
+            if ledger is not None:
+                ledger.per_step("all_reduce", "dp", "fp32", nbytes, 1, "fp8")
+                if tp > 1:
+                    ledger.per_step("all_reduce", "tp", "fp32", nbytes, 1, "fp8")
+        return seconds, read
 
     def template(self, name: str) -> LayerCost:
         """The first layer of template ``name``; it stands for every layer of the template
@@ -774,23 +854,52 @@ class CostEngine:
             self._collective_times[key] = t
         return t
 
-    def template_flops(self, template: str, b: int, tp: int, cp: int) -> tuple[float, float, float]:
+    def core_fraction(self, node: MatmulNode, cp: int) -> float:
+        """The part of attention-core node ``node``'s captured FLOPs its kernel computes at
+        context-parallel degree ``cp``.
+
+        A causal kernel that skips the score blocks above the diagonal computes
+        :data:`CAUSAL_BLOCK_FRACTION` of them (Dao 2023, FlashAttention-2, Sec. 3.1.1):
+        the stack's fused kernel where it states one (``CostOptions.fused_attention``:
+        FlashAttention or cuDNN, their ring attention under context parallelism skipping
+        too), and a captured ``scaled_dot_product_attention`` of a causal model, which an
+        eager step calls with ``is_causal`` and no mask (Hugging Face's SDPA attention and
+        torch's, checked by the ledger).  Everything else computes every block: eager
+        attention (its scores, then the mask), and under :mod:`autoplan.runtime.cp`'s
+        context parallelism the captured kernel, handed an explicit mask of global
+        positions over the gathered keys.
+        """
+        if not self.summary.causal:
+            return 1.0
+        if self.options.fused_attention or (node.fused and cp == 1):
+            return CAUSAL_BLOCK_FRACTION
+        return 1.0
+
+    def template_flops(self, template: str, b: int, tp: int, cp: int,
+                       fp8_only: bool = False) -> tuple[float, float, float]:
         """``(forward, backward, attention core forward)`` matmul FLOPs of one ``template``
         layer and micro-batch of ``b`` sequences on one device, as :meth:`template_time`
-        prices them: sharded by tensor and context parallelism; the core at
-        :data:`CAUSAL_BLOCK_FRACTION` under a fused causal kernel, whose backward
-        recomputes its forward (the ledger's figures, :mod:`.ledger`)."""
+        prices them: sharded by tensor and context parallelism; the core as its kernel
+        computes it (:meth:`core_fraction`), a fused kernel's backward recomputing its
+        forward (the ledger's figures, :mod:`.ledger`).  ``fp8_only``: the part an FP8
+        recipe runs in FP8 (its converted linears' GEMMs)."""
         fused = self.options.fused_attention
-        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
         experts = self._templates[template].num_experts
         token_split = tp if self.options.moe_tokens_split_over_tp else 1
+        converted = self._fp8_linears(template) if fp8_only else {}
+        banks = any(l.num_experts > 1 for l in converted.values())
         fwd = bwd = core = 0.0
         for n in self.summary.templates[template]:
+            if fp8_only and (n.core or not (n.module in converted or (n.expert and banks))):
+                continue
             div = (tp if n.sharded else 1) * cp
             if n.expert and experts > 1:
                 div *= token_split
             f, g = n.fwd_flops * b / div, n.bwd_flops * b / div
+            if n.fused:
+                g = FUSED_BACKWARD_PRODUCTS * f
             if n.core:
+                causal = self.core_fraction(n, cp)
                 f, g = f * causal, g * causal
                 core += f
                 if fused:
@@ -805,6 +914,7 @@ class CostEngine:
         forward, backward and what recompute runs again (a block's forward under full
         recompute, its attention core under selective, as :meth:`_layer_terms` prices)."""
         selective = seg.recompute is Recompute.SELECTIVE and not self.options.fused_attention
+        fp8 = ledger.fp8
         for l in self.summary.layers[seg.lo:seg.hi]:
             fwd, bwd, core = self.template_flops(l.template, b, seg.tp, cp)
             rc = 0.0
@@ -812,6 +922,12 @@ class CostEngine:
                 rc = fwd
             elif l.is_block and selective:
                 rc = core
+            if fp8:
+                # an FP8 recipe's converted GEMMs, apart from the rest (bf16)
+                f8, b8, _ = self.template_flops(l.template, b, seg.tp, cp, fp8_only=True)
+                r8 = f8 if l.is_block and seg.recompute is Recompute.FULL else 0.0
+                ledger.flops(l.name, f8, b8, r8, dtype="fp8")
+                fwd, bwd, rc = fwd - f8, bwd - b8, rc - r8
             ledger.flops(l.name, fwd, bwd, rc)
 
     def template_time(self, template: str, b: int, tp: int, cp: int, device, dtype: str,
@@ -838,28 +954,41 @@ class CostEngine:
         hit = self._template_times.get(key)
         if hit is not None:
             return hit
-        fp8 = dtype == "fp8"
+        scaling = _fp8_scaling(dtype)
+        fp8 = scaling is not None
         if fp8:
-            # weight GEMMs in FP8 at the FP8 peak; the rest in bf16 (Precision.FP8)
+            # the GEMMs of the linears the recipe converts in FP8, the rest in bf16, and
+            # their operands quantized as the library does (autoplan.cost.fp8)
             dtype = "bf16"
-            fp8_peak = device.peak("fp8")
-            cast_bytes = FP8_CAST_BYTES_PER_ELEMENT[self.options.fp8_scaling]
+            library = self.options.fp8_library
+            converted = self._fp8_linears(template)
             tokens = b * (self.summary.seq_len or 1) / cp
-            cast = 0.0
-        peak = device.peak(dtype)
-        causal = CAUSAL_BLOCK_FRACTION if (fused and self.summary.causal) else 1.0
+            cast_fwd = cast_bwd = 0.0
+            for lin in converted.values():
+                if lin.num_experts == 1:
+                    f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp)
+                    cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
+            rowwise = library == "torchao" and scaling == "row"
+        # fp32 matmuls on TF32 tensor cores where asked (CostOptions.fp32_matmuls); the
+        # elementwise bytes stay the recipe's
+        mm = "tf32" if dtype == "fp32" and self.options.fp32_matmuls == "tf32" else dtype
+        peak = device.peak(mm)
         fwd = bwd = core = wgrad = 0.0
-        attention = self._attention_tables.get(device.name) if fused else None
+        # fused-attention kernels (the stack's, or a captured SDPA call) at their own speed
+        attention = self._attention_tables.get(device.name)
         experts = self._templates[template].num_experts
         imbalance = self.options.expert_imbalance if ep > 1 else 1.0
         grouped = self.options.expert_grouped_gemm
         token_split = tp if self.options.moe_tokens_split_over_tp else 1
+        converted_experts = fp8 and any(l.num_experts > 1 for l in converted.values())
         for n in self.summary.templates[template]:
             div = (tp if n.sharded else 1) * cp
             if n.expert and experts > 1:
                 div *= token_split                       # this tp rank's tokens only
             f = n.fwd_flops * b / div
             g = n.bwd_flops * b / div
+            if n.fused:
+                g = FUSED_BACKWARD_PRODUCTS * f
             ref = f if f > 0 else g / 2
             if ref <= 0:
                 continue
@@ -872,23 +1001,35 @@ class CostEngine:
                         ref * imbalance * ep / experts, "bf16" if fp8 else dtype)
                 # one GEMM over all local experts' rows, or one expert's GEMM each
                 ref = ref * imbalance * (1 if grouped else ep / experts)
-            if grouped_eff is not None:
+            rate_backward = None
+            # an FP8 recipe's converted GEMM (a TE expert bank's grouped FP8 GEMM included)
+            fp8_gemm = fp8 and not n.core and (n.module in converted or
+                                               (n.expert and experts > 1 and converted_experts))
+            if grouped_eff is not None and not fp8_gemm:
                 rate = peak * grouped_eff
-            elif n.core and attention is not None:
-                rate = peak * attention.efficiency(ref)
-            elif fp8 and n.weight and not n.core:
-                rate = fp8_peak * device.efficiency(ref, "fp8")
-                # quantize inputs, grads (~ m sqrt(kn) each, k ~ n) and the weight (kn)
-                kn = f / (2 * tokens)
-                cast += cast_bytes * (2 * tokens * math.sqrt(kn) + kn)
+            elif n.core and (fused or n.fused) and attention is not None:
+                # the table is by the FLOPs of one QK^T product: a captured kernel's
+                # forward counts two (scores and values)
+                rate = peak * attention.efficiency(ref / 2 if n.fused else ref)
+            elif fp8_gemm:
+                rate = _fp8.fp8_gemm_rate(device, ref, rowwise=rowwise)
+                rate_backward = _fp8.fp8_gemm_rate(device, ref)
+                if n.expert:
+                    # an expert bank's GEMM (Transformer Engine's grouped FP8 GEMM): its
+                    # routed rows, ~ m sqrt(kn) of inputs and of gradients, and its weights
+                    kn = f / (2 * tokens)
+                    per = _fp8.TE_CAST_BYTES[scaling]
+                    cast_fwd += per * (tokens * math.sqrt(kn) + kn)
+                    cast_bwd += per * tokens * math.sqrt(kn)
             else:
-                rate = peak * device.efficiency(ref, dtype)
-            tf, tb = f / rate, g / rate
+                rate = peak * device.efficiency(ref, mm)
+            tf, tb = f / rate, g / (rate_backward or rate)
             if n.core:
+                causal = self.core_fraction(n, cp)
                 tf *= causal
                 tb *= causal
                 core += tf
-                if fused:
+                if fused or n.fused:
                     tb += tf  # the kernel's backward recomputes the scores (Dao et al. 2022)
             if n.weight:
                 wgrad += tb / 2
@@ -947,9 +1088,9 @@ class CostEngine:
             fwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
             bwd += AUTOCAST_CAST_BYTES * local / device.memory_bw_bytes_per_s
         if fp8:
-            # FP8 scaling/quantization kernels: memory-bound, half in each direction
-            fwd += cast / 2 / device.memory_bw_bytes_per_s
-            bwd += cast / 2 / device.memory_bw_bytes_per_s
+            # FP8 quantization kernels: memory-bound
+            fwd += cast_fwd / device.memory_bw_bytes_per_s
+            bwd += cast_bwd / device.memory_bw_bytes_per_s
         core += rank_bytes(0.0, 0.0, quad) / device.memory_bw_bytes_per_s  # softmax, mask
         overhead = device.op_overhead
         if overhead is not None and not host_runs_ahead(device):
@@ -1188,7 +1329,7 @@ class CostEngine:
         hw_flops = model_flops + rc_flops * lay.global_batch
         n_dev = sum(len(d) for d in lay.rank_devices)
         # MFU against the 16-bit peak also for FP8 (as Megatron-Bridge and NeMo report it)
-        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if recipe.dtype == "fp8"
+        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if _fp8_scaling(recipe.dtype)
                                                            else recipe.dtype)
                        for devs in lay.rank_devices for i in devs)
         stages = tuple(StageEstimate(
@@ -1231,6 +1372,12 @@ class CostEngine:
         layer_time = self.template_time(layer.template, b, t, cp, device, recipe.dtype,
                                         seg.sequence_parallel, ep if layer.expert_params else 1)
         forward, backward = layer_time.forward_s, layer_time.backward_s
+        # an FP8 recipe that torchao runs: its FP8 all-gathers under ZeRO-3 replace the
+        # GEMMs' weight casts by each rank's cast of its shard (autoplan.cost.fp8)
+        fp8 = self._fp8_terms(layer, seg, recipe, len(groups.dp))
+        if fp8 is not None and fp8.gathered_params:
+            forward -= fp8.weight_cast_s(device) / 2
+            backward -= fp8.weight_cast_s(device) / 2
         core = layer_time.core_forward_s
         recompute = 0.0
         overhead = device.op_overhead
@@ -1278,17 +1425,22 @@ class CostEngine:
             per_byte = host.tp_collective_byte_s if host is not None and waits_priced else 0.0
             embedding_all_reduce = (seg.sequence_parallel and layer.kind is LayerKind.PRE
                                     and opts.sp_embedding_all_reduce)
-            for op, phase, nbytes in colls:
+            for i, (op, phase, nbytes) in enumerate(colls):
                 if embedding_all_reduce and op == "reduce_scatter" and phase == "forward":
                     # the vocab-parallel embedding's partial sums all-reduced whole, each
                     # rank then keeping its sequence shard (CostOptions.sp_embedding_all_reduce)
                     op = "all_reduce"
                 payload = nbytes * b * act_scale / cp
+                dtype = act_dtype
+                if (fp8 is not None and seg.sequence_parallel and op == "all_gather"
+                        and fp8.gathers_fp8(layer, i, phase)):
+                    # torchao's float8 styles gather this activation (gradient) in FP8
+                    payload, dtype = payload * DTYPE_BYTES["fp8"] / DTYPE_BYTES[act_dtype], "fp8"
                 seconds = (self.collective_time(op, tp_group, payload,
                                                 after_compute=not waits_priced)
                            + per_byte * payload)
                 # (the recomputed forward runs its collectives again, below)
-                vol((op, "tp", act_dtype, payload,
+                vol((op, "tp", dtype, payload,
                      2 if rc_full and phase == "forward" else 1, "tp"))
                 if phase == "forward":
                     tp_forward += seconds
@@ -1312,6 +1464,17 @@ class CostEngine:
                     tp_forward += self.collective_time("all_gather", tp_group, nbytes,
                                                        after_compute=not waits_priced)
                     vol(("all_gather", "tp", act_dtype, nbytes, 1, "tp"))
+            if fp8 is not None:
+                # torchao's scale all-reduces over the tp group (autoplan.cost.fp8)
+                for phase, nbytes, n in fp8.amax_reduces(b, cp):
+                    seconds = n * self.collective_time("all_reduce", tp_group, nbytes,
+                                                       after_compute=not waits_priced)
+                    vol(("all_reduce", "tp", "float64", nbytes,
+                         n * (2 if rc_full and phase == "forward" else 1), "fp8"))
+                    if phase == "forward":
+                        tp_forward += seconds
+                    else:
+                        tp_backward += seconds
         if seg.recompute is Recompute.FULL and layer.is_block:
             tp_backward += tp_forward   # the recomputed forward runs its collectives again
         if opts.tp_comm_overlap:
@@ -1392,11 +1555,20 @@ class CostEngine:
             expert_grads = local_expert_params * recipe.grad_bytes
             weights = local_params * recipe.param_bytes         # all-gathered (ZeRO-3)
             expert_weights = local_expert_params * recipe.param_bytes
+            gather_dtype = param_dtype
+            if fp8 is not None and fp8.gathered_params:
+                # torchao's FP8 all-gather: the converted weights at one byte, the rest of
+                # the unit with them (one byte buffer where dtypes mix)
+                weights -= fp8.gathered_params * (recipe.param_bytes - DTYPE_BYTES["fp8"])
+                gather_dtype = "uint8" if fp8.gathered_params < local_params else "fp8"
             reduce_scatter = self.collective_time("reduce_scatter", dp, grads, concurrent) + \
                 self.collective_time("reduce_scatter", edp, expert_grads, concurrent)
             all_gather = self.collective_time("all_gather", dp, weights, concurrent) + \
                 self.collective_time("all_gather", edp, expert_weights, concurrent) \
                 if seg.zero == 3 else 0.0
+            if fp8 is not None and fp8.gathered_params:
+                # each rank casts its fp32 shard to FP8 before the gather, on its stream
+                all_gather += fp8.shard_cast_s(device, zero_degree)
             copy_out = host_gather = host_reduce = 0.0
             fsdp_host = overhead is not None and not ahead and overhead.fsdp_measured
             if fsdp_host:
@@ -1426,7 +1598,7 @@ class CostEngine:
             if len(edp) > 1:
                 vol(("reduce_scatter", "edp", grad_dtype, expert_grads, 1, "zero"))
             if seg.zero == 3:
-                vol(("all_gather", "dp", param_dtype, weights, 1 + gathers_backward, "zero"))
+                vol(("all_gather", "dp", gather_dtype, weights, 1 + gathers_backward, "zero"))
                 if len(edp) > 1:
                     vol(("all_gather", "edp", param_dtype, expert_weights,
                          1 + gathers_backward, "zero"))
@@ -2000,6 +2172,12 @@ class CostEngine:
             ev.tp_step += t_sp
             ev.dp_step_total += t_sp
             ev.dp_step_exposed += t_sp
+        # torchao's FP8 all-gathers: the next step's scales, after the optimizer step
+        if _fp8_scaling(recipe.dtype) and self.options.fp8_library == "torchao":
+            t_scales, t_read = self._fp8_step_scales(chunks, recipe, groups, ledger)
+            ev.dp_step_total += t_scales
+            ev.dp_step_exposed += t_scales
+            ev.optimizer += t_read
         # optimizer: memory-bound Adam over the parameters this device updates
         local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
         local_opt += x0 + (x1 + x2 + x3) / edp

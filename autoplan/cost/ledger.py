@@ -28,7 +28,11 @@ FLOPs are those of the matmuls (linear layers, attention scores and values, expe
 GEMMs) of each layer on one device per step: forward, backward (input and weight
 gradients) and the recomputed forward, as the engine prices them (sharded by tensor
 and context parallelism, an attention core under a causal fused kernel at the part
-of its blocks the kernel computes).
+of its blocks the kernel computes).  Under an FP8 recipe a layer lists the GEMMs of its
+converted linears as ``fp8`` and the rest (attention, the head) as ``bf16``; its
+scale all-reduces (float64, fp32) and FP8 all-gathers (``fp8``, or ``uint8`` where FSDP2
+gathers FP8 weights and bf16 ones in one byte buffer) are in ``transfers`` with
+term ``fp8`` or their parallelism's (:mod:`autoplan.cost.fp8`).
 
 Examples
 --------
@@ -136,14 +140,16 @@ class LedgerBuilder:
     """Collects one pipeline rank's ledger while the engine prices it (engine use)."""
 
     def __init__(self, act_dtype: str, grad_dtype: str, param_dtype: str,
-                 matmul_dtype: str) -> None:
+                 matmul_dtype: str, fp8: bool = False) -> None:
         #: dtypes of the activations (and their gradients) a transfer moves, of the
-        #: weight gradients reduced, of the weights gathered, and of the matmuls
+        #: weight gradients reduced, of the weights gathered, and of the matmuls; ``fp8``:
+        #: an FP8 recipe, whose converted GEMMs are listed as ``fp8``
         self.act_dtype, self.grad_dtype, self.param_dtype = act_dtype, grad_dtype, param_dtype
         self.dtype = matmul_dtype
+        self.fp8 = fp8
         self._per_micro_batch: dict[tuple[str, str, str, str], list[float]] = {}
         self._per_step: dict[tuple[str, str, str, str], list[float]] = {}
-        self._flops: dict[str, list[float]] = {}
+        self._flops: dict[tuple[str, str], list[float]] = {}
 
     def volumes(self, volumes, count: int) -> None:
         """``count`` layers' collectives per micro-batch, ``(kind, group, dtype, bytes,
@@ -151,9 +157,12 @@ class LedgerBuilder:
         for kind, group, dtype, nbytes, calls, term in volumes:
             self.per_micro_batch(kind, group, dtype, nbytes, calls * count, term)
 
-    def flops(self, layer: str, forward: float, backward: float, recompute: float) -> None:
-        """One layer's matmul FLOPs per micro-batch."""
-        acc = self._flops.setdefault(layer, [0.0, 0.0, 0.0])
+    def flops(self, layer: str, forward: float, backward: float, recompute: float,
+              dtype: str | None = None) -> None:
+        """One layer's matmul FLOPs per micro-batch (in ``dtype``, default the builder's)."""
+        if dtype is not None and forward + backward + recompute <= 0:
+            return
+        acc = self._flops.setdefault((layer, dtype or self.dtype), [0.0, 0.0, 0.0])
         acc[0] += forward
         acc[1] += backward
         acc[2] += recompute
@@ -188,7 +197,7 @@ class LedgerBuilder:
             acc[1] += c
         transfers = tuple(Transfer(kind, group, dtype, b, c, term)
                           for (kind, group, dtype, term), (b, c) in merged.items())
-        flops = tuple(LayerFlops(name, self.dtype, m * f, m * g, m * r)
-                      for name, (f, g, r) in self._flops.items())
+        flops = tuple(LayerFlops(name, dtype, m * f, m * g, m * r)
+                      for (name, dtype), (f, g, r) in self._flops.items())
         return DeviceLedger(pipeline_rank, devices, m, transfers, flops)
 

@@ -83,7 +83,12 @@ class MatmulNode:
     ``weight``: it multiplies a parameter (half its backward is the weight
     gradient, which zero-bubble schedules defer);
     ``expert``: it is a GEMM of an expert bank (its size under expert parallelism
-    is that of one expert's tokens, :meth:`CostEngine.template_time`).
+    is that of one expert's tokens, :meth:`CostEngine.template_time`);
+    ``fused``: it is a fused attention kernel's call (torch's
+    ``scaled_dot_product_attention``), the whole core in one node, its backward's
+    FLOPs counted with the scores the kernel recomputes (torch's FLOP formula);
+    ``module``: the module that runs it, relative to the layer as the capture names it
+    (a linear's name in ``LayerRecord.tp.linears``: what FP8 recipes convert).
     """
 
     fwd_flops: float
@@ -92,6 +97,8 @@ class MatmulNode:
     core: bool
     weight: bool
     expert: bool = False
+    fused: bool = False
+    module: str = ""
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,8 @@ class LayerCost:
     sp_params: tuple[int, ...] = ()
     dispatched_ops: int = 0
     autograd_nodes: int = 0
+    #: the linear each of ``sp_collectives`` belongs to (the row linear closing its region)
+    sp_collective_linears: tuple[str, ...] = ()
 
     @property
     def is_block(self) -> bool:
@@ -234,6 +243,9 @@ class GraphSummary:
         self.elementwise_backward: dict[str, tuple[float, float, float]] = {}
         self.elementwise_returned: dict[str, tuple[float, float, float]] = {}
         self.op_counts: dict[str, tuple[int, int, int]] = {}
+        #: ``{template: (linears, region entries)}``: the layer's weight-carrying matmuls
+        #: and the modules that open its tensor-parallel regions (FP8 recipes, .fp8)
+        self.linears: dict[str, tuple[tuple, tuple[str, ...]]] = {}
         layers = []
         owners = _param_owners(graph)
         # a layer's input and output (the residual stream) are in the dtype it was built in
@@ -249,6 +261,7 @@ class GraphSummary:
                     graph.templates[rec.template], graph.seq_len, mb, _in_bank(rec),
                     self.activation_bytes)
                 self.op_counts[rec.template] = _op_counts(rec, graph.templates[rec.template])
+                self.linears[rec.template] = (rec.tp.linears, tuple(rec.tp.region_entries()))
             core_flops = sum(n.fwd_flops for n in self.templates[rec.template] if n.core)
             nxt = graph.layers[i + 1] if i + 1 < len(graph.layers) else None
             shared_next = max(0, nxt.input_bytes - streams[i + 1]) if nxt is not None else 0
@@ -400,6 +413,7 @@ def _layer_cost(i: int, rec: LayerRecord, mb: int, owners: dict[int, int],
         send_bytes=max(0, rec.cut_bytes - shared_next) * boundary / mb,
         tp_collectives=tuple((c.op, c.phase, c.nbytes * boundary / mb) for c in tp_colls),
         sp_collectives=tuple((c.op, c.phase, c.nbytes * boundary / mb) for c in sp_colls),
+        sp_collective_linears=tuple(c.where for c in sp_colls),
         max_tp=rec.tp.max_degree() if rec.tp.divisors else 0,
         num_experts=rec.num_experts,
         param_tensors=rec.param_tensors, tp_param_tensors=rec.tp_param_tensors,
@@ -478,7 +492,8 @@ def _matmuls(rec: LayerRecord, nodes: tuple[NodeRecord, ...], seq_len: int | Non
         is_core = not weight and (n.name in core or fused)
         # expert GEMMs run whole on every tensor-parallel rank (see _SHARDED_ROLES)
         sharded = not expert and (n.tp_region or n.module in sharded_modules or is_core)
-        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert))
+        out.append(MatmulNode(n.fwd_flops / mb, n.bwd_flops / mb, sharded, is_core, weight, expert,
+                              fused and is_core, n.module))
     return tuple(out)
 
 

@@ -20,7 +20,7 @@ from typing import Callable, ClassVar
 from ..errors import ConfigError, ProfileError
 from ..records import Record
 
-__all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
+__all__ = ["DTYPES", "VARIANT_TABLES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "COLLECTIVE_OPS", "IntraNodeTopology", "NetworkTopology",
            "EfficiencyTable", "OpOverhead", "DeviceType", "CollectiveEfficiency", "CollectiveLatency", "MeshLink", "NodeSpec",
            "NetworkSpec", "Profile", "NodeGroup", "SiteLink", "CompositeProfile",
            "ELEMENTWISE_KINDS", "LAYOUT_KINDS", "RATE_KINDS", "ElementwiseRates",
@@ -28,6 +28,11 @@ __all__ = ["DTYPES", "DTYPE_FALLBACK", "ARCHITECTURES", "cuda_architecture", "CO
 
 #: Numeric formats a device may list a peak for.
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+
+#: Efficiency tables a device may hold beside its dtypes', against the peak of another:
+#: ``fp8_rowwise``, FP8 GEMMs with one scale a row (torchao's rowwise recipe), against the
+#: ``fp8`` peak (``autoplan profile`` measures it where the GPU has FP8 matmuls).
+VARIANT_TABLES: dict[str, str] = {"fp8_rowwise": "fp8"}
 
 #: What a matmul in one dtype runs as on a device that lacks it: TF32 mode on a
 #: device without TF32 units (V100, CPU) computes in FP32; a device without BF16
@@ -299,7 +304,7 @@ class OpOverhead(Record):
 
         The cost model adds them (in place of :attr:`CostOptions.zero_buffer_copies`'
         copies) to the collectives ZeRO-2 and ZeRO-3 layers run every micro-batch, where
-        the eight stored confirm passes of ``benchmarks/local_truth.py`` had priced
+        the eight confirm passes of the retired ``benchmarks/local_truth.py`` had priced
         ZeRO-3's and ZeRO-2's steps 11% and 5-6% fast against the same layout without
         ZeRO, and to the once-a-step collectives per wrapped unit (ZeRO-1's reduce-scatters,
         ZeRO-1/2's gathers) but on pipelines whose ranks share cores: a pipeline's step
@@ -668,9 +673,14 @@ class DeviceType(Record):
         _require(_finite_positive(self.memory_bw_bytes_per_s), "memory_bw_bytes_per_s",
                  f"expected a memory bandwidth > 0, got {self.memory_bw_bytes_per_s!r}")
         for key in self.matmul_efficiency:
-            _require(key in DTYPES or key == _DEFAULT_TABLE_KEY, f"matmul_efficiency.{key}",
-                     f"unknown key {key!r}; expected a dtype {list(DTYPES)} or "
-                     f"{_DEFAULT_TABLE_KEY!r}")
+            _require(key in DTYPES or key == _DEFAULT_TABLE_KEY or key in VARIANT_TABLES,
+                     f"matmul_efficiency.{key}",
+                     f"unknown key {key!r}; expected a dtype {list(DTYPES)}, "
+                     f"{_DEFAULT_TABLE_KEY!r} or one of {list(VARIANT_TABLES)}")
+            if key in VARIANT_TABLES:
+                _require(VARIANT_TABLES[key] in self.peak_flops_per_s, f"matmul_efficiency.{key}",
+                         f"a {key!r} table is against the {VARIANT_TABLES[key]!r} peak, which "
+                         "the device does not list")
         for dtype in self.peak_flops_per_s:
             _require(dtype in self.matmul_efficiency or _DEFAULT_TABLE_KEY in self.matmul_efficiency,
                      "matmul_efficiency",

@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from ..errors import ProfileError
-from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, CollectiveEfficiency,
+from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, VARIANT_TABLES,
+                              CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
                               IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
                               NodeSpec, OpOverhead, Profile, SiteLink, RATE_KINDS,
@@ -228,7 +229,7 @@ def _parse_device(sec: _Section) -> DeviceType:
     tables_sec = sec.mapping("matmul_efficiency", "efficiency tables per dtype or 'default'")
     assert tables_sec is not None
     tables = {}
-    for key in [*DTYPES, _DEFAULT_TABLE_KEY]:
+    for key in [*DTYPES, _DEFAULT_TABLE_KEY, *VARIANT_TABLES]:
         table_sec = tables_sec.mapping(key, "an efficiency table", required=False)
         if table_sec is not None:
             tables[key] = _parse_efficiency_table(table_sec)

@@ -103,6 +103,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..records import atomic_write_text
 from .collectives import CollectiveOp, ring_coefficients
 from .profile_records import ELEMENTWISE_KINDS, RATE_KINDS, cuda_architecture
+from .profile_fp8 import fp8_capable, fp8_tables, measure_fp8_gemms
 from .hosts import HostSpec
 from .profiles import (
     COLLECTIVE_OPS,
@@ -1652,6 +1653,12 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
         torch.set_float32_matmul_precision("highest")
     # grouped GEMMs, as MoE experts run them (autoplan.hardware.grouped_gemm)
     grouped = _measure_grouped_gemms(torch, dist, device, dtypes, plan, cuda, sync, timed, say)
+    # FP8 GEMMs (tensorwise and rowwise torch._scaled_mm) where the GPU has them
+    # (profile_fp8); their sizes are the 16-bit matmuls'
+    fp8_matmul = (measure_fp8_gemms(
+        torch, device, plan.matmul_sizes.get("bf16", ()), cold_bytes,
+        lambda call: _time_local(call, sync, plan.matmul_target_s, plan.repeats), say)
+        if cuda and fp8_capable(torch, device) else {})
 
     elems = plan.copy_bytes // 4
     src = torch.ones(elems, device=device)
@@ -1884,7 +1891,7 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
     mine = {"rank": rank, "matmul": matmul, "copy_s": copy_s, "info": info, "overhead": overhead,
             **({"reference": list(reference)} if reference is not None else {}),
             "cold_bytes": cold_bytes, "attention": attention, "elementwise": elementwise,
-            "grouped": grouped}
+            "grouped": grouped, "fp8_matmul": fp8_matmul}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -2107,6 +2114,11 @@ def _build_profile(name: str, raw: dict[str, Any], *, cuda: bool, nproc: int, th
                     + ("; the ranks share cores: each rank free-running, every rank busy, "
                        "the fastest of a few windows of the ranks' mean"
                        if raw.get("shares_cores") else "")))
+    fp8_peak, fp8, fp8_points = fp8_tables(ranks, how)
+    if fp8_peak is not None:          # FP8 GEMMs timed (CUDA, capability 8.9+)
+        peaks["fp8"] = fp8_peak
+        tables.update(fp8)
+        throughput.update(fp8_points)
     copy_bytes_per_s = min(2.0 * copy_bytes / r["copy_s"] for r in ranks)
     memory = min(int(r["info"]["memory_bytes"]) for r in ranks)
     if not cuda:

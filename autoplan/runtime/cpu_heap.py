@@ -8,7 +8,7 @@ whose free top grows past the trim threshold is shrunk.  The next step maps the 
 again and the kernel zeroes every page as it is first touched.  A pipeline stage, which
 holds several micro-batches' activations and frees them together, paid for that on every
 step: thousands of page faults per step per rank, 2-10% of the step on 4 ranks sharing 2
-cores (measured side by side, ``benchmarks/local_truth.py``'s layouts, 2026-11-24), and
+cores (measured side by side, the retired ``benchmarks/local_truth.py``'s layouts, 2026-11-24), and
 none of it in the compute the profiler times.
 
 :func:`keep_cpu_heap` raises both thresholds once per process (glibc's ``mallopt``), so

@@ -5,10 +5,20 @@ under a ``TorchDispatchMode`` that sees every operator this process dispatches, 
 collectives included (``c10d`` ops and the functional collectives DTensor issues), and
 records per collective kind, group and dtype the bytes moved and the calls, and per
 dtype the FLOPs of the matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, fused
-attention, ``_grouped_mm``), with the definitions of :mod:`autoplan.cost.ledger`, so
+attention, ``_grouped_mm``, ``_scaled_mm``), with the definitions of :mod:`autoplan.cost.ledger`, so
 the result compares with the estimate's ledger (:meth:`autoplan.cost.engine.CostEngine.ledger`)
 term by term.  Groups are named by the mesh dimension whose ranks they are
 (:func:`group_names`).
+
+FP8 (torchao's float8 linears, :mod:`.fp8`): a tensor of torchao's ``Float8TrainingTensor``
+counts as its FP8 data (dtype ``fp8``, one byte an element), in collectives (the FP8
+all-gathers of sequence parallelism) and in matmuls: the ``mm`` of two of them is one
+FP8 GEMM, counted at its FLOPs in ``fp8``, which is what the program computes on a GPU
+(``torch._scaled_mm`` on the FP8 data).  Emulated (``fp8_emulate``), torchao runs that
+GEMM as an fp32 ``mm`` of the dequantized values, inside the subclass where this mode
+does not see it: the FLOPs are the same, counted once, as FP8.  FSDP2's all-gather of
+a unit mixing FP8 weights with bf16 ones (norms, biases) moves one byte buffer
+(``uint8``), counted as such.
 
 Operators on DTensors are left to DTensor (the mode returns ``NotImplemented`` for
 them), which runs them as local operators and collectives the mode then sees; the
@@ -32,6 +42,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..cost.engine import CAUSAL_BLOCK_FRACTION
+
 __all__ = ["MeasuredStep", "record_step", "group_names", "group_ranks", "canonical_group",
            "StepRecorder", "LiveBytes"]
 
@@ -42,12 +54,26 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
                 torch.float8_e5m2: "fp8"}
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+               torch.float8_e5m2fnuz)
+
+
+def _payload(t: torch.Tensor) -> torch.Tensor:
+    """What a tensor holds: torchao's ``Float8TrainingTensor`` (whose dtype is the one it
+    stands for, bf16) holds its FP8 data; every other tensor itself."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype in _FP8_DTYPES else t
+
+
 def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(_payload(t).numel() * _payload(t).element_size() for t in tensors)
 
 
 def _dtype(tensors) -> str:
-    return _DTYPE_NAMES.get(tensors[0].dtype, str(tensors[0].dtype)) if tensors else "none"
+    if not tensors:
+        return "none"
+    dtype = _payload(tensors[0]).dtype
+    return _DTYPE_NAMES.get(dtype, str(dtype))
 
 
 def _c10d(kind: str, sent: Callable[[tuple], list], group_arg: int):
@@ -133,6 +159,9 @@ def _grouped_mm(a, b, *_, **__) -> int:
 _MATMULS: dict[str, Callable[..., int]] = {
     "aten::mm": _mm, "aten::addmm": _addmm, "aten::bmm": _bmm, "aten::baddbmm": _baddbmm,
     "aten::_grouped_mm": _grouped_mm,
+    # FP8 GEMMs called directly (torchao calls them inside its tensor subclass, where the
+    # mm the subclass receives is counted: see the module docstring)
+    "aten::_scaled_mm": _mm, "aten::_scaled_grouped_mm": _grouped_mm,
     "aten::_scaled_dot_product_flash_attention_for_cpu": _attention,
     "aten::_scaled_dot_product_flash_attention": _attention,
     "aten::_scaled_dot_product_efficient_attention": _attention,
@@ -142,6 +171,22 @@ _MATMULS: dict[str, Callable[..., int]] = {
     "aten::_scaled_dot_product_efficient_attention_backward": _attention_backward,
     "aten::_scaled_dot_product_cudnn_attention_backward": _attention_backward,
 }
+
+
+#: The fused attention kernels (forward and backward), called with ``is_causal`` or a mask
+_ATTENTION = frozenset(name for name, count in _MATMULS.items()
+                       if count in (_attention, _attention_backward))
+
+
+def _is_causal(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a fused attention call asks its kernel for the causal mask (``is_causal``,
+    by the operator's schema), which it computes by skipping the blocks above the
+    diagonal, rather than handing it a mask tensor, whose every block it computes."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return (bool(bound.get("is_causal", False)) and bound.get("attn_mask") is None
+            and bound.get("attn_bias") is None)
 
 
 # ---------------------------------------------------------------------- groups
@@ -376,6 +421,9 @@ class StepRecorder(TorchDispatchMode):
                 self._add(kind, self._group(group), tensors)
         elif name in _MATMULS:
             flops = _MATMULS[name](*args, **kwargs)
+            if name in _ATTENTION and _is_causal(func, args, kwargs):
+                # the kernel skips the score blocks above the diagonal
+                flops *= CAUSAL_BLOCK_FRACTION
             # the first matmul operand (after addmm's and baddbmm's bias)
             dtype = _dtype([args[1] if name in ("aten::addmm", "aten::baddbmm") else args[0]])
             self.step.flops[dtype] = self.step.flops.get(dtype, 0.0) + flops

@@ -6,7 +6,7 @@ model prices (``optimizer`` in ``profiles/cost/cost-model.yaml``).  torch's own 
 is not that: on CPU it runs a loop of about ten operators per tensor (lerp, mul,
 addcmul, sqrt, div, addcdiv...), each a pass over the tensor; on CUDA the same
 operators over lists of tensors (``foreach``).  Measured on this kind of 2-core VM,
-4 processes at once, the small GPT of ``benchmarks/local_truth.py`` (3.7 M parameters
+4 processes at once, the small GPT of ``benchmarks/pick_rank.py`` (3.7 M parameters
 in 53 tensors): 12.9 ms a step by default, 6.1 ms fused.
 
 A fused (or foreach) kernel takes lists of tensors of one kind: ``DTensor`` operators

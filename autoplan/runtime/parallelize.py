@@ -39,6 +39,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..graph import LayerKind, LinearRole, ModelGraph
 from ..hardware import Cluster
 from ..plan import Plan
+from ..precision import fp8_problem
 from ..strategy import Precision, Recompute, Strategy, uses_ddp
 from .ac import apply_ac
 from .agree import on_rank0
@@ -46,6 +47,8 @@ from .cp import NextTokenLoss, apply_cp, check_cp, shard_batch
 from .adapters import adapter_for, is_hf, model_output
 from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
+from .fp8 import LIBRARY as FP8_LIBRARY, apply_fp8, check_fp8_device, float8_tp_styles, \
+    has_fp8_all_gather, import_torchao, precompute_fsdp_scales
 from .idle import IdleProgram, split_idle
 from .precision import FP32_POLICY as _FP32_POLICY, mixed_precision_policy
 from .layout import check_plan, plan_of, uniform_degrees
@@ -172,6 +175,9 @@ class ParallelModel:
     #: The logits stay sharded over the vocabulary and the loss runs under torch's
     #: ``loss_parallel`` (the built-in loss under tensor parallelism)
     vocab_parallel: bool = False
+    #: FSDP2 all-gathers FP8 weights (ZeRO-3 under the tensorwise FP8 recipe): their
+    #: scales are computed after every optimizer step (:mod:`.fp8`)
+    fp8_scales: bool = False
 
     def finish(self) -> None:
         """Every process of the job back in one process group, when the plan left some
@@ -318,6 +324,8 @@ class ParallelModel:
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if self.fp8_scales:
+            precompute_fsdp_scales(self.parts)   # the next step's FP8 all-gathers'
         self.steps += 1
         # mean over the global batch: each replica's mean weighted by its sequences, from
         # the ranks that hold the loss (every tensor-parallel rank of a replica alike)
@@ -413,6 +421,8 @@ class ParallelModel:
         for part, opt in zip(self.parts, self.optimizers):
             set_state_dict(part, opt, model_state_dict=state["model"],
                            optim_state_dict=self._aliased(state["optim"]), options=opts)
+        if self.fp8_scales:
+            precompute_fsdp_scales(self.parts)   # the loaded weights' FP8 scales
 
     def save(self, path: str) -> None:
         from .checkpoint import save_checkpoint
@@ -434,7 +444,7 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
                 seq_len: int | None = None, example_inputs: Any = None,
                 loss_fn: Callable | None = None,
                 optimizer: OptimizerFactory | None = None,
-                graph: ModelGraph | None = None) -> ParallelModel:
+                graph: ModelGraph | None = None, fp8_emulate: bool = False) -> ParallelModel:
     """Lay ``model`` out over the current torch.distributed world and return the program.
 
     Parameters
@@ -467,6 +477,11 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     graph : ModelGraph, optional
         ``autoplan.trace(model, seq_len=...)``, when the caller has it (the
         planner does); otherwise every rank traces the model (~1-3 s).
+    fp8_emulate : bool
+        Under an FP8 precision, run torchao's FP8 numerics on a device without FP8
+        matmuls (CPU ranks, GPUs before Ada/Hopper): every FP8 GEMM multiplies the
+        dequantized values in fp32 (:mod:`autoplan.runtime.fp8`).  Without it such a
+        device is refused.
 
     Returns
     -------
@@ -517,7 +532,9 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     plan = resolve_plan(model, target, graph, world_size=dist.get_world_size(),
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
-    banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn)
+    device = next(model.parameters()).device
+    banks = _check_program(model, graph, plan, seq_len, token_model, loss_fn, device=device,
+                           fp8_emulate=fp8_emulate)
     # the built-in loss over logits sharded on the vocabulary (torch's loss_parallel): no
     # rank gathers the whole logits; a loss of the user's gets them whole
     vocab_parallel = (loss_fn is None and uniform_degrees(plan)[0] > 1
@@ -526,7 +543,6 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     loss_fn = loss_fn or (NextTokenLoss(seq_len, plan.cp) if plan.cp > 1 else _next_token_loss)
     optimizer = optimizer or default_optimizer
     # ---- no collective before this point (but for a Cluster's plan broadcast)
-    device = next(model.parameters()).device
     if device.type == "cpu":
         keep_cpu_heap()   # freed activations stay for the next step (cpu_heap.py)
     mesh = build_mesh(plan, device.type)
@@ -539,34 +555,49 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
         parts, ties = _build_stages(model, graph, plan, stage_ids, seq_len)
     for i, s in enumerate(stage_ids):
         parts[i] = _apply_parallelisms(parts[i], plan.stages[s].layers, model, graph, plan,
-                                       mesh, seq_len, banks, expert_mesh, vocab_parallel)
+                                       mesh, seq_len, banks, expert_mesh, vocab_parallel,
+                                       fp8_emulate)
+    fp8_scales = plan.precision.is_fp8 and has_fp8_all_gather(parts)
+    if fp8_scales:
+        precompute_fsdp_scales(parts)    # the first step's, as every later step's
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
-                       hf=is_hf(model), split=split, vocab_parallel=vocab_parallel)
+                       hf=is_hf(model), split=split, vocab_parallel=vocab_parallel,
+                       fp8_scales=fp8_scales)
     if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm
 
 
-def check_runnable_precision(precision: Precision | str) -> None:
-    """Raise :class:`ConfigError` for a recipe the runtime cannot run (fp16: no loss
-    scaling; fp8: no FP8 kernels), which the cost model still prices."""
+def check_runnable_precision(precision: Precision | str, device: torch.device | None = None,
+                             *, fp8_emulate: bool = False,
+                             emulate_hint: str = "pass parallelize(..., fp8_emulate=True)"
+                             ) -> None:
+    """Raise :class:`ConfigError` for a recipe the runtime cannot run, which the cost model
+    still prices: fp16 (no loss scaling); an FP8 recipe torchao does not have
+    (``fp8-blockwise``, Transformer Engine's), or, on ``device``, one without FP8 matmuls
+    unless ``fp8_emulate`` (:func:`autoplan.runtime.fp8.check_fp8_device`, which says how
+    to ask for emulation with ``emulate_hint``)."""
     precision = Precision(precision)
     if precision is Precision.FP16:
         raise ConfigError("precision='fp16' needs loss scaling, which the runtime does not do; "
                           "use 'bf16' or 'fp32'")
-    if precision is Precision.FP8:
-        raise ConfigError("precision='fp8' is priced by the cost model (FP8 GEMMs as "
-                          "Transformer Engine runs them) but the runtime has no FP8 kernels; "
-                          "run the plan with precision 'bf16'")
+    if precision.is_fp8 and device is None:        # where the plan will run is not known
+        problem = fp8_problem(precision, FP8_LIBRARY)
+        if problem:
+            raise ConfigError(problem)
+    elif precision.is_fp8:
+        check_fp8_device(precision, device, emulate=fp8_emulate, emulate_hint=emulate_hint)
+        import_torchao()     # here, before any collective: installed, or one line saying how
 
 
 def _check_program(model: nn.Module, graph: ModelGraph, plan: Plan, seq_len: int | None,
-                   token_model: bool, loss_fn: Callable | None) -> list[ExpertBank]:
+                   token_model: bool, loss_fn: Callable | None, *, device: torch.device,
+                   fp8_emulate: bool = False) -> list[ExpertBank]:
     """What the plan needs from this model beyond its layer names (no collective); returns
     the expert banks expert parallelism splits (none without it)."""
-    check_runnable_precision(plan.precision)
+    check_runnable_precision(plan.precision, device, fp8_emulate=fp8_emulate)
     if plan.cp > 1:
         if not token_model or loss_fn is not None:
             raise ConfigError(f"cp={plan.cp}: context parallelism trains token models with the "
@@ -636,20 +667,26 @@ def _apply_parallelisms(part: nn.Module, names: Sequence[str], model: nn.Module,
                         graph: ModelGraph, plan: Plan, mesh: DeviceMesh,
                         seq_len: int | None, banks: Sequence[ExpertBank] = (),
                         expert_mesh: tuple[DeviceMesh, DeviceMesh] | None = None,
-                        vocab_parallel: bool = False) -> nn.Module:
-    """Tensor/sequence parallelism, expert parallelism, then activation checkpointing,
-    then data parallelism on one part (the model or a stage) holding the layers ``names``."""
+                        vocab_parallel: bool = False, fp8_emulate: bool = False) -> nn.Module:
+    """FP8 linears, tensor/sequence parallelism, expert parallelism, then activation
+    checkpointing, then data parallelism on one part (the model or a stage) holding the
+    layers ``names``."""
     kinds = {l.name: l.kind for l in graph.layers}
     blocks = [x for x in names if kinds[x] is LayerKind.BLOCK]
     placement = {x: plan.placement(x) for x in names}
     tp, dp, sp = uniform_degrees(plan)
+    if plan.precision.is_fp8:
+        # torchao's Float8Linear first, as torchtitan converts before it parallelizes
+        apply_fp8(part, [(graph.layer(x), placement[x].zero) for x in names], plan.precision,
+                  shards=dp * plan.cp, emulate=fp8_emulate)
     if tp > 1:
         adapter = adapter_for(model)
         first_block = next((l.name for l in graph.layers if l.kind is LayerKind.BLOCK), None)
         apply_tp(part, [(graph.layer(x), x) for x in names], mesh["tp"],
                  sequence_parallel=sp, first_block=first_block,
                  region_kwargs=adapter.region_kwargs if adapter is not None else {},
-                 vocab_parallel_loss=vocab_parallel)
+                 vocab_parallel_loss=vocab_parallel,
+                 float8=float8_tp_styles(plan.precision) if plan.precision.is_fp8 else None)
     if plan.cp > 1:
         apply_cp(part, mesh["cp"], seq_len=seq_len)
     # (MoE layers are not tensor-parallel: an ep group holds ranks of one tp index)

@@ -18,6 +18,11 @@ capture found (:class:`~autoplan.graph.LinearRole`), not from module names:
   reduce-scatters (``output_layouts=Shard(1)``).  The first block of the
   model turns the replicated embedding output into sequence shards.
 
+FP8 linears (:mod:`.fp8`) under the tensorwise recipe take torchao's float8 styles
+(``float8``): a column or row linear that is a ``Float8Linear`` its float8 style, and
+a region entry whose column linears all are ``PrepareFloat8ModuleInput``, which casts
+the region's input to FP8 before its sequence all-gather (torchtitan's float8 TP plan).
+
 Expert roles (MoE) are not applied here: in a block with an expert bank the
 experts and the router stay whole on every rank of the tensor-parallel group
 (they see the same tokens: the attention output is all-reduced before them),
@@ -67,16 +72,20 @@ def _parent(path: str) -> str:
 
 def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             first_block: bool = False, region_kwargs: dict[str, str] | None = None,
-            vocab_parallel_loss: bool = False) -> dict[str, object]:
+            vocab_parallel_loss: bool = False, float8=None) -> dict[str, object]:
     """The ``parallelize_module`` plan of one layer, relative to ``module``.
 
     ``module`` is the block itself for a block layer, the model (or pipeline
     stage) root for the pre and post layers.  ``vocab_parallel_loss``: the head's
     logits stay sharded over the vocabulary (a DTensor ``Shard(-1)``) for a loss
     computed under torch's ``loss_parallel`` (no rank holds the whole logits);
-    otherwise they are all-gathered.
+    otherwise they are all-gathered.  ``float8``: torchao's float8 styles
+    (:class:`autoplan.runtime.fp8.Float8Styles`) for the FP8 linears, or None.
     """
     region_kwargs = region_kwargs or {}
+
+    def fp8(name: str) -> bool:
+        return float8 is not None and float8.converted(module.get_submodule(name))
     # MoE: the experts and the router stay whole on every tp rank (each runs the block's
     # tokens through them; expert parallelism splits the experts over dp x cp instead);
     # attention and shared experts split as in a dense block; replicated linears (a
@@ -91,9 +100,11 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             if role is LinearRole.COLUMN:
                 # without an enclosing module to gather once, each column linear gathers
                 gather_here = sp and _parent(name) == ""
-                plan[name] = ColwiseParallel(input_layouts=Shard(1)) if gather_here else ColwiseParallel()
+                style = float8.colwise if fp8(name) else ColwiseParallel
+                plan[name] = style(input_layouts=Shard(1)) if gather_here else style()
             elif role is LinearRole.ROW:
-                plan[name] = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+                style = float8.rowwise if fp8(name) else RowwiseParallel
+                plan[name] = style(output_layouts=Shard(1)) if sp else style()
         if sp:
             owners = [name for name, sub in module.named_modules() if name and _own_params(sub)]
             for name in layer.tp.sequence_parallel_modules(layer.kind, owners):
@@ -111,12 +122,16 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
             if not e:
                 continue
             kw = region_kwargs.get(e.rpartition(".")[2]) or region_kwargs.get(e)
+            # FP8 into the region when every column linear it feeds multiplies FP8
+            columns = [n for n, r in roles.items() if r is LinearRole.COLUMN
+                       and n.startswith(e + ".")]
+            prepare = (float8.prepare_input if columns and all(fp8(n) for n in columns)
+                       else PrepareModuleInput)
             if kw:
-                plan[e] = PrepareModuleInput(input_kwarg_layouts={kw: arriving},
-                                             desired_input_kwarg_layouts={kw: Replicate()})
+                plan[e] = prepare(input_kwarg_layouts={kw: arriving},
+                                  desired_input_kwarg_layouts={kw: Replicate()})
             else:
-                plan[e] = PrepareModuleInput(input_layouts=(arriving,),
-                                             desired_input_layouts=(Replicate(),))
+                plan[e] = prepare(input_layouts=(arriving,), desired_input_layouts=(Replicate(),))
         if sp and first_block:
             # the embedding output arrives replicated; from here on the residual
             # stream is sharded on the sequence dimension
@@ -148,10 +163,10 @@ def tp_plan(layer: LayerRecord, module: nn.Module, *, sequence_parallel: bool,
 def apply_tp(root: nn.Module, layers: Iterable[tuple[LayerRecord, str]], tp_mesh: DeviceMesh, *,
              sequence_parallel: bool, first_block: str | None = None,
              region_kwargs: dict[str, str] | None = None,
-             vocab_parallel_loss: bool = False) -> None:
+             vocab_parallel_loss: bool = False, float8=None) -> None:
     """Shard the linears of ``layers`` (``(record, module path)`` pairs present in ``root``)
-    over ``tp_mesh``; tied parameters are re-tied after sharding.  ``vocab_parallel_loss``:
-    see :func:`tp_plan`."""
+    over ``tp_mesh``; tied parameters are re-tied after sharding.  ``vocab_parallel_loss``,
+    ``float8``: see :func:`tp_plan`."""
     ties = _tied_groups(root)
     for layer, path in layers:
         if layer.kind is LayerKind.BLOCK:
@@ -159,11 +174,13 @@ def apply_tp(root: nn.Module, layers: Iterable[tuple[LayerRecord, str]], tp_mesh
                 continue
             module = root.get_submodule(path)
             plan = tp_plan(layer, module, sequence_parallel=sequence_parallel,
-                           first_block=path == first_block, region_kwargs=region_kwargs)
+                           first_block=path == first_block, region_kwargs=region_kwargs,
+                           float8=float8)
         else:
             module = root
             plan = tp_plan(layer, root, sequence_parallel=sequence_parallel,
-                           region_kwargs=region_kwargs, vocab_parallel_loss=vocab_parallel_loss)
+                           region_kwargs=region_kwargs, vocab_parallel_loss=vocab_parallel_loss,
+                           float8=float8)
         own = plan.pop("", None)
         if plan:
             parallelize_module(module, tp_mesh, plan)

@@ -191,7 +191,7 @@ class _Builder:
     def replica_speed(self, devices: tuple[int, ...]) -> float:
         hit = self._speed.get(devices)
         if hit is None:
-            dtype = self.engine.precision_costs(self.precision).dtype
+            dtype = self.engine.precision_costs(self.precision).peak_dtype
             hit = min(self.cluster.device_type_of(d).peak(dtype) for d in devices)
             self._speed[devices] = hit
         return hit

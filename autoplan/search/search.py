@@ -51,7 +51,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from ..cost import CostEngine, CostOptions
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
@@ -972,7 +972,7 @@ def _infeasible(engine: CostEngine, least: _Candidate | None, graph: ModelGraph,
 
 def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None = None,
          example_inputs: Any = None, memory_fraction: float = 0.9, time_limit_s: float = 60.0,
-         top_k: int = 1, precision: Precision | str = Precision.BF16,
+         top_k: int = 1, precision: Precision | str | Sequence[Precision | str] = Precision.BF16,
          options: CostOptions | None = None, space: SearchSpace | None = None,
          use_all_devices: bool = False,
          price_per_gpu_hour: float | Mapping[str, float] | None = None) -> Plan:
@@ -993,6 +993,10 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
         Wall-time bound of the search; the best plan so far is returned when it binds.
     top_k : int
         How many plans to rank; the runners-up are ``plan.runners_up``.
+    precision : Precision, str or list of them
+        The mixed-precision recipe (default bf16), or several to search, each with its
+        share of ``time_limit_s``, the fastest plan of any winning.  FP8 recipes are
+        searched only when given here.
     use_all_devices : bool
         Only layouts that use every device of the cluster.  By default the devices
         used are part of the search: a plan may leave some idle (whole nodes first,
@@ -1020,11 +1024,52 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     graph = model_or_graph if isinstance(model_or_graph, _MG) else \
         trace(model_or_graph, seq_len=seq_len, example_inputs=example_inputs)
     cluster = as_cluster(cluster)
-    result = search(graph, cluster, global_batch=global_batch, memory_fraction=memory_fraction,
-                    time_limit_s=time_limit_s, top_k=top_k, precision=precision, options=options,
-                    space=space, use_all_devices=use_all_devices,
-                    price_per_gpu_hour=price_per_gpu_hour)
-    return _attach(result, graph)
+    precisions = _precisions(precision)
+    results, infeasible = [], None
+    for p in precisions:
+        # each recipe its share of the time limit
+        try:
+            results.append(search(graph, cluster, global_batch=global_batch,
+                                  memory_fraction=memory_fraction,
+                                  time_limit_s=time_limit_s / len(precisions), top_k=top_k,
+                                  precision=p, options=options, space=space,
+                                  use_all_devices=use_all_devices,
+                                  price_per_gpu_hour=price_per_gpu_hour))
+        except InfeasiblePlan as exc:
+            infeasible = infeasible or exc
+    if not results:
+        assert infeasible is not None
+        raise infeasible
+    return _attach(_merged(results, top_k), graph)
+
+
+def _precisions(precision) -> tuple[Precision, ...]:
+    """One recipe, or several to search (a list or tuple), each once, in the order given."""
+    many = isinstance(precision, (list, tuple))
+    if many and not precision:
+        raise ConfigError("precision: give a recipe or a non-empty list of them")
+    out = []
+    for p in (precision if many else (precision,)):
+        try:
+            out.append(Precision(p))
+        except ValueError:
+            raise ConfigError(f"precision={p!r} is not one of "
+                              f"{[m.value for m in Precision]}") from None
+    return tuple(dict.fromkeys(out))
+
+
+def _merged(results: list[SearchResult], top_k: int) -> SearchResult:
+    """The searches of several recipes as one: their plans ranked together (fitting plans
+    first, then by step time; a tie keeps the recipe given first), the statistics summed."""
+    if len(results) == 1:
+        return results[0]
+    order = {id(p): (i, j) for i, r in enumerate(results) for j, p in enumerate(r.plans)}
+    plans = sorted((p for r in results for p in r.plans),
+                   key=lambda p: (not p.estimate.fits, p.estimate.step_time_s, order[id(p)]))
+    return SearchResult(plans[:top_k], sum(r.evaluated for r in results),
+                        sum(r.pruned for r in results), sum(r.refined for r in results),
+                        sum(r.seconds for r in results),
+                        any(r.time_limit_hit for r in results))
 
 
 def _attach(result: SearchResult, graph: ModelGraph) -> Plan:

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+import numpy as np
+
 from ..cost import estimate
 from ..cost.calibration import DEFAULT_CALIBRATION, Calibration, apply_calibration, resolve_calibration
 from ..cost.constants import CostOptions, cost_profiles_dir, read_yaml_record
@@ -55,10 +57,10 @@ from ..records import Record
 from ..strategy import Precision, Strategy
 from .plan import (ID_MESSAGE_BYTES, ROW_ID_BYTES, Pooling, Sharding, SparseEstimate,
                    SparseOptimizer, Storage, TableCost, TablePlacement)
-from .tables import EmbeddingTable, SparseGraph
+from .tables import EmbeddingTable, SparseGraph, TableColumns
 
 __all__ = ["SparseConstants", "load_sparse_constants", "SparseCostModel", "TableLoads",
-           "A2A_CALLS_PER_TABLE"]
+           "OptionLoads", "A2A_CALLS_PER_TABLE"]
 
 #: All-to-alls the runtime runs per GPU-sharded table and step (split counts, ids with their
 #: bags, pooled partial sums, their gradients): :mod:`.runtime`.
@@ -95,9 +97,14 @@ class SparseConstants(Record):
             raise ConfigError("row_bytes_penalty lists [min row bytes, factor] from the widest "
                               "rows down to 0")
 
-    def penalty(self, row_bytes: float) -> float:
-        """The time factor of gathering rows of ``row_bytes`` (narrow rows waste the kernel)."""
-        return next(f for r, f in self.row_bytes_penalty if row_bytes >= r)
+    def penalty(self, row_bytes):
+        """The time factor of gathering rows of ``row_bytes`` (narrow rows waste the kernel);
+        ``row_bytes`` may be an array."""
+        rb = np.asarray(row_bytes, dtype=np.float64)
+        out = np.full(rb.shape, self.row_bytes_penalty[-1][1])
+        for r, f in reversed(self.row_bytes_penalty):    # the widest bound met wins
+            out = np.where(rb >= r, f, out)
+        return out if out.ndim else float(out)
 
 
 def load_sparse_constants(path: str | os.PathLike[str] | None = None) -> SparseConstants:
@@ -126,6 +133,28 @@ class TableLoads:
 
     def server_s(self, s: int) -> float:
         return sum(self.server.get(s, ()))
+
+
+@dataclass
+class OptionLoads:
+    """What one placement costs each of several tables (:meth:`SparseCostModel.price`):
+    arrays with one row per table, seconds and bytes per step.
+
+    ``owner_s`` and ``server_s`` hold three terms per resource (lookups, updates,
+    communication) of the shards it owns; ``worker_s`` what every worker pays for the
+    table whoever owns it (its own ids, partial sums, pulls, latencies).
+    """
+
+    worker_s: np.ndarray       # (tables, workers)
+    owner_s: np.ndarray        # (tables, workers, 3)
+    server_s: np.ndarray       # (tables, servers, 3)
+    hbm_bytes: np.ndarray      # (tables, workers)
+    host_bytes: np.ndarray     # (tables, nodes)
+    server_bytes: np.ndarray   # (tables, servers)
+
+    def device_s(self) -> np.ndarray:
+        """Every worker's seconds for each table (tables x workers)."""
+        return self.worker_s + self.owner_s.sum(axis=2)
 
 
 @dataclass(frozen=True)
@@ -208,7 +237,14 @@ class SparseCostModel:
         self.devices = tuple(self._device(d) for d in self.workers)
         self.servers = tuple(self._server(s) for s in range(len(self.cluster.servers)))
         self._dense: dict[int, tuple[Strategy, Estimate]] = {}
-        self._shares: dict[tuple[str, str], dict[int, float]] = {}
+        # the devices' figures as columns, for pricing many tables at once
+        self._all = np.arange(w)
+        self._hbm_bw = np.array([d.hbm_bw for d in self.devices])
+        self._intra_share = np.array([d.intra_share for d in self.devices])
+        self._intra_bw = np.array([d.intra_bw for d in self.devices])
+        self._inter_bw = np.array([d.inter_bw for d in self.devices])
+        self._a2a_latency_s = np.array([d.a2a_latency_s for d in self.devices])
+        self._ps_bw = np.array([d.ps_bw for d in self.devices])
 
     # ------------------------------------------------------------------ resources
     def _device(self, d: int) -> _Device:
@@ -261,19 +297,21 @@ class SparseCostModel:
             self._dense[zero] = (strategy, est)
         return self._dense[zero]
 
-    # ------------------------------------------------------------------ one table
-    def _xfer(self, d: int, nbytes: float) -> float:
-        """Seconds device ``d`` takes to send (or receive) ``nbytes`` spread over its peers:
-        the same-node share over the node's fabric while the rest crosses its NIC."""
-        if len(self.workers) == 1 or nbytes <= 0:
-            return 0.0
-        dev = self.devices[d]
-        return max(nbytes * dev.intra_share / dev.intra_bw,
-                   nbytes * (1 - dev.intra_share) / dev.inter_bw)
+    # ------------------------------------------------------------------ pricing
+    def _xfer(self, d, nbytes):
+        """Seconds device(s) ``d`` take to send (or receive) ``nbytes`` spread over their
+        peers: the same-node share over the node's fabric while the rest crosses the NIC
+        (``d`` an index or an index array, broadcast against ``nbytes``)."""
+        share = self._intra_share[d]
+        if len(self.workers) == 1:
+            return np.zeros(np.broadcast(np.asarray(nbytes), share).shape)
+        return np.maximum(nbytes * share / self._intra_bw[d],
+                          nbytes * (1 - share) / self._inter_bw[d])
 
-    def _gather_bw(self, d: int, row_bytes: float) -> float:
-        dev = self.devices[d]
-        return dev.hbm_bw * self.constants.hbm_gather_efficiency / self.constants.penalty(row_bytes)
+    def _gather_bw(self, d, row_bytes):
+        """Bytes/s device(s) ``d`` gather rows of ``row_bytes`` at from device memory."""
+        return (self._hbm_bw[d] * self.constants.hbm_gather_efficiency
+                / self.constants.penalty(row_bytes))
 
     def _host_bw(self, d: int, table: str) -> float:
         bw = self.devices[d].host_link_bw
@@ -282,142 +320,162 @@ class SparseCostModel:
                               "(host.pcie_bw); keep the table in device memory or on servers")
         return bw * self.constants.host_link_efficiency
 
+    def _check(self, placement: TablePlacement) -> None:
+        if placement.storage is Storage.SERVER:
+            bad = [s for s in placement.devices if not 0 <= s < len(self.servers)]
+            if bad:
+                raise ConfigError(f"table {placement.table!r}: servers {bad} are not among the "
+                                  f"cluster's {len(self.servers)} servers (Cluster.with_servers "
+                                  "adds them)")
+            return
+        bad = [d for d in placement.devices if d not in self.workers]
+        if bad:
+            raise ConfigError(f"table {placement.table!r}: devices {bad} are not in the "
+                              f"cluster's {len(self.workers)} devices")
+
     def loads(self, table: EmbeddingTable, placement: TablePlacement) -> TableLoads:
         """What ``placement`` of ``table`` costs each device, node and server per step."""
         if placement.table != table.name:
             raise ConfigError(f"placement of {placement.table!r} given for table {table.name!r}")
-        if placement.sharding is not Sharding.DATA_PARALLEL and table.pooling is Pooling.MAX:
-            raise InputError(f"table {table.name!r} max-pools, which the sharded runtime does not "
-                             "split (partial maxima have no exact gradient split); keep it "
-                             "data-parallel")
+        _check_pooling(table, placement)
+        ld = self.price(TableColumns.of([table]), placement)
+        p = placement
+        out = TableLoads()
+        if p.storage is Storage.SERVER:
+            out.worker_s = {d: float(ld.worker_s[0, d]) for d in self.workers}
+            out.hbm = {d: float(ld.hbm_bytes[0, d]) for d in self.workers}
+            out.server = {s: ld.server_s[0, s].tolist() for s in p.devices}
+            out.server_mem = {s: float(ld.server_bytes[0, s]) for s in p.devices}
+            return out
+        if p.sharding is not Sharding.DATA_PARALLEL:
+            out.worker_s = {d: float(ld.worker_s[0, d]) for d in self.workers}
+        out.owner = {d: ld.owner_s[0, d].tolist() for d in p.devices}
+        out.hbm = {d: float(ld.hbm_bytes[0, d]) for d in p.devices}
+        if p.storage is not Storage.HBM:
+            out.host = {n: float(ld.host_bytes[0, n])
+                        for n in dict.fromkeys(self.devices[d].node for d in p.devices)}
+        return out
+
+    def price(self, tables: TableColumns, placement: TablePlacement) -> OptionLoads:
+        """What ``placement`` (its sharding, storage, devices or servers and cache; not its
+        table's name) costs each of ``tables`` on every resource per step: the cost model
+        of the module docstring, evaluated for many tables at once (the planner prices
+        every option of thousands of tables so)."""
+        self._check(placement)
+        g = len(tables.rows)
+        n_dev, n_srv = len(self.workers), len(self.servers)
+        out = OptionLoads(worker_s=np.zeros((g, n_dev)), owner_s=np.zeros((g, n_dev, 3)),
+                          server_s=np.zeros((g, n_srv, 3)), hbm_bytes=np.zeros((g, n_dev)),
+                          host_bytes=np.zeros((g, self.cluster.num_nodes)),
+                          server_bytes=np.zeros((g, n_srv)))
         if placement.storage is Storage.SERVER:
-            return self._server_loads(table, placement)
-        bad = [d for d in placement.devices if d not in self.workers]
-        if bad:
-            raise ConfigError(f"table {table.name!r}: devices {bad} are not in the cluster's "
-                              f"{len(self.workers)} devices")
-        if placement.sharding is Sharding.DATA_PARALLEL:
-            return self._dp_loads(table, placement)
-        return self._sharded_loads(table, placement)
+            self._price_server(tables, placement, out)
+        elif placement.sharding is Sharding.DATA_PARALLEL:
+            self._price_dp(tables, placement, out)
+        else:
+            self._price_sharded(tables, placement, out)
+        return out
 
-    def _worker_share(self, table: EmbeddingTable) -> dict[int, float]:
-        """What every worker pays for a GPU-sharded table: its own ids out, its bags'
-        partial sums in and their gradients out, summing the partials, and the table's
-        all-to-all latencies (the same for every placement: cached per table)."""
-        key = ("gpu", table.name)
-        if key not in self._shares:
-            w = len(self.workers)
-            bw = self.global_batch / w
-            e = table.bytes_per_element
-            share = {}
-            for d in self.workers:
-                ids = bw * table.ids_per_sample * ID_MESSAGE_BYTES * (w - 1) / w
-                pooled = bw * table.bags_per_sample * table.dim * e * (w - 1) / w
-                comm = self._xfer(d, ids) + 2 * self._xfer(d, pooled)
-                pool = 2 * bw * table.bags_per_sample * table.dim * e / self.devices[d].hbm_bw
-                share[d] = comm + pool + A2A_CALLS_PER_TABLE * self.devices[d].a2a_latency_s
-            self._shares[key] = share
-        return self._shares[key]
-
-    def _sharded_loads(self, table: EmbeddingTable, p: TablePlacement) -> TableLoads:
-        loads = TableLoads(worker_s=dict(self._worker_share(table)))
+    def _worker_share(self, t: TableColumns) -> np.ndarray:
+        """What every worker pays for a GPU-sharded table (tables x workers): its own ids
+        out, its bags' partial sums in and their gradients out, summing the partials, and
+        the table's all-to-all latencies."""
         w = len(self.workers)
-        b, e = self.global_batch, table.bytes_per_element
-        lookups = b * table.ids_per_sample
-        for shard in p.shards(table.rows, table.dim):
-            d, c = shard.owner, shard.cols
-            share = table.lookup_share(shard.row0, shard.row1)
-            n = lookups * share
-            u = table.distinct_rows(lookups, shard.row0, shard.row1)
-            row_bytes = c * e
+        bw = self.global_batch / w
+        pooled_bytes = (bw * t.bags_per_sample * t.dim * t.bytes_per_element)[:, None]
+        ids = (bw * t.ids_per_sample * ID_MESSAGE_BYTES * (w - 1) / w)[:, None]
+        comm = self._xfer(self._all, ids) + 2 * self._xfer(self._all, pooled_bytes * (w - 1) / w)
+        pool = 2 * pooled_bytes / self._hbm_bw
+        return comm + pool + A2A_CALLS_PER_TABLE * self._a2a_latency_s
+
+    def _price_sharded(self, t: TableColumns, p: TablePlacement, out: OptionLoads) -> None:
+        w = len(self.workers)
+        b, e = self.global_batch, t.bytes_per_element
+        out.worker_s[:] = self._worker_share(t)
+        lookups = b * t.ids_per_sample
+        for d, row0, row1, col0, col1 in p.blocks(t.rows, t.dim):
+            c = col1 - col0
+            n = lookups * t.lookup_share(row0, row1)
+            u = t.distinct_rows(lookups, row0, row1)
+            row_bytes = (c * e).astype(np.float64)
             state = self.optimizer.state_bytes(c)
+            shard_bytes = (row1 - row0) * (row_bytes + state)
             gather_bytes = n * row_bytes
-            partial_bytes = b * table.bags_per_sample * row_bytes
+            partial_bytes = b * t.bags_per_sample * row_bytes
             grad_bytes = n * row_bytes + u * row_bytes        # read per lookup, sum per row
             update_bytes = u * (2 * row_bytes + 2 * state)    # weight and state, read + write
             hbm = self._gather_bw(d, row_bytes)
-            dev = self.devices[d]
             if p.storage is Storage.HBM:
                 lookup_s = gather_bytes / hbm
                 update_s = grad_bytes / hbm + update_bytes / hbm
-                loads.hbm[d] = loads.hbm.get(d, 0.0) + shard.rows * (row_bytes + state)
+                out.hbm_bytes[:, d] += shard_bytes
             else:
                 # the distinct rows cross the host link (the cache's from device memory),
                 # then each lookup reads its row on the device
-                host = self._host_bw(d, table.name)
+                host = self._host_bw(d, p.table)
                 hot = 0.0
                 if p.storage is Storage.HOST_CACHED:
-                    cached = int(round(p.cache_fraction * shard.rows))
-                    hot = table.distinct_rows(lookups, shard.row0, shard.row0 + cached)
-                    loads.hbm[d] = loads.hbm.get(d, 0.0) + cached * row_bytes
+                    cached = np.rint(p.cache_fraction * (row1 - row0))
+                    hot = t.distinct_rows(lookups, row0, row0 + cached)
+                    out.hbm_bytes[:, d] += cached * row_bytes
                 lookup_s = (gather_bytes + hot * row_bytes) / hbm + (u - hot) * row_bytes / host
                 update_s = grad_bytes / hbm + update_bytes / host   # written through to host
-                loads.host[dev.node] = loads.host.get(dev.node, 0.0) + shard.rows * (row_bytes + state)
-            lookup_s += partial_bytes / dev.hbm_bw                  # the partial sums written
+                out.host_bytes[:, self.devices[d].node] += shard_bytes
+            lookup_s = lookup_s + partial_bytes / self._hbm_bw[d]     # the partial sums written
             comm_s = (self._xfer(d, n * ID_MESSAGE_BYTES * (w - 1) / w)
                       + 2 * self._xfer(d, partial_bytes * (w - 1) / w))
             # received ids and bags, kept for backward; the partial sums sent
-            loads.hbm[d] = loads.hbm.get(d, 0.0) + n * ID_MESSAGE_BYTES + partial_bytes
-            terms = loads.owner.setdefault(d, [0.0, 0.0, 0.0])
-            terms[0] += lookup_s
-            terms[1] += update_s
-            terms[2] += comm_s
-        return loads
+            out.hbm_bytes[:, d] += n * ID_MESSAGE_BYTES + partial_bytes
+            out.owner_s[:, d, 0] += lookup_s
+            out.owner_s[:, d, 1] += update_s
+            out.owner_s[:, d, 2] += comm_s
 
-    def _dp_loads(self, table: EmbeddingTable, p: TablePlacement) -> TableLoads:
-        loads = TableLoads()
+    def _price_dp(self, t: TableColumns, p: TablePlacement, out: OptionLoads) -> None:
         w = len(self.workers)
         bw = self.global_batch / w
-        e = table.bytes_per_element
-        row_bytes = table.dim * e
-        weight = table.rows * row_bytes
-        state = table.rows * self.optimizer.state_bytes(table.dim)
-        reduce_s = self.cluster.collective_time("all_reduce", self.workers, weight) if w > 1 else 0.0
-        for d in p.devices:
-            hbm = self._gather_bw(d, row_bytes)
-            lookup_s = bw * table.ids_per_sample * row_bytes / hbm
-            update_s = (bw * table.ids_per_sample * row_bytes / hbm          # gradient scatter
-                        + (2 * weight + 2 * state + weight) / self.devices[d].hbm_bw)
-            loads.owner[d] = [lookup_s, update_s, reduce_s]
-            loads.hbm[d] = 2 * weight + state          # weight, dense gradient, state
-        return loads
+        row_bytes = (t.dim * t.bytes_per_element).astype(np.float64)
+        weight = t.rows * row_bytes
+        state = t.rows * self.optimizer.state_bytes(t.dim)
+        if w > 1:
+            algorithms = self.cluster.collective_candidates("all_reduce", self.workers)
+            reduce_s = np.array([min(a.time(float(x)) for a in algorithms) for x in weight])
+        else:
+            reduce_s = np.zeros(len(weight))
+        d = np.array(p.devices)
+        hbm = self._gather_bw(d, row_bytes[:, None])
+        lookup_s = (bw * t.ids_per_sample * row_bytes)[:, None] / hbm
+        out.owner_s[:, d, 0] = lookup_s
+        out.owner_s[:, d, 1] = (lookup_s                                  # gradient scatter
+                                + (2 * weight + 2 * state + weight)[:, None] / self._hbm_bw[d])
+        out.owner_s[:, d, 2] = reduce_s[:, None]
+        out.hbm_bytes[:, d] = (2 * weight + state)[:, None]    # weight, dense gradient, state
 
-    def _server_loads(self, table: EmbeddingTable, p: TablePlacement) -> TableLoads:
-        loads = TableLoads()
-        n_servers = len(self.servers)
-        bad = [s for s in p.devices if not 0 <= s < n_servers]
-        if bad:
-            raise ConfigError(f"table {table.name!r}: servers {bad} are not among the cluster's "
-                              f"{n_servers} servers (Cluster.with_servers adds them)")
+    def _price_server(self, t: TableColumns, p: TablePlacement, out: OptionLoads) -> None:
         w = len(self.workers)
-        bw = self.global_batch / w
-        e = table.bytes_per_element
-        row_bytes = table.dim * e
-        state = self.optimizer.state_bytes(table.dim)
-        shards = p.shards(table.rows, table.dim)
-        u = table.distinct_rows(bw * table.ids_per_sample)
-        for d in self.workers:
-            dev = self.devices[d]
-            pull = max(u * ROW_ID_BYTES, u * row_bytes) / dev.ps_bw
-            push = u * (ROW_ID_BYTES + row_bytes) / dev.ps_bw
-            pool = 2 * bw * table.ids_per_sample * row_bytes / self._gather_bw(d, row_bytes)
-            latency = PS_MESSAGES_PER_SHARD * len(shards) * dev.a2a_latency_s
-            loads.worker_s[d] = pull + push + pool + latency
-            loads.hbm[d] = u * row_bytes * 2 + bw * table.ids_per_sample * 8  # rows, grads, ids
-        for shard in shards:
-            srv = self.servers[shard.owner]
-            per_worker = table.distinct_rows(bw * table.ids_per_sample, shard.row0, shard.row1)
-            pulled = w * per_worker
-            u = table.distinct_rows(self.global_batch * table.ids_per_sample,
-                                    shard.row0, shard.row1)
-            lookup_s = pulled * row_bytes / srv.dram_bw
-            update_s = (pulled * row_bytes + u * (2 * row_bytes + 2 * state)) / srv.dram_bw
-            comm_s = (pulled * row_bytes + pulled * (ROW_ID_BYTES + row_bytes)) / srv.nic_bw \
-                + 2 * w * srv.latency_s
-            loads.server[shard.owner] = [lookup_s, update_s, comm_s]
-            loads.server_mem[shard.owner] = (shard.rows * (row_bytes + state)
-                                             + pulled * (row_bytes + ROW_ID_BYTES))
-        return loads
+        b = self.global_batch
+        bw = b / w
+        row_bytes = (t.dim * t.bytes_per_element).astype(np.float64)
+        state = self.optimizer.state_bytes(t.dim)
+        blocks = p.blocks(t.rows, t.dim)
+        ids = bw * t.ids_per_sample
+        u = t.distinct_rows(ids, 0, t.rows)
+        pull = (np.maximum(u * ROW_ID_BYTES, u * row_bytes))[:, None] / self._ps_bw
+        push = (u * (ROW_ID_BYTES + row_bytes))[:, None] / self._ps_bw
+        pool = 2 * (ids * row_bytes)[:, None] / self._gather_bw(self._all, row_bytes[:, None])
+        latency = PS_MESSAGES_PER_SHARD * len(blocks) * self._a2a_latency_s
+        out.worker_s[:] = pull + push + pool + latency
+        out.hbm_bytes[:] = (u * row_bytes * 2 + ids * ROW_ID_BYTES)[:, None]  # rows, grads, ids
+        for s, row0, row1, _, _ in blocks:
+            srv = self.servers[s]
+            pulled = w * t.distinct_rows(ids, row0, row1)
+            touched = t.distinct_rows(b * t.ids_per_sample, row0, row1)
+            out.server_s[:, s, 0] = pulled * row_bytes / srv.dram_bw
+            out.server_s[:, s, 1] = (pulled * row_bytes
+                                     + touched * (2 * row_bytes + 2 * state)) / srv.dram_bw
+            out.server_s[:, s, 2] = ((pulled * row_bytes + pulled * (ROW_ID_BYTES + row_bytes))
+                                     / srv.nic_bw + 2 * w * srv.latency_s)
+            out.server_bytes[:, s] = ((row1 - row0) * (row_bytes + state)
+                                      + pulled * (row_bytes + ROW_ID_BYTES))
 
     # ------------------------------------------------------------------ a whole plan
     def estimate(self, placements: Iterable[TablePlacement], dense: Strategy) -> SparseEstimate:
@@ -435,53 +493,62 @@ class SparseCostModel:
         if dense.dp != len(self.workers) or dense.global_batch != self.global_batch:
             raise ConfigError(f"the dense layout must be data parallel over all "
                               f"{len(self.workers)} workers at global batch {self.global_batch}")
-        n_dev, n_srv = len(self.workers), len(self.servers)
-        worker = [0.0] * n_dev
-        terms = [[0.0, 0.0, 0.0, 0.0] for _ in range(n_dev)]     # lookup, update, comm, own share
-        server = [[0.0, 0.0, 0.0] for _ in range(n_srv)]
-        hbm = [dense_est.stages[0].peak_memory_bytes] * n_dev
-        host = [0.0] * self.cluster.num_nodes
-        smem = [0.0] * n_srv
-        costs = []
-        for t in self.graph.tables:
-            loads = self.loads(t, by_name[t.name])
-            for d in self.workers:
-                worker[d] += loads.device_s(d)
-                terms[d][3] += loads.worker_s.get(d, 0.0)
-                for i, v in enumerate(loads.owner.get(d, ())):
-                    terms[d][i] += v
-            for s, v in loads.server.items():
-                for i, x in enumerate(v):
-                    server[s][i] += x
-            for d, v in loads.hbm.items():
-                hbm[d] += v
-            for n, v in loads.host.items():
-                host[n] += v
-            for s, v in loads.server_mem.items():
-                smem[s] += v
-            owners = list(loads.owner.values()) + list(loads.server.values())
-            busiest = max(owners, key=sum, default=[0.0, 0.0, 0.0])
-            costs.append(TableCost(
-                table=t.name, lookup_s=busiest[0], update_s=busiest[1], comm_s=busiest[2],
-                worker_s=max(loads.worker_s.values(), default=0.0),
-                hbm_bytes=sum(loads.hbm.values()), host_bytes=sum(loads.host.values()),
-                server_bytes=sum(loads.server_mem.values())))
-        server_s = [sum(v) for v in server]
-        emb = max(worker, default=0.0)
-        srv = max(server_s, default=0.0)
+        n_dev, n_srv, n_tab = len(self.workers), len(self.servers), len(names)
+        # the tables of each placement (devices, sharding, storage) priced together
+        groups: dict[tuple, list[int]] = {}
+        for i, t in enumerate(self.graph.tables):
+            p = by_name[t.name]
+            _check_pooling(t, p)
+            groups.setdefault((p.sharding, p.storage, p.devices, p.cache_fraction), []).append(i)
+        worker = np.zeros((n_tab, n_dev))
+        owner = np.zeros((n_tab, n_dev, 3))
+        server = np.zeros((n_tab, n_srv, 3))
+        hbm, host = np.zeros((n_tab, n_dev)), np.zeros((n_tab, self.cluster.num_nodes))
+        smem = np.zeros((n_tab, n_srv))
+        busiest = np.zeros((n_tab, 3))
+        for idx in groups.values():
+            p = by_name[names[idx[0]]]
+            ld = self.price(TableColumns.of([self.graph.tables[i] for i in idx]), p)
+            worker[idx], owner[idx], server[idx] = ld.worker_s, ld.owner_s, ld.server_s
+            hbm[idx], host[idx], smem[idx] = ld.hbm_bytes, ld.host_bytes, ld.server_bytes
+            held = (ld.server_s if p.storage is Storage.SERVER else ld.owner_s)[:, list(p.devices)]
+            busiest[idx] = held[np.arange(len(idx)), held.sum(axis=2).argmax(axis=1)]
+        costs = tuple(TableCost(
+            table=names[i], lookup_s=float(busiest[i, 0]), update_s=float(busiest[i, 1]),
+            comm_s=float(busiest[i, 2]), worker_s=float(worker[i].max(initial=0.0)),
+            hbm_bytes=float(hbm[i].sum()), host_bytes=float(host[i].sum()),
+            server_bytes=float(smem[i].sum())) for i in range(n_tab))
+        terms = np.concatenate([owner.sum(axis=0), worker.sum(axis=0)[:, None]], axis=1)
+        device_s = terms.sum(axis=1)
+        server_terms = server.sum(axis=0)
+        server_s = server_terms.sum(axis=1)
+        hbm_used = hbm.sum(axis=0) + dense_est.stages[0].peak_memory_bytes
+        host_used, smem_used = host.sum(axis=0), smem.sum(axis=0)
+        emb = float(device_s.max(initial=0.0))
+        srv = float(server_s.max(initial=0.0))
         step = dense_est.step_time_s + emb + srv
         hbm_cap = [d.hbm_capacity for d in self.devices]
         host_cap = [self.host_capacity(n) for n in range(self.cluster.num_nodes)]
         srv_cap = [s.capacity for s in self.servers]
-        fits = (all(a <= b for a, b in zip(hbm, hbm_cap)) and all(a <= b for a, b in zip(host, host_cap))
-                and all(a <= b for a, b in zip(smem, srv_cap)))
+        fits = bool((hbm_used <= hbm_cap).all() and (host_used <= host_cap).all()
+                    and (smem_used <= srv_cap).all())
         return SparseEstimate(
             step_time_s=step, samples_per_s=self.global_batch / step,
-            dense_s=dense_est.step_time_s, worker_s=tuple(worker), server_s=tuple(server_s),
-            bound_by=_bound_by(dense_est.step_time_s, worker, terms, server),
-            hbm_bytes=tuple(hbm), host_bytes=tuple(host), server_bytes=tuple(smem),
-            hbm_capacity_bytes=tuple(hbm_cap), host_capacity_bytes=tuple(host_cap),
-            server_capacity_bytes=tuple(srv_cap), tables=tuple(costs), fits=fits)
+            dense_s=dense_est.step_time_s, worker_s=tuple(device_s.tolist()),
+            server_s=tuple(server_s.tolist()),
+            bound_by=_bound_by(dense_est.step_time_s, device_s.tolist(), terms.tolist(),
+                               server_terms.tolist()),
+            hbm_bytes=tuple(hbm_used.tolist()), host_bytes=tuple(host_used.tolist()),
+            server_bytes=tuple(smem_used.tolist()), hbm_capacity_bytes=tuple(hbm_cap),
+            host_capacity_bytes=tuple(host_cap), server_capacity_bytes=tuple(srv_cap),
+            tables=costs, fits=fits)
+
+
+def _check_pooling(table: EmbeddingTable, placement: TablePlacement) -> None:
+    if placement.sharding is not Sharding.DATA_PARALLEL and table.pooling is Pooling.MAX:
+        raise InputError(f"table {table.name!r} max-pools, which the sharded runtime does not "
+                         "split (partial maxima have no exact gradient split); keep it "
+                         "data-parallel")
 
 
 _TERMS = ("lookups", "updates", "all-to-all", "its own ids and pooling")

@@ -16,6 +16,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import ConfigError
 from ..records import TRANSIENT, Record
 from ..strategy import Strategy
@@ -162,21 +164,29 @@ class TablePlacement(Record):
         ConfigError
             A column-wise split that does not divide ``dim``, or more row blocks than rows.
         """
+        return tuple(Shard(d, int(r0), int(r1), int(c0), int(c1))
+                     for d, r0, r1, c0, c1 in self.blocks(rows, dim))
+
+    def blocks(self, rows, dim) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """:meth:`shards` of several tables at once: ``rows`` and ``dim`` are integer arrays
+        (one entry per table), each block ``(owner, row0, row1, col0, col1)`` of arrays."""
+        rows, dim = np.asarray(rows, dtype=np.int64), np.asarray(dim, dtype=np.int64)
+        zero = np.zeros_like(rows)
         k = len(self.devices)
         if self.sharding in (Sharding.TABLE_WISE, Sharding.DATA_PARALLEL):
-            return tuple(Shard(d, 0, rows, 0, dim) for d in self.devices)
+            return [(d, zero, rows, zero, dim) for d in self.devices]
         if self.sharding is Sharding.COLUMN_WISE:
-            if dim % k:
+            if np.any(dim % k):
                 raise ConfigError(f"table {self.table!r}: {k} column blocks do not divide its "
                                   f"dimension {dim}; use a number of devices that divides it")
             w = dim // k
-            return tuple(Shard(d, 0, rows, i * w, (i + 1) * w) for i, d in enumerate(self.devices))
+            return [(d, zero, rows, i * w, (i + 1) * w) for i, d in enumerate(self.devices)]
         block = -(-rows // k)
-        if block * (k - 1) >= rows:
+        if np.any(block * (k - 1) >= rows):
             raise ConfigError(f"table {self.table!r}: {k} row blocks for {rows} rows leave one "
                               "empty; use fewer devices")
-        return tuple(Shard(d, i * block, min(rows, (i + 1) * block), 0, dim)
-                     for i, d in enumerate(self.devices))
+        return [(d, i * block, np.minimum(rows, (i + 1) * block), zero, dim)
+                for i, d in enumerate(self.devices)]
 
     def describe(self) -> str:
         """``row_wise/hbm on 0-7``, ``table_wise/server on s1``, ``host_cached(25%)``."""
@@ -298,7 +308,9 @@ class SparsePlan(Record):
         The TorchRec-style greedy placement's step on the same cost model (``None`` when
         not compared).
     bound_step_time_s : float or None
-        The solver's proven lower bound on the step (of its integer model), when it ran.
+        A proven lower bound on the step of any placement: CP-SAT's (of its integer
+        model) where one model held every table, else the relaxation's
+        (:meth:`~.options.Problem.lower_bound`).
     solve_time_s : float
         Seconds the search took (not written to JSON: a plan is byte-identical however
         long it took).

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 import torch
 from torch import nn
@@ -31,8 +33,8 @@ from ..graph import ModelGraph
 from ..records import Record
 from .plan import Pooling
 
-__all__ = ["TableTraffic", "EmbeddingTable", "SparseGraph", "find_tables", "trace_sparse",
-           "TABLE_MODULES"]
+__all__ = ["TableTraffic", "EmbeddingTable", "TableColumns", "SparseGraph", "find_tables",
+           "trace_sparse", "TABLE_MODULES"]
 
 #: The modules recognised as embedding tables.
 TABLE_MODULES = (nn.Embedding, nn.EmbeddingBag)
@@ -126,9 +128,6 @@ class EmbeddingTable(Record):
     def ids_per_bag(self) -> float:
         return self.ids_per_sample / self.bags_per_sample
 
-    def _hot_rows(self) -> float:
-        return self.hot_rows_fraction * self.rows
-
     def lookup_share(self, row0: int, row1: int) -> float:
         """The share of lookups that fall in rows ``[row0, row1)``.
 
@@ -136,15 +135,7 @@ class EmbeddingTable(Record):
         >>> round(t.lookup_share(0, 10), 6), round(t.lookup_share(10, 100), 6)
         (0.9, 0.1)
         """
-        return self._cdf(row1) - self._cdf(row0)
-
-    def _cdf(self, x: float) -> float:
-        hot = self._hot_rows()
-        a = self.hot_lookups_fraction
-        if x <= hot:
-            return a * x / hot
-        cold = self.rows - hot
-        return a + (1 - a) * (x - hot) / cold if cold > 0 else 1.0
+        return float(TableColumns.of([self]).lookup_share(row0, row1)[0])
 
     def distinct_rows(self, lookups: float, row0: int = 0, row1: int | None = None) -> float:
         """Expected distinct rows of ``[row0, row1)`` that ``lookups`` lookups of the whole
@@ -156,17 +147,64 @@ class EmbeddingTable(Record):
         632
         """
         row1 = self.rows if row1 is None else row1
-        hot = self._hot_rows()
-        a = self.hot_lookups_fraction
-        total = 0.0
-        for lo, hi, share, span in ((0.0, hot, a, hot), (hot, float(self.rows), 1 - a,
-                                                         self.rows - hot)):
-            n = max(0.0, min(hi, row1) - max(lo, row0))
-            if n <= 0 or span <= 0 or share <= 0:
-                continue
-            draws = lookups * share * n / span
-            total += n * -math.expm1(draws * math.log1p(-1 / n)) if n > 1 else \
-                (1.0 if draws > 0 else 0.0)
+        return float(TableColumns.of([self]).distinct_rows(lookups, row0, row1)[0])
+
+
+@dataclass(frozen=True)
+class TableColumns:
+    """Several tables' figures as columns (numpy arrays, one entry per table), and their
+    access model evaluated for all of them at once (what the planner prices thousands of
+    tables with; :meth:`EmbeddingTable.lookup_share` and
+    :meth:`EmbeddingTable.distinct_rows` are its one-table case)."""
+
+    rows: np.ndarray                  # int64
+    dim: np.ndarray                   # int64
+    bytes_per_element: np.ndarray     # int64
+    ids_per_sample: np.ndarray
+    bags_per_sample: np.ndarray
+    hot_rows: np.ndarray              # hot_rows_fraction * rows
+    hot_lookups_fraction: np.ndarray
+
+    @classmethod
+    def of(cls, tables: "Sequence[EmbeddingTable]") -> "TableColumns":
+        def col(key, dtype=np.float64):
+            return np.array([getattr(t, key) for t in tables], dtype=dtype)
+
+        rows = col("rows", np.int64)
+        return cls(rows=rows, dim=col("dim", np.int64),
+                   bytes_per_element=col("bytes_per_element", np.int64),
+                   ids_per_sample=col("ids_per_sample"), bags_per_sample=col("bags_per_sample"),
+                   hot_rows=col("hot_rows_fraction") * rows,
+                   hot_lookups_fraction=col("hot_lookups_fraction"))
+
+    def _cdf(self, x: np.ndarray) -> np.ndarray:
+        hot, a = self.hot_rows, self.hot_lookups_fraction
+        cold = self.rows - hot
+        in_hot = a * x / np.where(hot > 0, hot, 1.0)
+        in_cold = a + (1 - a) * (x - hot) / np.where(cold > 0, cold, 1.0)
+        return np.where(x <= hot, in_hot, np.where(cold > 0, in_cold, 1.0))
+
+    def lookup_share(self, row0, row1) -> np.ndarray:
+        """Each table's share of lookups in rows ``[row0, row1)`` (scalars or arrays)."""
+        return self._cdf(np.asarray(row1, dtype=np.float64)) - self._cdf(
+            np.asarray(row0, dtype=np.float64))
+
+    def distinct_rows(self, lookups, row0, row1) -> np.ndarray:
+        """Each table's expected distinct rows of ``[row0, row1)`` that ``lookups`` lookups
+        of the whole table touch (see :meth:`EmbeddingTable.distinct_rows`)."""
+        row0 = np.asarray(row0, dtype=np.float64)
+        row1 = np.asarray(row1, dtype=np.float64)
+        lookups = np.asarray(lookups, dtype=np.float64)
+        hot, a, rows = self.hot_rows, self.hot_lookups_fraction, self.rows.astype(np.float64)
+        total = np.zeros(np.broadcast(row0, row1, lookups, rows).shape)
+        for lo, hi, share, span in ((0.0, hot, a, hot), (hot, rows, 1 - a, rows - hot)):
+            n = np.maximum(0.0, np.minimum(hi, row1) - np.maximum(lo, row0))
+            live = (n > 0) & (span > 0) & (share > 0)
+            draws = lookups * share * n / np.where(span > 0, span, 1.0)
+            wide = np.where(n > 1, n, 2.0)        # (1 - 1/n)^k for n > 1; one row otherwise
+            spread = wide * -np.expm1(draws * np.log1p(-1 / wide))
+            piece = np.where(n > 1, spread, np.where(draws > 0, 1.0, 0.0))
+            total = total + np.where(live, piece, 0.0)
         return total
 
 

@@ -13,8 +13,8 @@ fraction of HBM bandwidth embedding lookups and updates reach.  :func:`held_out`
 without each source and scores that source; ``python -m autoplan.sparse.validation --fit``
 writes the fit on every source to the constants and the held-out errors to
 ``validation/sparse_held_out.csv``.  Rows marked ``scored=no`` say why they could not be
-matched (a precision autoplan has no recipe for, a system without a profile, a time to
-train without the samples it took).
+matched (a system without a profile, a time to train without the samples it took).
+``tf32`` rows run FP32 with TF32 matmuls (``CostOptions(fp32_matmuls="tf32")``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+from ..cost.constants import CostOptions
 from ..errors import ConfigError
 from ..hardware.cluster import load_cluster
 from ..records import Record, atomic_write_text
@@ -132,8 +133,8 @@ def predict(run: PublishedRun, constants: SparseConstants | None = None) -> floa
         raise ConfigError(f"{run.run_id} is not scored: {run.note}")
     graph = _graph(run)
     cluster = load_cluster(run.profile, devices_per_node=run.gpus)
-    kw = dict(global_batch=run.global_batch, optimizer="sgd", precision=run.precision,
-              constants=constants)
+    kw = dict(global_batch=run.global_batch, optimizer="sgd", constants=constants,
+              **_precision(run.precision))
     if run.layout == "planner":
         return greedy_plan(graph, cluster, **kw).estimate.samples_per_s
     if run.layout == "nvidia":
@@ -141,6 +142,14 @@ def predict(run: PublishedRun, constants: SparseConstants | None = None) -> floa
         return estimate_sparse(graph, cluster, nvidia_layout(graph, run.gpus, capacity),
                                **kw).estimate.samples_per_s
     raise ConfigError(f"{run.run_id}: unknown layout {run.layout!r}")
+
+
+def _precision(precision: str) -> dict:
+    """The recipe of a row's ``precision``: ``tf32`` is FP32 with the matmuls on TF32
+    tensor cores (:attr:`~autoplan.cost.constants.CostOptions.fp32_matmuls`)."""
+    if precision == "tf32":
+        return dict(precision="fp32", options=CostOptions(fp32_matmuls="tf32"))
+    return dict(precision=precision)
 
 
 def _with(constants: SparseConstants, efficiency: float) -> SparseConstants:
@@ -194,16 +203,24 @@ def fit(runs: list[PublishedRun], constants: SparseConstants | None = None,
     return round(math.exp((lo + hi) / 2), 4)
 
 
-def held_out(runs: list[PublishedRun], constants: SparseConstants | None = None):
-    """Each source's rows predicted by a fit on the other sources (pandas DataFrame)."""
+def held_out(runs: list[PublishedRun], constants: SparseConstants | None = None,
+             by: str = "source"):
+    """Each group's rows predicted by a fit on the other groups (pandas DataFrame): the
+    groups are sources (``by="source"``) or hardware profiles (``by="profile"``: how the
+    model carries over to another GPU within what ``runs`` holds)."""
     import pandas as pd
 
+    if by not in ("source", "profile"):
+        raise ConfigError(f"held_out groups by 'source' or 'profile', got {by!r}")
     constants = constants or load_sparse_constants()
-    sources = sorted({r.source for r in runs if r.scored})
+    groups = sorted({getattr(r, by) for r in runs if r.scored})
+    if len(groups) < 2:
+        raise ConfigError(f"holding out by {by} needs scored runs of two {by}s at least, "
+                          f"got {groups}")
     frames = []
-    for s in sources:
-        eff = fit([r for r in runs if r.source != s], constants)
-        df = score([r for r in runs if r.source == s], _with(constants, eff))
+    for g in groups:
+        eff = fit([r for r in runs if getattr(r, by) != g], constants)
+        df = score([r for r in runs if getattr(r, by) == g], _with(constants, eff))
         df["fitted_efficiency"] = eff
         frames.append(df)
     return pd.concat(frames, ignore_index=True)
@@ -235,8 +252,29 @@ def main(argv: list[str] | None = None) -> int:
                                  description=main.__doc__)
     ap.add_argument("--fit", action="store_true", help="refit hbm_gather_efficiency and write "
                     "profiles/cost/sparse.yaml and validation/sparse_held_out.csv")
+    ap.add_argument("--held-out-by", choices=("source", "profile"), help="print each group's "
+                    "rows predicted by a fit on the others (with --source, of that source's rows)")
+    ap.add_argument("--source", help="only the rows of this source")
     args = ap.parse_args(argv)
+    if args.fit and (args.source or args.held_out_by):
+        ap.error("--fit fits on every source and writes the held-out file by source: "
+                 "drop --source and --held-out-by")
     runs = load_runs()
+    if args.source:
+        runs = [r for r in runs if r.source == args.source]
+        if not runs:
+            ap.error(f"no rows of source {args.source!r}; the sources are "
+                     f"{sorted({r.source for r in load_runs()})}")
+    if args.held_out_by:
+        try:
+            out = held_out(runs, by=args.held_out_by)
+        except ConfigError as exc:
+            ap.error(str(exc))
+        print(out.to_string(index=False))
+        for g, frame in out.groupby(out["run_id"].map({r.run_id: getattr(r, args.held_out_by)
+                                                        for r in runs})):
+            print(f"{g}: held out mean |error| {frame['error'].abs().mean():.1%}")
+        return 0
     if args.fit:
         from ..cost.constants import cost_profiles_dir
 
