@@ -24,32 +24,27 @@ as an uninterrupted one.
 
 Layout policy (elastic re-planning)
 -----------------------------------
-On the world size the plan was made for, the plan runs as it is.  On another,
-rank 0 calls :func:`autoplan.replan` (warm-started from the plan) for the
-devices of that world (:func:`cluster_for_world`: the first devices of the
-plan's cluster, or more nodes like its last one), first with equal replica
-batches, and broadcasts the plan.  When no such layout uses every device
-because the global batch splits evenly over none of their data-parallel
-degrees (losing one node of 128 leaves 1016 = 8 x 127 GPUs), it prices two
-ways on: equal batches on fewer whole nodes, and every device with the batch
-split unevenly over the replicas (:attr:`autoplan.Plan.pads_micro_batches` under
-ZeRO-2/3), and takes the faster.  With fewer nodes the plan uses the first ranks, and the
-others wait idle (their process group is re-formed among the active ranks on a
-store rank 0 hosts; all rejoin one group at the end, and a failure of an
-active rank ends the idle ones' wait with an error).  When nothing fits (the model does not fit
-the memory of the devices left, or no device count splits the batch evenly)
-every rank raises
-:class:`NoLayoutFits`, whose message gives the memory needed and available,
-before the model is laid out and without touching the checkpoint directory;
+On the world size the plan was made for (the devices it leaves idle counted), the
+plan runs as it is.  On another, rank 0 calls :func:`autoplan.replan` for the devices
+of that world (:func:`cluster_for_world`: the first devices of the plan's cluster, or
+more nodes like its last one) and broadcasts the plan: the search of
+:func:`autoplan.plan`, which may leave devices idle where that is faster (losing one
+node of 128 leaves 1016 = 8 x 127 GPUs, every layout of which runs 127 replicas; 126
+nodes run a pipeline), keeping among plans within 1% of the fastest the one that
+reshards least.  The processes of the plan's devices train; the others wait idle
+(:mod:`autoplan.runtime.idle`: the process group is re-formed among the active ranks on
+a store rank 0 hosts; all rejoin one group at the end, and a failure of an active rank
+ends the idle ones' wait with an error).  When nothing fits (the model does not fit the
+memory of the devices left, or no device count splits the batch) every rank raises
+:class:`NoLayoutFits`, whose message gives the memory needed and available, before the
+model is laid out and without touching the checkpoint directory;
 :func:`main_exit_code` turns that into exit code :data:`EXIT_NO_LAYOUT`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
-import math
 import os
 import sys
 import time
@@ -128,15 +123,13 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
                 allow_idle: bool = True) -> Plan:
     """The plan an elastic job runs on ``world_size`` processes (policy in the module docstring).
 
-    ``plan`` itself when it was made for ``world_size`` devices; otherwise
-    :func:`autoplan.replan` of it, warm-started, for :func:`cluster_for_world`
-    of ``cluster`` (the cluster ``plan`` was made for), with equal replica
-    batches.  When no such layout uses all ``world_size`` devices because the
-    global batch splits evenly over none of their data-parallel degrees
-    (1016 = 8 x 127 GPUs and a batch of 1536), the faster of: every device with
-    uneven replica batches, and (``allow_idle``) equal batches on fewer whole
-    nodes (of the plan's devices per node), a plan that uses fewer devices than
-    there are processes.
+    ``plan`` itself when it was made for ``world_size`` devices (those it leaves idle
+    counted); otherwise :func:`autoplan.replan` of it for :func:`cluster_for_world` of
+    ``cluster`` (the cluster ``plan`` was made for): the same search as
+    :func:`autoplan.plan`, which may leave devices idle (``allow_idle=False``: none)
+    where that is faster, e.g. 1016 = 8 x 127 GPUs and a batch of 1536, whose layouts
+    of every device all run 127 replicas; among plans within 1% of the fastest, the one
+    that reshards least.
 
     Raises
     ------
@@ -148,56 +141,28 @@ def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
         When the world differs from the plan's and there is no ``cluster`` to replan for.
     """
     from .runtime.layout import uniform_degrees
-    from .search import SearchSpace, replan
+    from .search import replan
 
-    if world_size == plan.num_devices:
+    if world_size in (plan.num_devices, plan.cluster.num_devices):
         uniform_degrees(plan)           # PlanMismatchError when the runtime cannot run it
         return plan
     if cluster is None:
         raise ConfigError(
-            f"the plan is for {plan.num_devices} processes but the job has {world_size}; "
-            "replanning needs the cluster the plan was made for (emit the script with "
-            "--cluster/--nodes, or pass cluster= to run_elastic)")
-    per_node = max(1, plan.num_devices // max(1, plan.cluster.num_nodes))
-    sizes = [world_size]
-    if allow_idle:
-        sizes += [k * per_node for k in range(world_size // per_node, 0, -1)
-                  if k * per_node < world_size]
-
-    def search(n: int, even: bool) -> Plan:
-        try:
-            return replan(plan, cluster_for_world(cluster, n), graph=graph,
-                          space=SearchSpace(even_batches=even), time_limit_s=time_limit_s)
-        except InfeasiblePlan as e:     # memory binds: fewer devices will not fit either
-            raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were "
-                               "left untouched; restart with more devices.",
-                               required_bytes=e.required_bytes,
-                               available_bytes=e.available_bytes, binding=e.binding) from None
-
-    # equal replica batches on as many whole nodes as split the batch evenly ...
-    first: ConfigError | None = None
-    even: Plan | None = None
-    for n in sizes:
-        try:
-            even = search(n, even=True)
-            break
-        except ConfigError as e:        # the batch does not split evenly: try fewer nodes
-            first = first or e
-    if even is not None and even.num_devices == world_size:
-        return even
-    # ... or every process, the batch split unevenly: the faster of the two
+            f"the plan is for {plan.cluster.num_devices} processes but the job has "
+            f"{world_size}; replanning needs the cluster the plan was made for (emit the "
+            "script with --cluster/--nodes, or pass cluster= to run_elastic)")
     try:
-        uneven: Plan | None = search(world_size, even=False)
-    except ConfigError as e:
-        uneven, first = None, first or e
-    options = [p for p in (even, uneven) if p is not None and (allow_idle or p is uneven)]
-    if options:
-        return min(options, key=lambda p: (p.estimate.step_time_s if p.estimate else math.inf,
-                                           -p.num_devices))
-    tried = f" (nor on {sizes[1]}..{sizes[-1]} of them)" if len(sizes) > 1 else ""
-    raise NoLayoutFits(f"no layout fits {world_size} processes{tried}: {first}. Checkpoints were "
-                       "left untouched; restart with another number of processes or change "
-                       "the global batch.")
+        return replan(plan, cluster_for_world(cluster, world_size), graph=graph,
+                      time_limit_s=time_limit_s, use_all_devices=not allow_idle)
+    except InfeasiblePlan as e:     # memory binds: fewer devices will not fit either
+        raise NoLayoutFits(f"no layout fits {world_size} processes: {e} Checkpoints were "
+                           "left untouched; restart with more devices.",
+                           required_bytes=e.required_bytes,
+                           available_bytes=e.available_bytes, binding=e.binding) from None
+    except ConfigError as e:        # the batch splits over no layout of these devices
+        raise NoLayoutFits(f"no layout fits {world_size} processes: {e}. Checkpoints were "
+                           "left untouched; restart with another number of processes or "
+                           "change the global batch.") from None
 
 
 def batch_for_step(seed: int, step: int, *, global_batch: int, seq_len: int,
@@ -347,42 +312,36 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
     chosen = Plan.from_json(_agree(lambda: choose_plan(
         plan, world, graph=graph, cluster=cluster, time_limit_s=time_limit_s).to_json(),
         f"planning for {world} processes"))
-    replanned = world != plan.num_devices
+    replanned = chosen != plan
     if rank == 0 and replanned:
         print(f"elastic: the plan is for {plan.num_devices} processes, the job has {world}: "
               f"replanned\n  {chosen.summary()}\n  "
               + plan_diff(plan, chosen).replace("\n", "\n  "), flush=True)
     timeout = timeout or datetime.timedelta(minutes=10)
-    side = None
-    if chosen.num_devices < world:      # the last processes wait while the others train
-        side = _SideStore.open(timeout)
-        backend = dist.get_backend()
-        dist.destroy_process_group()
-        if rank >= chosen.num_devices:
-            if rank == chosen.num_devices:
-                print(f"elastic: {world - chosen.num_devices} of {world} processes stay idle "
-                      f"(ranks {chosen.num_devices}..{world - 1}): equal batches on fewer nodes "
-                      f"price faster than any layout of all {world}", flush=True)
-            side.wait_done()
-            side.rejoin(backend, rank, world, timeout)
+    split = None
+    if chosen.num_devices < world:      # the plan's processes train, the others wait
+        from .runtime.idle import IdleSplit
+
+        split = IdleSplit.open(chosen, timeout)
+        if not split.active:
+            if rank == min(set(range(world)) - set(chosen.mesh.devices)):
+                print(f"elastic: {len(chosen.idle_devices)} of {world} processes stay idle: "
+                      f"{chosen.idle_reason or 'the plan uses the others'}", flush=True)
+            split.rejoin()
             return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
                                  resumed_from=0, losses={}, checkpoints=[], active=False)
-        dist.init_process_group(backend, store=dist.PrefixStore("autoplan/active/", side.store),
-                                rank=rank, world_size=chosen.num_devices, timeout=timeout)
     try:
         resumed_from, losses, written = _train(
-            model_factory, model, chosen, graph, steps=steps, checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every, seed=seed, keep=keep, data=data,
-            vocab_size=vocab_size, optimizer=optimizer, on_step=on_step, log_every=log_every,
-            fp8_emulate=fp8_emulate)
+            model_factory, model, split.plan if split is not None else chosen, graph,
+            steps=steps, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            seed=seed, keep=keep, data=data, vocab_size=vocab_size, optimizer=optimizer,
+            on_step=on_step, log_every=log_every, fp8_emulate=fp8_emulate)
     except BaseException as e:
-        if side is not None:
-            side.fail(f"rank {rank}: {type(e).__name__}: {e}")
+        if split is not None:
+            split.fail(f"rank {rank}: {type(e).__name__}: {e}")
         raise
-    if side is not None:
-        side.finish(rank)
-        dist.destroy_process_group()
-        side.rejoin(backend, rank, world, timeout)
+    if split is not None:
+        split.rejoin()
     return ElasticResult(world_size=world, plan=chosen, replanned=replanned,
                          resumed_from=resumed_from, losses=losses, checkpoints=written)
 
@@ -455,65 +414,6 @@ def _step_rate(seconds: float, tokens: int, predicted: float | None) -> str:
     if predicted:
         text += f" (predicted {predicted:.4g} s: measured {seconds / predicted:.2f}x)"
     return text
-
-
-class _SideStore:
-    """A TCPStore hosted by rank 0 for a job that leaves processes idle: the active ones
-    form their process group on it, the idle ones wait on it for the end (or a failure),
-    and then all form the world's group again."""
-
-    DONE = "autoplan/done"
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    @classmethod
-    def open(cls, timeout: datetime.timedelta) -> "_SideStore":
-        import socket
-
-        import torch.distributed as dist
-
-        from .runtime.agree import on_rank0
-
-        server = []
-
-        def host() -> tuple[str, int]:
-            # where the other processes reach rank 0 (torchrun's MASTER_ADDR)
-            name = os.environ.get("MASTER_ADDR") or socket.getfqdn()
-            server.append(dist.TCPStore(name, 0, None, is_master=True, timeout=timeout,
-                                        wait_for_workers=False))
-            return name, server[0].port
-
-        name, port = on_rank0(host)
-        if server:
-            return cls(server[0])
-        return cls(dist.TCPStore(name, port, None, is_master=False, timeout=timeout))
-
-    def wait_done(self) -> None:
-        """Block until the active processes finish; raise if one of them failed."""
-        self.store.wait([self.DONE], _IDLE_WAIT)
-        status = self.store.get(self.DONE).decode()
-        if status != "ok":
-            raise RuntimeError(f"an active process of this elastic job failed ({status})")
-
-    def fail(self, why: str) -> None:
-        with contextlib.suppress(Exception):
-            self.store.set(self.DONE, why)
-
-    def finish(self, rank: int) -> None:
-        if rank == 0:
-            self.store.set(self.DONE, "ok")
-
-    def rejoin(self, backend: str, rank: int, world: int, timeout: datetime.timedelta) -> None:
-        """Every process of the job in one default process group again."""
-        import torch.distributed as dist
-
-        dist.init_process_group(backend, store=dist.PrefixStore("autoplan/world/", self.store),
-                                rank=rank, world_size=world, timeout=timeout)
-
-
-#: How long an idle process waits for the active ones (a failure ends the wait sooner).
-_IDLE_WAIT = datetime.timedelta(days=365)
 
 
 class CannotRunHere(ConfigError):

@@ -54,13 +54,15 @@ True
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost.result import Estimate
 from .errors import PlanMismatchError, StrategyError
 from .graph import LayerKind, ModelGraph
-from .records import TRANSIENT, Record
+from .records import TRANSIENT, Record, to_dict
 from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, ep_problem,
                        schedule_problem, stage_ranks)
 
@@ -276,6 +278,9 @@ class Plan(Record):
     estimate: Estimate | None = None
     #: The model's name for people (the graph's ``title``); ``model`` is its class.
     title: str = ""
+    #: Why the plan leaves some of the cluster's devices idle (:attr:`idle_devices`), in
+    #: words; empty when it uses them all.  Written to JSON only when it is not empty.
+    idle_reason: str = ""
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -302,13 +307,17 @@ class Plan(Record):
         if sum(self.replica_batch) != self.global_batch:
             raise StrategyError(f"replica_batch {list(self.replica_batch)} sums to "
                                 f"{sum(self.replica_batch)}, not global_batch={self.global_batch}")
+        if self.micro_batch < 1:
+            raise StrategyError(f"micro_batch={self.micro_batch} must be >= 1")
         for r, b in enumerate(self.replica_batch):
-            if b % self.micro_batch or b < self.micro_batch:
-                raise StrategyError(f"replica {r} gets {b} sequences per step, not a positive "
-                                    f"multiple of micro_batch={self.micro_batch}")
-        if self.num_micro_batches != max(self.replica_batch) // self.micro_batch:
+            if b < 1 or (b % self.micro_batch and pp > 1):
+                raise StrategyError(
+                    f"replica {r} gets {b} sequences per step, not a positive multiple of "
+                    f"micro_batch={self.micro_batch}" + (" (pipelines run whole micro-batches)"
+                                                         if b >= 1 else ""))
+        if self.num_micro_batches != max(self.micro_batches_of(r) for r in range(dp)):
             raise StrategyError(f"num_micro_batches={self.num_micro_batches} but the largest "
-                                f"replica runs {max(self.replica_batch) // self.micro_batch}")
+                                f"replica runs {max(self.micro_batches_of(r) for r in range(dp))}")
         rank_devices: dict[int, tuple[int, ...]] = {}
         ranks = stage_ranks(self.schedule, pp, len(self.stages))
         for k, st in enumerate(self.stages):
@@ -369,8 +378,16 @@ class Plan(Record):
         return len(self.mesh.devices)
 
     def micro_batches_of(self, replica: int) -> int:
-        """Micro-batches replica ``replica`` runs per step."""
-        return self.replica_batch[replica] // self.micro_batch
+        """Micro-batches replica ``replica`` runs per step: its sequences over
+        ``micro_batch``, a shorter last one counted (without pipelining a replica's batch
+        need not be a multiple of the micro-batch)."""
+        return -(-self.replica_batch[replica] // self.micro_batch)
+
+    @property
+    def idle_devices(self) -> tuple[int, ...]:
+        """The cluster's devices the plan leaves idle (:attr:`idle_reason` says why)."""
+        used = set(self.mesh.devices)
+        return tuple(d for d in range(self.cluster.num_devices) if d not in used)
 
     @property
     def pads_micro_batches(self) -> bool:
@@ -420,6 +437,17 @@ class Plan(Record):
     def with_estimate(self, estimate: Estimate | None) -> "Plan":
         return replace(self, estimate=estimate)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
+        (so a plan that uses every device writes what it always wrote)."""
+        out = to_dict(self)
+        if not self.idle_reason:
+            del out["idle_reason"]
+        return out
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False) + ("\n" if indent else "")
+
     # ------------------------------------------------------------------ building
     @classmethod
     def from_strategy(cls, graph: "ModelGraph | GraphSummary", cluster: "Cluster | int",
@@ -447,6 +475,7 @@ class Plan(Record):
         devices = tuple(range(num_devices)) if devices is None else tuple(devices)
         pp, dp, cp, tp, v = (strategy.pp, strategy.dp, strategy.cp, strategy.tp,
                              strategy.chunks_per_rank)
+        _check_blocks(graph, tp=tp, cp=cp, stages=pp * v)
         _check_tp(graph, tp)
         _check_ep(graph, strategy.ep, dp, cp)
         chunks = split_layers(graph, pp * v, blocks_per_stage)
@@ -540,7 +569,7 @@ class Plan(Record):
         zeros = sorted({lp.zero for lp in self.layers})
         if zeros != [0]:
             parts.append(("z" if compact else "zero") + "/".join(map(str, zeros)))
-        rcs = sorted({lp.recompute.value for lp in self.layers} - {"none"})
+        rcs = self._recompute_options()
         if rcs:
             parts.append("rc-" + "/".join(rcs))
         if any(lp.sequence_parallel for lp in self.layers):
@@ -549,6 +578,21 @@ class Plan(Record):
             parts.append(self.schedule.value + (f"x{self.virtual_stages}"
                                                 if self.virtual_stages > 1 else ""))
         return " ".join(parts)
+
+    def _recompute_options(self) -> list[str]:
+        """The recompute options the label lists: every one some layer uses but ``none``,
+        and ``none`` too where a repeated block (``<stack>.<index>``) is left without
+        recompute while another block of its stack is recomputed (a mixed plan; the
+        layers before and after the blocks are never recomputed in any plan)."""
+        used = sorted({lp.recompute.value for lp in self.layers} - {"none"})
+        if not used:
+            return []
+        recomputed, kept = set(), set()
+        for lp in self.layers:
+            match = _BLOCK_NAME.match(lp.name)
+            if match:
+                (kept if lp.recompute is Recompute.NONE else recomputed).add(match.group(1))
+        return sorted(used + ["none"]) if recomputed & kept else used
 
     def summary(self) -> str:
         """One line: degrees, batch, schedule, and the estimate when there is one."""
@@ -571,6 +615,8 @@ class Plan(Record):
                          + (f" ep{self.ep}" if self.ep > 1 else ""))
         if len(set(self.replica_batch)) > 1:
             lines.append(f"  replica batch: {list(self.replica_batch)}")
+        if self.idle_reason:
+            lines.append(f"  idle: {self.idle_reason}")
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -584,6 +630,22 @@ class Plan(Record):
 def _type_name(cluster: "Cluster", devices: tuple[int, ...]) -> str:
     names = list(dict.fromkeys(cluster.device_type_of(d).name for d in devices))
     return "+".join(names)
+
+
+def _check_blocks(graph, *, tp: int, cp: int, stages: int) -> None:
+    """Raise unless ``graph`` has the repeated blocks that tensor, context and pipeline
+    parallelism split: without them (a model captured as one layer) nothing would be
+    split, and a price would count the work whole on every device."""
+    if any(l.kind is LayerKind.BLOCK for l in graph.layers):
+        return
+    asked = [f"{name}={n}" for name, n in (("tp", tp), ("cp", cp), ("pp x virtual stages", stages))
+             if n > 1]
+    if asked:
+        raise StrategyError(
+            f"{', '.join(asked)}: the model {graph.model!r} has no repeated blocks (capture "
+            f"found no stack of identical layers, so its {len(graph.layers)} layer(s) run as "
+            "one), and tensor, context and pipeline parallelism split blocks; use tp=1, "
+            "cp=1, pp=1, or keep the model's blocks in an nn.ModuleList")
 
 
 def _check_tp(graph, tp: int) -> None:
@@ -621,6 +683,9 @@ def _check_ep(graph, ep: int, dp: int, cp: int) -> None:
         if problem:
             raise StrategyError(problem)
 
+
+#: A repeated block's layer name: its stack (a ModuleList's path) and its index in it.
+_BLOCK_NAME = re.compile(r"^(.*)\.(\d+)$")
 
 #: The device type of a plan made for a number of processes rather than a cluster.
 _PROCESS = "process"

@@ -76,8 +76,10 @@ def _cluster(nodes: int) -> Cluster:
 
 @functools.lru_cache(maxsize=None)
 def _plan(nodes: int, args: tuple | None = None, global_batch: int = GLOBAL_BATCH) -> Plan:
+    """A plan of every process (the tiny model would run fastest on one: these tests are
+    about worlds of several)."""
     return autoplan.plan(_graph(args), _cluster(nodes), global_batch=global_batch,
-                         precision="fp32")
+                         precision="fp32", use_all_devices=True)
 
 
 def _train(rank: int, world: int, root: str, steps: int, every: int, keep: int,
@@ -210,22 +212,27 @@ def test_cluster_for_world_keeps_the_first_devices_and_grows_like_the_last_node(
 
 def test_choose_plan_replans_within_what_the_runtime_runs():
     from autoplan.runtime import check_plan
+    from autoplan.runtime.idle import compact
 
     plan, graph, cluster = _plan(4), _graph(), _cluster(4)
     assert choose_plan(plan, 4, graph=graph, cluster=cluster) is plan
     for world in (3, 2, 6):
         new = choose_plan(plan, world, graph=graph, cluster=cluster)
-        assert new.num_devices == world and new.global_batch == GLOBAL_BATCH
-        check_plan(new, world, graph)              # the runtime accepts it
+        # a plan for the world's processes, some of which it may leave idle
+        assert new.cluster.num_devices == world and new.global_batch == GLOBAL_BATCH
+        assert set(new.mesh.devices) | set(new.idle_devices) == set(range(world))
+        check_plan(compact(new), new.num_devices, graph)   # the runtime accepts it
         assert choose_plan(plan, world, graph=graph, cluster=cluster).to_json() == new.to_json()
-    # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes: the
-    # cost model prefers 4 nodes with equal batches (one idle) to all 5 with uneven ones;
-    # without idle nodes, the batch is split unevenly over all 5
+        # a plan made for this world (idle processes counted) runs as it is
+        assert choose_plan(new, world, graph=graph, cluster=cluster) is new
+    # 12 sequences split evenly over no data-parallel degree of 5 single-device nodes:
+    # without idle nodes, the batch is split unevenly over all 5; with them, the fastest
     idle = choose_plan(plan, 5, graph=graph, cluster=cluster)
     all5 = choose_plan(plan, 5, graph=graph, cluster=cluster, allow_idle=False)
-    assert idle.num_devices == 4 and all5.num_devices == 5
+    assert all5.num_devices == 5 and not all5.idle_devices
     assert len(set(all5.replica_batch)) > 1 and sum(all5.replica_batch) == GLOBAL_BATCH
     assert idle.estimate.step_time_s <= all5.estimate.step_time_s
+    assert idle.num_devices == 5 or idle.idle_reason
     check_plan(all5, 5, graph)
     # 2 sequences, 2 blocks and 2 heads on 3 processes: no layout at all (dp=3 needs 3
     # sequences, pp=3 three blocks, tp=3 three heads), and idle nodes not allowed
@@ -238,9 +245,9 @@ def test_choose_plan_replans_within_what_the_runtime_runs():
 
 
 def _train_idle(rank: int, world: int, root: str, plan_json: str, cluster_json: str,
-                fail_at: int | None = None) -> dict:
+                fail_at: int | None = None, fail_rank: int = 1) -> dict:
     def on_step(step: int, loss: float) -> None:
-        if step == fail_at and rank == 1:
+        if step == fail_at and rank == fail_rank:
             raise RuntimeError("injected failure")
 
     res = run_elastic(functools.partial(_gpt, tuple(IDLE_ARGS.items())),
@@ -259,19 +266,24 @@ def test_processes_no_layout_uses_wait_idle_and_rejoin(tmp_path):
 
     args = tuple(IDLE_ARGS.items())
     plan, cluster = _plan(4, args, IDLE_BATCH), _cluster(4)
+    chosen = choose_plan(plan, 3, graph=_graph(args), cluster=cluster)
+    active = [r in chosen.mesh.devices for r in range(3)]
+    assert not all(active) and chosen.idle_reason      # no layout of all 3
     out = run(_train_idle, 3, str(tmp_path / "a"), plan.to_json(), cluster.to_json())
-    assert [o["active"] for o in out] == [True, True, False]
-    assert {o["devices"] for o in out} == {2} and {o["group"] for o in out} == {3}
+    assert [o["active"] for o in out] == active
+    assert {o["devices"] for o in out} == {chosen.num_devices} and {o["group"] for o in out} == {3}
     reference = _reference_losses(4, args, IDLE_BATCH)
-    torch.testing.assert_close(out[0]["losses"], reference, atol=ATOL, rtol=0)
-    assert out[2]["losses"] == {}
+    first, idle = active.index(True), active.index(False)
+    torch.testing.assert_close(out[first]["losses"], reference, atol=ATOL, rtol=0)
+    assert out[idle]["losses"] == {}
     # an active process fails: the idle one's wait ends with the reason, not a hang
     outcomes = run_outcomes(_train_idle, 3, str(tmp_path / "b"), plan.to_json(),
-                            cluster.to_json(), 2, timeout=120, pg_timeout=30)
+                            cluster.to_json(), 2, max(chosen.mesh.devices), timeout=120,
+                            pg_timeout=30)
     assert all(o.value is None for o in outcomes)
-    err = outcomes[2].error or ""
-    assert "an active process of this elastic job failed" in err and "injected failure" in err, \
-        outcomes[2].describe()
+    err = outcomes[idle].error or ""
+    assert "an active process of this job failed" in err and "injected failure" in err, \
+        outcomes[idle].describe()
 
 
 @functools.lru_cache(maxsize=None)

@@ -286,7 +286,7 @@ def test_no_layout_for_tp_x_pp_names_what_binds():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
     graph = autoplan.trace(model, example_inputs=torch.randn(4, 8))    # 3 blocks
     with pytest.raises(ConfigError) as err:     # 64 devices, batch 8: dp <= 8 needs pp >= 8
-        autoplan.plan(graph, load_cluster("two-sites"), global_batch=8)
+        autoplan.plan(graph, load_cluster("two-sites"), global_batch=8, use_all_devices=True)
     assert "pp" in str(err.value) and "blocks" in str(err.value)
 
 

@@ -222,8 +222,8 @@ def test_the_searchs_winners_compile_back_to_the_layouts_it_ranked(gpt_graph, mo
     seen = []
     original = search_module._Builder.plan
 
-    def record(self, lay, global_batch):
-        plan = original(self, lay, global_batch)
+    def record(self, lay, global_batch, *args, **kwargs):
+        plan = original(self, lay, global_batch, *args, **kwargs)
         seen.append((self.summary, lay, plan))
         return plan
 

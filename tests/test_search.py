@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.errors import ConfigError, InfeasiblePlan
+from autoplan.errors import ConfigError, InfeasiblePlan, StrategyError
 from autoplan.models import GPT, GPTConfig
 from autoplan.plan import Plan
 from autoplan.search import StageProblem, solve_stage_problem
@@ -174,8 +174,15 @@ def test_bad_arguments():
         autoplan.plan(g, cluster, global_batch=0)
     from autoplan.search import SearchSpace
     with pytest.raises(ConfigError, match="multiple of"):
-        # 1 head (tp=1), one stage, no context parallelism: only dp=8 is possible
-        autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)))
+        # 1 head (tp=1), one stage, no context parallelism: only dp=8 uses every device
+        autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)),
+                      use_all_devices=True)
+    # on fewer of them the batch splits: the others idle, and the plan says so
+    fewer = autoplan.plan(g, cluster, global_batch=3, space=SearchSpace(context_parallel=(1,)))
+    assert fewer.num_devices in (1, 3)
+    assert fewer.idle_devices == tuple(range(fewer.num_devices, 8))
+    assert f"{8 - fewer.num_devices} of 8 devices idle" in fewer.idle_reason
+    assert "no layout of all 8" in fewer.idle_reason
     with pytest.raises(ConfigError, match="top_k"):
         autoplan.plan(g, cluster, global_batch=8, top_k=0)
 
@@ -190,10 +197,11 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     mixed = autoplan.load_cluster("mixed-a100-v100")
     # 60 sequences over 32 replicas split unevenly, A100 replicas taking more; the runtime
     # weights each replica's gradient by its share, and runs the plan as it is
-    free = autoplan.plan(graph, mixed, global_batch=60)
+    free = autoplan.plan(graph, mixed, global_batch=60, use_all_devices=True)
     assert len(set(free.replica_batch)) > 1
     check_plan(free, free.num_devices, graph)
-    even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True))
+    even = autoplan.plan(graph, mixed, global_batch=64, space=SearchSpace(even_batches=True),
+                         use_all_devices=True)
     assert len(set(even.replica_batch)) == 1
     check_plan(even, even.num_devices, graph)
     # a batch no replica count divides evenly: a clear error, not an uneven plan
@@ -201,4 +209,56 @@ def test_uneven_replica_batches_are_plans_the_runtime_accepts():
     with pytest.raises(ConfigError, match="equal replica batches"):
         autoplan.plan(graph, one_node.subset(range(7)), global_batch=9,
                       space=SearchSpace(even_batches=True, tensor_parallel=(1,),
-                                        pipeline_parallel=(1, 1), context_parallel=(1,)))
+                                        pipeline_parallel=(1, 1), context_parallel=(1,)),
+                      use_all_devices=True)
+
+
+# ----------------------------------------------------------- labels and inputs
+def test_a_plan_recomputing_some_blocks_reads_as_mixed():
+    """3 of 4 blocks fully recomputed: the label lists 'none' too (never 'rc-full' alone,
+    which a plan recomputing every block reads as)."""
+    from dataclasses import replace
+
+    from autoplan.strategy import Recompute
+
+    graph = autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4,
+                                         layers=4)), seq_len=16)
+    uniform = Plan.from_strategy(graph, 2, autoplan.Strategy(dp=2, global_batch=4,
+                                                             recompute="full"))
+    assert "rc-full" in uniform.label() and "none" not in uniform.label()
+    mixed = replace(uniform, layers=tuple(
+        replace(lp, recompute=Recompute.NONE) if lp.name == "blocks.3" else lp
+        for lp in uniform.layers))
+    assert "rc-full/none" in mixed.label()
+    selective = replace(uniform, layers=tuple(
+        replace(lp, recompute=Recompute.SELECTIVE) if lp.name == "blocks.0" else lp
+        for lp in uniform.layers))
+    assert "rc-full/selective" in selective.label() and "none" not in selective.label()
+
+
+def test_a_one_block_model_has_its_block_and_a_blockless_one_refuses_tp():
+    """A Llama of one layer is captured as embeddings, one block and the head (tp splits
+    its block as in deeper ones); a model with no repeated block refuses tp, cp and pp
+    rather than pricing them as replicated work."""
+    cfg = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+    graph = autoplan.trace(_meta(tf.LlamaForCausalLM, cfg), seq_len=128)
+    assert [l.kind.value for l in graph.layers] == ["pre", "block", "post"]
+    cluster = autoplan.load_cluster("a100-sxm4-80gb")
+    assert autoplan.estimate(graph, cluster, autoplan.Strategy(dp=2, tp=4, global_batch=8))
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    mlp = autoplan.trace(MLP(), example_inputs=torch.randn(4, 64))
+    assert [l.kind.value for l in mlp.layers] == ["pre"]
+    for bad in (dict(tp=2, dp=4), dict(pp=2, dp=4)):
+        with pytest.raises(StrategyError, match="no repeated blocks"):
+            autoplan.estimate(mlp, cluster, autoplan.Strategy(global_batch=8, **bad))
+    plan = autoplan.plan(mlp, cluster, global_batch=8)
+    assert plan.pp == 1 and max(s.tp for s in plan.stages) == 1

@@ -113,17 +113,18 @@ def test_expert_groups_inside_a_rack_or_over_whole_racks(moe16):
 
 def test_plan_places_no_expert_group_across_racks(moe16):
     plan = autoplan.plan(moe16, _racks(2), global_batch=144,
-                         space=SearchSpace(expert_parallel=(16,)))
+                         space=SearchSpace(expert_parallel=(16,)), use_all_devices=True)
     assert plan.ep == 1        # ep = 16 cannot be placed on 72-GPU racks
     plan = autoplan.plan(moe16, _racks(2, devices_per_node=64), global_batch=128,
-                         space=SearchSpace(expert_parallel=(16,)))
+                         space=SearchSpace(expert_parallel=(16,)), use_all_devices=True)
     assert plan.ep == 16
 
 
 def test_plan_tp16_on_128_gb200_is_priced_over_nvlink(gpt16):
     cluster = _racks(2, devices_per_node=64)
     plan = autoplan.plan(gpt16, cluster, global_batch=64,
-                         space=SearchSpace(tensor_parallel=(16,), context_parallel=(2,)))
+                         space=SearchSpace(tensor_parallel=(16,), context_parallel=(2,)),
+                         use_all_devices=True)
     assert plan.mesh.degree("tp") == 16 and plan.cp == 2
     devices = plan.mesh.devices
     for start in range(0, len(devices), 32):
@@ -143,7 +144,13 @@ def test_plan_tp16_on_128_gb200_is_priced_over_nvlink(gpt16):
 def test_groups_that_cannot_tile_the_racks_are_refused_with_the_reason(gpt16):
     with pytest.raises(ConfigError, match=r"NVLink domain.*\[72\]"):
         autoplan.plan(gpt16, _racks(2), global_batch=144,
-                      space=SearchSpace(tensor_parallel=(16,)))
+                      space=SearchSpace(tensor_parallel=(16,)), use_all_devices=True)
+    # on 64 GPUs of a rack (or 128: 72 + 56, groups of 8 tile) groups of 16 fit a rack
+    plan = autoplan.plan(gpt16, _racks(2), global_batch=144,
+                         space=SearchSpace(tensor_parallel=(16,)))
+    assert plan.mesh.degree("tp") == 16 and plan.idle_devices
+    for start in range(0, plan.num_devices, 16):
+        assert len(_nodes_of(_racks(2), plan.mesh.devices[start:start + 16])) == 1
 
 
 # ----------------------------------------------------------- what estimate prices

@@ -148,7 +148,8 @@ def test_more_gpus_never_lower_the_throughput_of_a_fixed_plan(graph):
     # GPUs it does not use cost nothing in time, so the best throughput over plans that
     # may leave GPUs idle never falls as GPUs are added
     small = whatif(graph, ("a100-sxm4-80gb", 1), global_batch=16)
-    best = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb", nodes=1), global_batch=16)
+    best = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb", nodes=1), global_batch=16,
+                         use_all_devices=True)
     assert best.estimate.tokens_per_s == small["tokens_per_s"].iloc[0]
     for nodes in (2, 4):
         bigger = autoplan.load_cluster("a100-sxm4-80gb", nodes=nodes)

@@ -69,7 +69,47 @@ def find_stacks(model: nn.Module) -> list[Stack]:
             continue
         stacks.append(Stack(path, names, sigs))
         taken.append(path)
+    if not stacks:
+        one = _single_block_stack(model)
+        if one is not None:
+            stacks.append(one)
     return stacks
+
+
+#: The last path component of the block list in the model families autoplan knows
+#: (Hugging Face ``model.layers``, ``transformer.h``, ``encoder.layer``, ``encoder.block``,
+#: ``decoder.layers``; the package GPT's ``blocks``).
+BLOCK_LIST_NAMES = ("layers", "h", "layer", "block", "blocks")
+
+
+def _single_block_stack(model: nn.Module) -> Stack | None:
+    """A model built with one block has no repeated child; its block list (an
+    ``nn.ModuleList`` of one child carrying parameters, named as the known families name
+    theirs, :data:`BLOCK_LIST_NAMES`) is its stack, so the block is a block as in the same
+    model with more of them.  The outermost such list, when there is exactly one.
+
+    >>> from autoplan.models import GPT, GPTConfig
+    >>> [(s.path, s.names) for s in find_stacks(GPT(GPTConfig(vocab_size=8, seq_len=4, hidden=8, heads=2, layers=1)))]
+    [('blocks', ('0',))]
+    """
+    found = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) != 1:
+            continue
+        if path.rpartition(".")[2] not in BLOCK_LIST_NAMES:
+            continue
+        if any(path.startswith(f + ".") for f, _ in found):
+            continue
+        child = next(iter(mod._modules.values()))
+        if child is None or not any(True for _ in child.parameters()):
+            continue
+        found.append((path, child))
+    if len(found) != 1:
+        return None
+    path, child = found[0]
+    mod = model.get_submodule(path)
+    names = tuple(mod._modules)
+    return Stack(path, names, (_signature(child),))
 
 
 def _representatives(stack: Stack) -> int:

@@ -306,10 +306,13 @@ class CostEngine:
             return hit
         return layout_from_plan(self.summary, layout)
 
-    def estimate(self, layout) -> Estimate:
-        """Full :class:`Estimate` of a Strategy, Plan or Layout, with its :meth:`ledger`."""
+    def estimate(self, layout, *, ledger: bool = True) -> Estimate:
+        """Full :class:`Estimate` of a Strategy, Plan or Layout, with its :meth:`ledger`
+        (``ledger=False``: without it, ``Estimate.ledger`` None; what a search loop reads)."""
         lay = self.layout(layout)
         est = self._evaluate(lay, full=True)
+        if not ledger:
+            return est  # type: ignore[return-value]
         return dataclasses.replace(est, ledger=self.ledger(lay))  # type: ignore[arg-type]
 
     def ledger(self, layout) -> Ledger:

@@ -390,6 +390,27 @@ class Cluster(Record):
     def _collective_cache(self) -> dict[Any, tuple[CollectiveParams, ...]]:
         return {}
 
+    @cached_property
+    def _signature_cache(self) -> dict[tuple[int, ...], tuple[Any, ...]]:
+        return {}
+
+    def _group_signature(self, group: Sequence[int]) -> tuple[Any, ...]:
+        """:meth:`_signature` of a checked group, cached per group (a search prices the
+        same groups, of up to thousands of devices, many times)."""
+        cache = self._signature_cache
+        try:
+            hit = cache.get(tuple(group))
+        except TypeError:
+            hit = None
+        if hit is not None:
+            return hit
+        members = self._check_group(group)
+        hit = self._signature(members)
+        if len(cache) > 65536:
+            cache.clear()
+        cache[members] = hit
+        return hit
+
     def _check_group(self, group: Sequence[int]) -> tuple[int, ...]:
         try:
             members = tuple(group)
@@ -431,7 +452,7 @@ class Cluster(Record):
         >>> c.placement(range(64, 80)) == c.placement(range(0, 16))   # 8 + 8 over two racks
         False
         """
-        return self._signature(self._check_group(group))
+        return self._group_signature(group)
 
     def _shape(self, signature: tuple[Any, ...], concurrent_groups: int | None) -> GroupShape:
         spans_nodes = sum(len(nodes) for _, nodes in signature) > 1
@@ -475,13 +496,12 @@ class Cluster(Record):
         ``after_compute=False`` leaves out the node's arrival cost (:meth:`_arrival_s`), for
         a caller whose own figure holds the wait (see :meth:`collective_time`)."""
         op_ = parse_op(op)
-        members = self._check_group(group)
+        signature = self._group_signature(group)
         if concurrent_groups is not None and (isinstance(concurrent_groups, bool)
                                               or not isinstance(concurrent_groups, int)
                                               or concurrent_groups < 1):
             raise ConfigError(f"concurrent_groups must be an integer >= 1 or None, "
                               f"got {concurrent_groups!r}")
-        signature = self._signature(members)
         key = (op_, concurrent_groups, signature, after_compute)
         cached = self._collective_cache.get(key)
         if cached is None:

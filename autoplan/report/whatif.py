@@ -276,9 +276,12 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
                     reason = trace_error
                     if graph is not None:
                         try:
+                            # a scenario is its cluster: a row per cluster prices all of
+                            # it (plan() may leave devices idle)
                             best = _plan(graph, cluster, global_batch=gb, top_k=top_k,
                                          memory_fraction=memory_fraction, precision=precision,
-                                         time_limit_s=time_limit_s, options=options, space=space)
+                                         time_limit_s=time_limit_s, options=options, space=space,
+                                         use_all_devices=True)
                             plans = [best, *getattr(best, "runners_up", ())][:top_k]
                             found = [_plan_row(p, i + 1) for i, p in enumerate(plans)]
                         except (InfeasiblePlan, StrategyError, ConfigError) as exc:

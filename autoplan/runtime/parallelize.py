@@ -49,6 +49,7 @@ from .ep import ExpertBank, apply_ep, check_ep
 from .fsdp import apply_ddp, apply_expert_dp, apply_fsdp, apply_replicate, set_micro_batch_sync
 from .fp8 import LIBRARY as FP8_LIBRARY, apply_fp8, check_fp8_device, float8_tp_styles, \
     has_fp8_all_gather, import_torchao, precompute_fsdp_scales
+from .idle import IdleProgram, split_idle
 from .precision import FP32_POLICY as _FP32_POLICY, mixed_precision_policy
 from .layout import check_plan, plan_of, uniform_degrees
 from .mesh import build_mesh, expert_meshes, mesh_coordinates, rank_at
@@ -170,12 +171,19 @@ class ParallelModel:
     steps: int = 0
     tied: Any = None                     # TiedGrads of cross-stage tied parameters
     aliases: dict[str, str] = field(default_factory=dict)   # stage copy -> canonical name
+    split: Any = None                    # IdleSplit when the plan leaves processes idle
     #: The logits stay sharded over the vocabulary and the loss runs under torch's
     #: ``loss_parallel`` (the built-in loss under tensor parallelism)
     vocab_parallel: bool = False
     #: FSDP2 all-gathers FP8 weights (ZeRO-3 under the tensorwise FP8 recipe): their
     #: scales are computed after every optimizer step (:mod:`.fp8`)
     fp8_scales: bool = False
+
+    def finish(self) -> None:
+        """Every process of the job back in one process group, when the plan left some
+        idle (:mod:`.idle`; call it on every process when training ends); else nothing."""
+        if self.split is not None:
+            self.split.rejoin()
 
     # ------------------------------------------------------------ coordinates
     @property
@@ -269,6 +277,8 @@ class ParallelModel:
             part = self.parts[0]
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             xs, ys = _micro_batches(inputs, plan.micro_batch), _micro_batches(targets, plan.micro_batch)
+            # the replica's sequences (its last micro-batch may be short)
+            n = next(iter(_rows_of(inputs)))
             for i in range(runs):
                 # micro-batches beyond this replica's own (Plan.pads_micro_batches) repeat
                 # its data with zero weight: their collectives match the other replicas'
@@ -279,10 +289,11 @@ class ParallelModel:
                         and not last else contextlib.nullcontext())
                 with sync, self._loss_context():
                     loss = self.loss_fn(self._forward(part, x), y)
-                    (loss * (weight / m if i < m else 0.0)).backward()
+                    rows = next(iter(_rows_of(x)))
+                    (loss * (weight * rows / n if i < m else 0.0)).backward()
                 if i < m:
-                    total += _local_value(loss).detach().double()
-            local = total / m
+                    total += _local_value(loss).detach().double() * rows
+            local = total / n
         else:
             if not isinstance(inputs, torch.Tensor):
                 raise ConfigError("pipeline parallelism runs models of one input tensor; use pp=1 "
@@ -322,6 +333,8 @@ class ParallelModel:
         buf = torch.stack([local * share, torch.tensor(share, dtype=torch.float64,
                                                         device=self.device)])
         dist.all_reduce(buf)
+        if self.split is not None:
+            self.split.publish(self.steps, float(buf[0] / buf[1]))   # for the idle processes
         return float(buf[0] / buf[1])
 
     # ------------------------------------------------------------ state
@@ -509,6 +522,13 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     else:
         _check_graph(model, graph, seq_len)
     seq_len = seq_len or graph.seq_len
+    if isinstance(target, Cluster) and global_batch is not None \
+            and target.num_devices == dist.get_world_size():
+        target = _plan_on_rank0(graph, target, global_batch)  # may leave processes idle
+    # a plan that leaves processes idle: they wait (idle.py), the others run it in a group
+    target, split = split_idle(target, graph, global_batch)
+    if split is not None and not split.active:
+        return IdleProgram(target, split)
     plan = resolve_plan(model, target, graph, world_size=dist.get_world_size(),
                         global_batch=global_batch)
     token_model = _is_token_model(model, graph) and example_inputs is None
@@ -543,7 +563,8 @@ def parallelize(model: nn.Module, target: Any, *, global_batch: int | None = Non
     pm = ParallelModel(plan=plan, mesh=mesh, parts=parts,
                        optimizers=[optimizer(p.parameters()) for p in parts], graph=graph,
                        seq_len=seq_len, loss_fn=loss_fn, token_model=token_model,
-                       hf=is_hf(model), vocab_parallel=vocab_parallel, fp8_scales=fp8_scales)
+                       hf=is_hf(model), split=split, vocab_parallel=vocab_parallel,
+                       fp8_scales=fp8_scales)
     if plan.pp > 1:
         _attach_pipeline(pm, stage_ids, ties, device)
     return pm

@@ -1,8 +1,8 @@
-"""Search: the fastest per-layer plan that fits, with OR-Tools CP-SAT and pruning."""
+"""Search: the fastest per-layer plan that fits, with bounds, OR-Tools CP-SAT and pruning."""
 
-from .replan import plan_diff, replan
+from .replan import plan_diff, replan, reshard_fraction
 from .search import SearchResult, SearchSpace, plan, search
 from .stage_solver import StageProblem, StageSolution, solve_stage_problem
 
-__all__ = ["plan", "replan", "plan_diff", "search", "SearchResult", "SearchSpace", "StageProblem", "StageSolution",
-           "solve_stage_problem"]
+__all__ = ["plan", "replan", "plan_diff", "reshard_fraction", "search", "SearchResult",
+           "SearchSpace", "StageProblem", "StageSolution", "solve_stage_problem"]

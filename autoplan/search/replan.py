@@ -1,50 +1,77 @@
-"""Re-planning when devices come and go, warm-started from the previous plan.
+"""Re-planning when devices come and go: the same search, warm-started, resharding least.
 
 A job that loses (or gains) devices keeps much of what made its plan good: the
-tensor-parallel degree that suits the model and the node, a pipeline depth in
-the same range, the schedule and micro-batch size.  :func:`replan` searches
-that neighbourhood first (a few hundred layouts), then the whole space with the
-neighbourhood's best step time as the pruning bound, so most degree
-combinations are dropped after one evaluation: the warm start makes the full
-search cheap without letting the neighbourhood limit the answer (losing one
-node of 128 can make the old degrees a poor fit: 1016 GPUs are 8 x 127).
+tensor-parallel degree that suits the model and the node, the pipeline depth, the
+schedule and micro-batch size.  :func:`replan` prices that layout on the devices
+there are first (as many replicas as fit), and runs :func:`autoplan.search.search` with
+its step time as the bound, so the search prunes from the start; the search may leave
+devices idle as :func:`autoplan.plan` does (losing one node of 128 leaves 1,016 = 8 x 127
+GPUs, which force every layout of all of them into 127 replicas; 126 nodes run a
+pipeline).  Among the plans within ``tolerance`` of the fastest it keeps the one that
+reshards least (:func:`reshard_fraction`): a restart loads the last checkpoint into the
+new layout, and a layout close to the old one moves fewer bytes.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import replace
 
-from ..errors import ConfigError, InfeasiblePlan
+from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyError
 from ..graph import ModelGraph
 from ..plan import Plan
 from ..plan_facts import PLAN_FACTS
-from ..strategy import Schedule
 from .search import SearchSpace, _attach, search
 
-__all__ = ["replan", "plan_diff"]
+__all__ = ["replan", "plan_diff", "reshard_fraction"]
+
+#: Default tolerance of :func:`replan`: plans within 1% of the fastest count as fast.
+REPLAN_TOLERANCE = 0.01
 
 
-def _neighbourhood(plan: Plan, space: SearchSpace) -> SearchSpace:
-    tp = max(s.tp for s in plan.stages)
-    mb = plan.micro_batch
-    schedules = tuple(s for s in dict.fromkeys((plan.schedule, Schedule.ONE_F_ONE_B))
-                      if s in space.schedules) or space.schedules
-    return replace(
-        space,
-        schedules=schedules,
-        virtual_stages=(plan.virtual_stages,) if plan.schedule is Schedule.INTERLEAVED else (2,),
-        micro_batches=tuple(sorted({max(1, mb // 2), mb, mb * 2})),
-        tensor_parallel=tuple(t for t in sorted({max(1, tp // 2), tp, tp * 2})
-                              if space.tensor_parallel is None or t in space.tensor_parallel)
-        or space.tensor_parallel,
-        pipeline_parallel=(max(1, plan.pp // 2), plan.pp * 2) if space.pipeline_parallel is None
-        else space.pipeline_parallel,
-        refine=2)
+def reshard_fraction(old: Plan, new: Plan, graph: ModelGraph | None = None) -> float:
+    """The share of the model's parameters whose shard changes between two plans.
+
+    A layer's shard is where its states sit: its pipeline stage (as a fraction of the
+    pipeline), its tensor- and context-parallel degrees and, for ZeRO-sharded states,
+    how many data-parallel ranks share them (a replicated layer is whole on every
+    replica, so more or fewer replicas do not move it).  Weighted by the layer's
+    parameters (``graph``; each layer counts once without it).  0 for the same layout.
+
+    >>> from autoplan.models import GPT, GPTConfig
+    >>> from autoplan import trace, Strategy
+    >>> g = trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4)), seq_len=16)
+    >>> a = Plan.from_strategy(g, 8, Strategy(dp=4, pp=2, global_batch=8))
+    >>> b = Plan.from_strategy(g, 4, Strategy(dp=2, pp=2, global_batch=8))
+    >>> c = Plan.from_strategy(g, 8, Strategy(dp=2, tp=2, pp=2, global_batch=8))
+    >>> reshard_fraction(a, b, g), reshard_fraction(a, c, g)
+    (0.0, 1.0)
+    """
+    params = {l.name: float(l.param_count) for l in graph.layers} if graph is not None else {}
+
+    def shard(p: Plan, name: str) -> tuple:
+        lp = p.placement(name)
+        st = p.stages[lp.stage]
+        shards = p.dp * p.cp if lp.zero >= 1 else 1
+        return (st.index / len(p.stages), lp.tp, p.cp, lp.zero >= 1, shards)
+
+    total = moved = 0.0
+    for lp in new.layers:
+        w = params.get(lp.name, 1.0) or 1.0
+        total += w
+        try:
+            same = shard(old, lp.name) == shard(new, lp.name)
+        except PlanMismatchError:         # a layer the old plan does not have
+            same = False
+        moved += 0.0 if same else w
+    return moved / total if total else 0.0
 
 
 def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
            memory_fraction: float | None = None, time_limit_s: float = 30.0,
-           top_k: int = 1, space: SearchSpace | None = None) -> Plan:
+           top_k: int = 1, space: SearchSpace | None = None,
+           tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
 
     Parameters
@@ -53,14 +80,17 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         The plan the job ran with (from :func:`autoplan.plan`, which keeps the
         model graph on it; a plan loaded from JSON needs ``graph=``).
     new_cluster : Cluster
-        The devices that are there now; the new plan uses exactly these.
+        The devices that are there now; the new plan may leave some of them idle
+        (``use_all_devices=True``: none), as :func:`autoplan.plan` does.
     graph : ModelGraph, optional
         The model, when ``plan`` does not carry it.
     memory_fraction : float, optional
         Default: the fraction the previous plan was made with.
     space : SearchSpace, optional
-        What the new plan may use (default: everything).  The warm start searches
-        the previous plan's neighbourhood within it.
+        What the new plan may use (default: everything).
+    tolerance : float
+        Among the plans within this fraction of the fastest (default 1%), the one
+        that reshards least (:func:`reshard_fraction`; then the fastest) is returned.
 
     Raises
     ------
@@ -77,8 +107,8 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     >>> g = autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4)), seq_len=16)
     >>> old = autoplan.plan(g, autoplan.load_cluster("a100-sxm4-80gb", nodes=2), global_batch=32)
     >>> new = replan(old, autoplan.load_cluster("a100-sxm4-80gb"))
-    >>> new.num_devices
-    8
+    >>> new.num_devices <= 8 and new.cluster.num_devices == 8
+    True
     """
     graph = graph if graph is not None else plan.graph
     if graph is None:
@@ -89,46 +119,84 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
     space = space or SearchSpace()
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
-                  time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision)
+                  time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
+                  use_all_devices=use_all_devices)
+    t0 = time.perf_counter()
+    warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
     try:
-        warm = search(graph, new_cluster, space=_neighbourhood(plan, space), **common)
-    except (InfeasiblePlan, ConfigError):
-        warm = None
-    bound = warm.best.estimate.step_time_s if warm is not None else float("inf")
-    try:
-        full = search(graph, new_cluster, space=space, bound_s=bound * (1 + 1e-9), **common)
+        result = search(graph, new_cluster, space=space, tolerance=tolerance,
+                        bound_s=warm * (1 + tolerance) * (1 + 1e-9), **common)
     except InfeasiblePlan:
-        if warm is None:
+        if math.isinf(warm) or time.perf_counter() - t0 > time_limit_s:
             raise
-        full = None
-    if full is None or not full.plans:
-        result = warm
-    elif warm is None:
-        result = full
-    else:   # merge: the full search's plans are at least as good as the bound
-        seen, plans = set(), []
-        for p in sorted(full.plans + warm.plans,
-                        key=lambda p: (p.estimate.step_time_s, p.to_json())):
-            if p.describe() not in seen:
-                seen.add(p.describe())
-                plans.append(p)
-        result = replace(full, plans=plans[:top_k], evaluated=full.evaluated + warm.evaluated,
-                         seconds=full.seconds + warm.seconds)
-    assert result is not None
-    return replace(_attach(result, graph), warm_start=warm is not None)
+        # nothing within the warm start's bound: the search again, unbounded
+        result = search(graph, new_cluster, space=space, tolerance=tolerance, **common)
+    best = result.plans[0]
+    alternatives = result.alternatives or [best]
+    chosen = min(alternatives, key=lambda p: (reshard_fraction(plan, p, graph),
+                                              p.estimate.step_time_s, p.to_json()))
+    plans = [chosen] + [p for p in result.plans if p.describe() != chosen.describe()]
+    return replace(_attach(replace(result, plans=plans[:top_k]), graph), warm_start=not math.isinf(warm))
+
+
+def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
+                space: SearchSpace) -> float:
+    """The step time of the old plan's degrees and options on ``cluster`` with as many
+    replicas as its devices hold (inf when that layout does not fit or cannot be built).
+
+    Fewer replicas run more micro-batches each (gradients then accumulate): where the old
+    options no longer fit, full recompute, then ZeRO-3 with it, are tried at the same
+    degrees (still a layout the search prices, so still a bound)."""
+    from ..cost import CostOptions, engine_for
+    from ..strategy import Recompute, Strategy
+
+    tp, cp, pp = max(s.tp for s in plan.stages), plan.cp, plan.pp
+    dp = cluster.num_devices // (tp * cp * pp)
+    zero = max(lp.zero for lp in plan.layers)
+    rcs = [lp.recompute for lp in plan.layers if lp.recompute is not Recompute.NONE]
+    options = [(zero, rcs[0] if rcs else Recompute.NONE), (zero, Recompute.FULL),
+               (3, Recompute.FULL)]
+    for d in range(dp, 0, -1):
+        if plan.global_batch % (d * plan.micro_batch):
+            continue
+        built = False
+        engine = None
+        for z, rc in dict.fromkeys(options):
+            try:
+                strategy = Strategy(dp=d, tp=tp, cp=cp, pp=pp, micro_batch=plan.micro_batch,
+                                    global_batch=plan.global_batch, zero=z, recompute=rc,
+                                    sequence_parallel=any(lp.sequence_parallel
+                                                          for lp in plan.layers),
+                                    schedule=plan.schedule, virtual_stages=plan.virtual_stages,
+                                    precision=plan.precision, ep=plan.ep)
+                if engine is None:
+                    engine = engine_for(graph, cluster.subset(range(d * tp * cp * pp)),
+                                        options=CostOptions(memory_fraction=memory_fraction))
+                est = engine.estimate(strategy, ledger=False)
+            except (StrategyError, ConfigError):
+                continue
+            built = True
+            if est.fits:
+                return est.step_time_s
+        if built:
+            break
+    return math.inf
 
 
 def plan_diff(old: Plan, new: Plan) -> str:
     """What changed between two plans, one line per difference (empty when equal).
 
-    Degrees, micro-batching, schedule, options, stage boundaries and the
-    predicted step time.
+    Degrees, micro-batching, schedule, options, stage boundaries, the devices left idle
+    and the predicted step time.
     """
     lines = []
     for fact in PLAN_FACTS:
         a, b = fact.text(old), fact.text(new)
         if a != b:
             lines.append(f"{fact.field}: {a} -> {b}")
+    ia, ib = _idle(old), _idle(new)
+    if ia != ib:
+        lines.append(f"idle: {ia} -> {ib}")
     sa = [len(s.layers) for s in old.stages]
     sb = [len(s.layers) for s in new.stages]
     if sa != sb:
@@ -145,3 +213,19 @@ def plan_diff(old: Plan, new: Plan) -> str:
         if ma != mb_:
             lines.append(f"peak memory: {ma / 2**30:.1f} GiB -> {mb_ / 2**30:.1f} GiB")
     return "\n".join(lines)
+
+
+def _idle(p: Plan) -> str:
+    """``none``, or how many of the cluster's devices (and whole nodes) the plan leaves
+    idle: ``8 of 1016 devices (1 node)``."""
+    idle = p.idle_devices
+    if not idle:
+        return "none"
+    per_node = p.cluster.num_devices // max(1, p.cluster.num_nodes)
+    text = f"{len(idle)} of {p.cluster.num_devices} devices"
+    if per_node and p.cluster.num_devices % max(1, p.cluster.num_nodes) == 0:
+        nodes = sorted({d // per_node for d in idle})
+        whole = [j for j in nodes if all(d in idle for d in range(j * per_node, (j + 1) * per_node))]
+        if whole:
+            text += f" ({len(whole)} node{'s' if len(whole) > 1 else ''} whole)"
+    return text

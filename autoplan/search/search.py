@@ -2,43 +2,47 @@
 
 Method
 ------
-1. **Degrees.** Enumerate ``tp`` (dividing the devices of a node and the
-   model's heads: tensor parallelism stays inside a node), ``cp`` (wherever the
-   sequence splits into the ``2 cp`` load-balanced chunks the runtime uses, with
-   ``tp x cp`` inside a node; whether it pays is the cost model's call), ``pp`` (dividing what is left, at most the number of
-   blocks) and ``dp`` (the rest, dividing the global batch, or split unevenly
-   over replicas of different speeds), micro-batch sizes and schedules.
-   "Inside a node" means inside one NVLink domain with no group straddling two:
-   a ``tp x cp`` group may have any size that divides every node's device count
-   (:func:`_domain_size`), so on GB200 NVL72 racks (one 72-GPU domain each)
-   groups of 12, 24, 36 or 72 GPUs, and of 16, 32 or 64 on racks of which 64
-   GPUs are used; an expert-parallel group (``ep x tp`` consecutive devices)
-   either fits one domain so, spans whole nodes, or sits like every other
-   group of its pipeline rank (:func:`_groups_placed`).
-   Ranks are laid out with ``tp`` innermost and ``pp`` outermost over the
-   cluster's device order (node by node, group by group, site by site), so
+1. **Devices.** A layout runs on the first ``n`` devices of a pool
+   (:mod:`autoplan.search.fleet`): every device of the cluster in cluster order, whole
+   nodes first, and on clusters of several device types the devices of each proper
+   subset of the types, so leaving a slow group idle is one of the priced options.
+   ``use_all_devices=True`` keeps every device.
+2. **Degrees.** ``tp`` divides the devices of a node and the model's heads (tensor
+   parallelism stays inside a node); ``cp`` wherever the sequence splits into the ``2 cp``
+   load-balanced chunks the runtime uses, any degree, its ``tp x cp`` group inside one
+   NVLink domain or over whole nodes; ``pp`` at most the number of blocks; ``dp`` at most
+   the global batch, whose sequences split over the replicas in proportion to their
+   speed (without pipelining, one replica may end on a shorter micro-batch); then
+   micro-batch sizes, schedules, sequence and expert parallelism.  "Inside a node" means
+   inside one NVLink domain with no group straddling two
+   (:meth:`Pool.domain <autoplan.search.fleet.Pool.domain>`): on GB200 NVL72 racks groups
+   of 12, 24, 36 or 72 GPUs, and of 16, 32 or 64 on racks of which 64 GPUs are used; an
+   expert-parallel group (``ep x tp`` consecutive devices) fits one domain or spans whole
+   nodes.  Ranks are laid out ``tp`` innermost and ``pp`` outermost over the devices, so
    pipelines cut between nodes, groups and sites before data parallelism does.
-2. **Memory ladder with pruning.** For each combination the two cheapest
-   options (no recompute, ZeRO-0/1) are priced first; their time is a lower
-   bound for every other option of that combination (recompute and sharding
-   only add work), so a combination slower than the best plan so far is
-   dropped at once (dominated).  Otherwise the ladder climbs: selective
-   recompute and ZeRO-2, then ZeRO-3 and full recompute, stopping at the first
-   rung where something fits.
-3. **Per-stage problem (CP-SAT).** For the best candidates, OR-Tools CP-SAT
-   chooses how many blocks each pipeline rank holds and which recompute option
-   each of them uses, under each rank's memory (ranks of different device
-   types, or holding different numbers of micro-batches in flight, get
-   different shares), starting from the even split as a hint
+3. **Best bound first.** Every combination has a lower bound of the step time of each of
+   its layouts, whatever the ZeRO stage, recompute or block split
+   (:mod:`autoplan.search.bounds`); combinations are visited in order of their bound
+   (coarse for the devices and degrees, then per micro-batch, then per schedule), and the
+   search stops where the bound reaches the best plan found.  So no layout it skips is
+   faster than the one it returns (with ``top_k``, than the k-th).
+4. **Memory ladder.** For each ZeRO stage whose bound is below the best plan and whose
+   least-memory option can fit, recompute climbs none, selective, full until a layout
+   fits (recompute only adds time); every ZeRO stage is priced, since sharding can be
+   faster (a sharded optimizer step, sharded gradient accumulation).
+5. **Per-stage problem (CP-SAT).** For every fitting candidate whose refinement bound
+   (:func:`~autoplan.search.refine.refine_bound`) is below the best plan, OR-Tools CP-SAT
+   chooses how many blocks each pipeline rank holds and which recompute option each uses
    (:mod:`autoplan.search.stage_solver`).
-4. **One engine.** Every candidate is priced by the cost model
-   (:class:`autoplan.cost.CostEngine`), so the search and
-   :func:`autoplan.estimate` never disagree.
+6. **One engine.** Every candidate is priced by the cost model
+   (:class:`autoplan.cost.CostEngine`), so the search and :func:`autoplan.estimate`
+   never disagree.
 
-The same inputs give a byte-identical plan: iteration orders are fixed, ties
-break on a stable key, and CP-SAT runs single-threaded with a fixed seed and
-a deterministic time budget.  ``time_limit_s`` bounds the wall time of the
-enumeration; should it bind, the best plan so far is returned.
+The objective is the step time, or with ``price_per_gpu_hour`` the price of a sample
+(the devices used, for the step's time, over the global batch).  The same inputs give a
+byte-identical plan: iteration orders are fixed, ties break on a stable key, and CP-SAT
+runs single-threaded with a fixed seed and a deterministic time budget.
+``time_limit_s`` bounds the wall time; should it bind, the best plan so far is returned.
 """
 
 from __future__ import annotations
@@ -47,20 +51,20 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from ..cost import CostEngine, CostOptions, Layout, Segment, in_flight, pipeline_time
+from ..cost import CostEngine, CostOptions
 from ..errors import ConfigError, InfeasiblePlan, StrategyError
 from ..graph import LayerKind, ModelGraph
 from ..hardware.cluster import as_cluster
-from ..plan import (MESH_DIMS, ClusterSummary, LayerPlacement, MeshPlan, Plan, StagePlan,
-                    ModelFingerprint, chunk_bounds, even_block_counts, expert_counts)
+from ..plan import ModelFingerprint, Plan, expert_counts
 from ..strategy import Precision, Recompute, Schedule, schedule_problem
-from .stage_solver import StageProblem, solve_stage_problem
+from .bounds import Bounds
+from .builder import _Builder, _Candidate, _Combo, micro_batch_counts
+from .fleet import Pool, idle_text, pools
+from .refine import refine, refine_bound
 
 __all__ = ["plan", "search", "SearchResult", "SearchSpace"]
-
-_MiB = float(2**20)
 
 
 @dataclass(frozen=True)
@@ -68,16 +72,16 @@ class SearchSpace:
     """What the search may choose from (defaults: everything the cost model prices, all of
     which :func:`autoplan.parallelize` runs).
 
-    ``context_parallel`` degrees are tried wherever the sequence splits into ``2 cp``
-    chunks (the load-balanced split the runtime uses); whether they pay is the cost
-    model's call (memory of long sequences against the key/value all-gather).
-    ``even_batches`` keeps every replica's batch equal (no speed-proportional split).
-    ``expert_parallel`` degrees are tried for models with expert banks, where they divide
-    ``dp x cp`` and every layer's experts and their groups (``ep x tp`` consecutive devices)
-    sit alike: inside one NVLink domain each, over whole nodes, or one per pipeline rank
-    (:func:`_groups_placed`); for those models the search also leaves out
-    sequence parallelism and selective recompute, which the runtime does not run on MoE
-    blocks."""
+    ``context_parallel`` degrees (None: every degree that leaves each rank at least
+    ``min_context_tokens`` of a sequence) are tried wherever the sequence splits into
+    ``2 cp`` chunks (the load-balanced split the runtime uses); whether they pay is the
+    cost model's call (memory of long sequences against the key/value all-gather).  ``even_batches`` keeps every replica's batch equal (no speed-proportional
+    split, no shorter micro-batch).  ``expert_parallel`` degrees are tried for models with
+    expert banks, where they divide ``dp x cp`` and every layer's experts and their groups
+    (``ep x tp`` consecutive devices) fit one NVLink domain or span whole nodes; for those
+    models the search also leaves out sequence parallelism and selective recompute, which
+    the runtime does not run on MoE blocks.  ``refine``: at most this many candidates are
+    refined with CP-SAT (None: every one whose bound is below the best plan)."""
 
     schedules: tuple[Schedule, ...] = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED,
                                        Schedule.ZERO_BUBBLE, Schedule.GPIPE)
@@ -87,48 +91,22 @@ class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     sequence_parallel: tuple[bool, ...] = (True, False)
-    context_parallel: tuple[int, ...] = (1, 2, 4)
-    refine: int = 8                # candidates refined with CP-SAT
+    context_parallel: tuple[int, ...] | None = None   # None: every degree the sequence allows
+    min_context_tokens: int = 256  # (context_parallel=None) tokens of a sequence per cp rank
+    refine: int | None = None      # candidates refined with CP-SAT (None: as the bound says)
     tensor_parallel: tuple[int, ...] | None = None    # None: every degree that fits a node
     expert_parallel: tuple[int, ...] | None = None    # None: every degree dividing the experts
     pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
     even_batches: bool = False     # True: every replica gets the same batch (no speed split)
 
 
-@dataclass(frozen=True)
-class _Combo:
-    """Degrees and options shared by a rung of the memory ladder."""
-
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    micro_batch: int
-    schedule: Schedule
-    v: int
-    sp: bool
-    ep: int = 1
-
-    def key(self) -> tuple:
-        return (self.tp, self.cp, self.pp, self.dp, self.micro_batch, self.schedule.value,
-                self.v, self.sp, self.ep)
-
-
-@dataclass(order=True)
-class _Candidate:
-    step_time_s: float
-    peak_bytes: float
-    key: tuple
-    combo: _Combo = field(compare=False)
-    zero: int = field(compare=False)
-    recompute: Recompute = field(compare=False)
-    layout: Layout = field(compare=False)
-    fits: bool = field(compare=False, default=True)
-
-
 @dataclass
 class SearchResult:
-    """The ranked plans of one search and what it cost to find them."""
+    """The ranked plans of one search and what it cost to find them.
+
+    ``evaluated``: layouts priced; ``pruned``: combinations (or ZeRO stages of them) whose
+    bound, or whose least-memory option, ruled them out without pricing; ``refined``:
+    candidates given to CP-SAT."""
 
     plans: list[Plan]
     evaluated: int
@@ -136,6 +114,9 @@ class SearchResult:
     refined: int
     seconds: float
     time_limit_hit: bool
+    #: With a tolerance: every distinct plan within it of the best, best first (what
+    #: :func:`autoplan.replan` chooses among); else empty.
+    alternatives: list = field(default_factory=list)
 
     @property
     def best(self) -> Plan:
@@ -178,529 +159,683 @@ def _domain_size(cluster) -> int:
     return math.gcd(*(len(n.local_ranks) for n in cluster.nodes))
 
 
-def _whole_nodes(cluster) -> int | None:
-    """The device count of every node when the nodes are alike in it, else None."""
-    sizes = {len(n.local_ranks) for n in cluster.nodes}
-    return sizes.pop() if len(sizes) == 1 else None
-
-
-def _groups_placed(cluster, span: int, per_rank: int, domain: int, whole: int | None) -> bool:
-    """Whether the groups of ``span`` consecutive devices (aligned at multiples of ``span``)
-    inside every pipeline rank of ``per_rank`` devices are placed alike: each inside one
-    NVLink domain (``span`` divides ``domain``, :func:`_domain_size`), each over whole nodes
-    of ``whole`` devices, one group per rank, or otherwise all with the same
-    :meth:`Cluster.placement <autoplan.hardware.Cluster.placement>` (their collectives
-    priced over the links they span).  Otherwise some groups would straddle two domains
-    while others do not: :meth:`CostEngine._evaluate` prices each, but the search does
-    not place such layouts (on two 72-GPU racks, groups of 16 would put devices 64-79,
-    eight on each rack, in one group).
+def _placed(pool: Pool, n: int, span: int) -> bool:
+    """Whether groups of ``span`` consecutive devices of the first ``n`` of ``pool`` sit
+    alike: each inside one NVLink domain, or each over whole nodes of one size.
 
     >>> from autoplan.hardware import load_cluster
-    >>> racks = load_cluster("gb200-nvl72", nodes=2)
-    >>> [_groups_placed(racks, g, 144, 72, 72) for g in (8, 16, 72, 144)]
+    >>> from autoplan.search.fleet import pools
+    >>> racks = pools(load_cluster("gb200-nvl72", nodes=2))[0]
+    >>> [_placed(racks, 144, g) for g in (8, 16, 72, 144)]
     [True, False, True, True]
     """
-    if domain % span == 0 or span == per_rank or (whole is not None and span % whole == 0):
+    if pool.domain(n) % span == 0:
         return True
-    place = cluster.placement
-    for rank in range(0, cluster.num_devices, per_rank):
-        first = place(range(rank, rank + span))
-        if any(place(range(g, g + span)) != first
-               for g in range(rank + span, rank + per_rank, span)):
-            return False
-    return True
+    whole = pool.whole_node(n)
+    return whole is not None and span % whole == 0 and n % span == 0
 
 
-def _split_batch(global_batch: int, weights: Sequence[float], micro_batch: int) -> tuple[int, ...] | None:
-    """Sequences per replica in proportion to ``weights`` (speeds), in multiples of
-    ``micro_batch``, minimising the busiest replica's time ``max_r b_r / w_r``.
+def _micro_batches(space: SearchSpace, per_replica: int) -> list[int]:
+    """Micro-batch sizes tried for replicas of about ``per_replica`` sequences: every
+    divisor (what an expert would try), and powers of two for batches that split
+    unevenly."""
+    if space.micro_batches is not None:
+        return sorted({mb for mb in space.micro_batches if 1 <= mb <= per_replica})
+    top = min(per_replica, space.max_micro_batch)
+    return sorted({d for d in _divisors(per_replica) if d <= space.max_micro_batch}
+                  | {2 ** i for i in range(7) if 2 ** i <= top})
 
-    Every replica gets one micro-batch, then each further one goes to the replica that
-    would finish it first (greedy list scheduling of identical jobs on machines of
-    different speeds, optimal for the makespan); replicas of equal speed end within
-    one micro-batch of each other.  None when there are fewer micro-batches than replicas.
 
-    >>> _split_batch(24, [1.0, 1.0, 2.0], 2)
-    (6, 6, 12)
-    >>> _split_batch(8, [2.0, 1.0], 1)     # (6, 2) finishes as early; the more even wins
-    (5, 3)
-    """
-    units = global_batch // micro_batch
-    if units * micro_batch != global_batch or units < len(weights):
+def _schedules(space: SearchSpace, pp: int, m: int, blocks: int) -> list[tuple[Schedule, int]]:
+    """Pipeline schedules and chunks per rank worth pricing with ``m`` micro-batches.
+
+    GPipe only where 1F1B cannot run (fewer micro-batches than stages): the cost model
+    times them alike ((m - 1) x the slowest rank + every rank once) and GPipe holds every
+    micro-batch in flight where 1F1B holds at most pp, so GPipe is never the faster
+    layout that fits."""
+    if pp == 1:
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    one_f_one_b = Schedule.ONE_F_ONE_B in space.schedules and m >= pp
+    out: list[tuple[Schedule, int]] = []
+    for s in space.schedules:
+        if s is Schedule.GPIPE and one_f_one_b:
+            continue
+        if s is Schedule.INTERLEAVED:
+            out += [(s, v) for v in space.virtual_stages
+                    if blocks >= pp * v and m >= pp and m % pp == 0]
+        elif s is Schedule.ZERO_BUBBLE:
+            if blocks >= 2 * pp and m >= 2 * pp:
+                out.append((s, 2))
+        elif s is Schedule.ONE_F_ONE_B:
+            if m >= pp:
+                out.append((s, 1))
+        else:
+            out.append((s, 1))
+    return out
+
+
+def _ladder(space: SearchSpace, schedule: Schedule) -> tuple[list[int], list[Recompute]]:
+    """ZeRO stages and recompute options (least time first) a schedule may use: torch
+    runs neither ZeRO-3 nor selective recompute under zero-bubble schedules
+    (strategy.ZBV_ZERO3, ZBV_SELECTIVE)."""
+    zbv = schedule is Schedule.ZERO_BUBBLE
+    rcs = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+           if r in space.recompute and not (zbv and r is Recompute.SELECTIVE)]
+    return [z for z in sorted(set(space.zero)) if not (zbv and z == 3)], rcs
+
+
+def _prices(cluster, price_per_gpu_hour: Any) -> list[float] | None:
+    """Price per hour of each device (None: no price, the objective is the step time)."""
+    if price_per_gpu_hour is None:
         return None
-    base = [1] * len(weights)
-    # (finish time with one more, micro-batches now, replica): on a tie the replica with
-    # fewer takes it, so the split stays as even as the speeds allow
-    heap = [(2 / w, 1, j) for j, w in enumerate(weights)]
-    heapq.heapify(heap)
-    for _ in range(units - len(weights)):
-        _, _, j = heapq.heappop(heap)
-        base[j] += 1
-        heapq.heappush(heap, ((base[j] + 1) / weights[j], base[j], j))
-    return tuple(b * micro_batch for b in base)
+    from ..report.whatif import _prices as per_device
+    prices = per_device(cluster, price_per_gpu_hour)
+    if any(p < 0 or not math.isfinite(p) for p in prices):
+        raise ConfigError("price_per_gpu_hour must be finite and >= 0")
+    return prices
 
 
-class _Builder:
-    """Builds layouts and plans for one model on one cluster."""
+# ------------------------------------------------------------------ the search
+class _Search:
+    """State of one best-bound-first search (see the module docstring)."""
 
-    def __init__(self, graph: ModelGraph, engine: CostEngine, cluster, precision: Precision) -> None:
-        self.graph = graph
-        self.engine = engine
-        self.summary = engine.summary
-        self.cluster = cluster
-        self.precision = precision
-        self.n = cluster.num_devices
-        self.blocks = list(self.summary.block_indices)
-        self.devices = tuple(range(self.n))
-        self._speed: dict[tuple[int, ...], float] = {}
-        self.recompute: tuple[Recompute, ...] = tuple(Recompute)   # what refinement may use
-        self._bounds: dict[tuple, float] = {}
-        self._replica_speeds: dict[tuple, tuple[float, ...]] = {}
-        self._is_block = [l.is_block for l in self.summary.layers]
-        self._even: dict[int, list[tuple[int, int]]] = {}
-        self._chunks: dict[tuple, tuple[tuple[Segment, ...], ...]] = {}
-        self._rank_devices: dict[int, tuple[tuple[int, ...], ...]] = {}
+    def __init__(self, graph: ModelGraph, cluster, engine: CostEngine, builder: _Builder,
+                 space: SearchSpace, global_batch: int, use_all: bool,
+                 prices: list[float] | None, bound_s: float, tolerance: float, top_k: int,
+                 t0: float, time_limit_s: float) -> None:
+        self.graph, self.cluster, self.engine, self.builder = graph, cluster, engine, builder
+        self.space, self.batch, self.use_all = space, global_batch, use_all
+        self.pools = builder.pools
+        self.bounds = Bounds(engine, builder.precision, space.recompute, builder.pools)
+        self.blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
+        self.experts = expert_counts(graph)
+        self.bound_s, self.tolerance, self.top_k = bound_s, tolerance, top_k
+        self.t0, self.time_limit_s = t0, time_limit_s
+        self.limit_hit = False
+        # objective weight per (pool, devices): 1 (time), or the price of a sample per second
+        self._cum = None if prices is None else [
+            [0.0] + list(_cumulative(prices[d] / 3600 / global_batch for d in p.devices))
+            for p in self.pools]
+        # devices a prefix of another pool has: counted with the first pool only
+        first = self.pools[0].devices
+        self._shared_prefix = [0] + [_common_prefix(first, p.devices) for p in self.pools[1:]]
+        self.heap: list[tuple] = []
+        self._seq = 0
+        self.ranked: list[_Candidate] = []
+        self._objectives: list[float] = []     # fitting objectives, best first (top_k)
+        self.lowest: list[_Candidate] = []
+        self.seeds: list[tuple] = []           # (bound, key, layout to refine, zero bound)
+        self.least_memory: _Candidate | None = None
+        self.evaluated = self.pruned = self.refined = 0
+        self.unsplit: set[int] = set()
+        self.all_best: _Candidate | None = None
+        self.all_floor = math.inf              # bound of the unpriced layouts of all devices
+        self._sigma: dict[tuple, list[float]] = {}
+        self._zero_lb: dict[int, float] = {}   # id(candidate) -> its ZeRO stage's bound
+        self._estimates: dict[int, Any] = {}   # id(candidate) -> its Estimate
+        attention = engine.summary.kv_bytes_per_token is not None
+        self.tpcp = self._degrees(attention)
 
-    def even_bounds(self, k: int) -> list[tuple[int, int]]:
-        hit = self._even.get(k)
-        if hit is None:
-            hit = self._even[k] = self.bounds_from_counts(even_block_counts(len(self.blocks), k))
-        return list(hit)
+    # -------------------------------------------------------------- thresholds
+    def weight(self, pool: int, n: int) -> float:
+        return 1.0 if self._cum is None else self._cum[pool][n]
 
-    def bounds_from_counts(self, counts: Sequence[int]) -> list[tuple[int, int]]:
-        """Chunk bounds when chunk ``c`` holds ``counts[c]`` blocks (:func:`chunk_bounds`)."""
-        return chunk_bounds(self._is_block, counts)
+    def threshold(self) -> float:
+        """Objectives at or above this cannot enter the result."""
+        t = self.bound_s
+        if len(self._objectives) >= self.top_k:
+            t = min(t, self._objectives[self.top_k - 1] * (1 + self.tolerance))
+        return t
 
-    def proportional_bounds(self, c: _Combo) -> list[tuple[int, int]]:
-        """Blocks per rank in proportion to the rank's speed (even on identical ranks)."""
-        per_rank = c.dp * c.cp * c.tp
-        speeds = [self.replica_speed(self.devices[p * per_rank:p * per_rank + c.cp * c.tp])
-                  for p in range(c.pp)]
-        if len(set(speeds)) == 1:
-            return self.even_bounds(c.pp)
-        n = len(self.blocks)
-        if n < c.pp:
-            raise StrategyError(f"the model has {n} blocks, fewer than pp={c.pp}")
-        total = sum(speeds)
-        counts = [max(1, round(n * sp / total)) for sp in speeds]
-        while sum(counts) > n:
-            i = max((j for j in range(c.pp) if counts[j] > 1),
-                    key=lambda j: (counts[j] - n * speeds[j] / total, j))
-            counts[i] -= 1
-        while sum(counts) < n:
-            i = max(range(c.pp), key=lambda j: (n * speeds[j] / total - counts[j], -j))
-            counts[i] += 1
-        return self.bounds_from_counts(counts)
+    def _record(self, cand: _Candidate) -> None:
+        self.ranked.append(cand)
+        if cand.combo.n == self.cluster.num_devices and cand.combo.pool == 0 and \
+                (self.all_best is None or cand < self.all_best):
+            self.all_best = cand
+        if len(self._objectives) < self.top_k or cand.objective < self._objectives[-1]:
+            # one entry per distinct layout: the same combination's rungs count once
+            self._objectives.append(cand.objective)
+            self._objectives.sort()
+            del self._objectives[self.top_k:]
 
-    def replica_speed(self, devices: tuple[int, ...]) -> float:
-        hit = self._speed.get(devices)
-        if hit is None:
-            dtype = self.engine.precision_costs(self.precision).peak_dtype
-            hit = min(self.cluster.device_type_of(d).peak(dtype) for d in devices)
-            self._speed[devices] = hit
-        return hit
+    def _out_of_time(self) -> bool:
+        if time.perf_counter() - self.t0 > self.time_limit_s:
+            self.limit_hit = True
+        return self.limit_hit
 
-    def replica_splits(self, c: _Combo, global_batch: int,
-                       even: bool = False) -> list[tuple[int, ...]]:
-        """The replica splits worth pricing: :meth:`replica_batches`, and the even split
-        too when that one is uneven (speed is the devices' peak; the cost model, which
-        also sees memory-bound work and communication, decides which is faster)."""
-        split = self.replica_batches(c, global_batch, even)
-        if split is None:
-            return []
-        out = [split]
-        if len(set(split)) > 1:
-            equal = self.replica_batches(c, global_batch, even=True)
-            if equal is not None:
-                out.append(equal)
+    def _push(self, lb: float, item: tuple) -> None:
+        self._seq += 1
+        heapq.heappush(self.heap, (lb, self._seq, item))
+
+    def _floor(self, c_n: int, pool: int, lb_time: float) -> None:
+        """Note the bound of a layout of every device that is not priced."""
+        if c_n == self.cluster.num_devices and pool == 0:
+            self.all_floor = min(self.all_floor, lb_time)
+
+    # -------------------------------------------------------------- degrees
+    def _degrees(self, attention: bool) -> list[tuple[int, int]]:
+        space, graph = self.space, self.graph
+        tp_limit = _blocks_tp_limit(graph)
+        # a group of tp inside one node: any degree up to the largest node's devices (the
+        # first devices of a node count too; each prefix checks its own domain)
+        largest = max(len(n.local_ranks) for n in self.cluster.nodes)
+        if self.use_all:
+            largest = self.pools[0].domain(self.pools[0].size)
+        tps = [tp for tp in _divisors(tp_limit) if tp <= largest and (
+            (space.tensor_parallel is None or tp in space.tensor_parallel))]
+        seq = graph.seq_len or 0
+        top = self.cluster.num_devices
+        if not self.blocks:
+            attention = False       # context parallelism splits the blocks' attention
+        if space.context_parallel is None:
+            cps = [1] + ([cp for cp in range(2, top + 1) if seq % (2 * cp) == 0
+                          and seq // cp >= space.min_context_tokens]
+                         if attention and seq else [])
+        else:
+            cps = sorted(cp for cp in set(space.context_parallel)
+                         if cp == 1 or (attention and seq and seq % (2 * cp) == 0))
+        return [(tp, cp) for cp in cps for tp in tps if tp * cp <= top]
+
+    def _eps(self, pool: Pool, n: int, tp: int, cp: int, dp: int) -> list[int]:
+        """Expert parallel degrees: dividing ``dp x cp`` and every layer's experts, their
+        ``ep x tp`` groups placed alike."""
+        if not self.experts:
+            return [1]
+        space = self.space
+        eps = [ep for ep in _divisors(dp * cp)
+               if all(e % ep == 0 for e in self.experts)
+               and (space.expert_parallel is None or ep in space.expert_parallel)
+               and (ep == 1 or _placed(pool, n, ep * tp))]
+        return eps or [1]
+
+    def _sps(self, tp: int) -> list[bool]:
+        sps = [sp for sp in self.space.sequence_parallel if (sp and tp > 1) or not sp]
+        return [True, False] if tp > 1 and True in sps and False in sps else sps
+
+    # -------------------------------------------------------------- level 1: devices
+    def _sigma_of(self, pi: int, tp: int, cp: int) -> list[tuple[float, float]]:
+        """``sigma[k]``: the least time per sequence, ``S(mb) / mb``, of any micro-batch
+        ``mb <= k`` (and sequence or expert parallel option) on any device type of pool
+        ``pi`` (a lower bound of a whole model's step work per sequence), and the least of
+        one block's."""
+        key = (pi, tp, cp)
+        hit = self._sigma.get(key)
+        if hit is not None:
+            return hit
+        pool, g = self.pools[pi], tp * cp
+        top = self.space.max_micro_batch if self.space.micro_batches is None \
+            else max(self.space.micro_batches)
+        allowed = range(1, top + 1) if self.space.micro_batches is None \
+            else sorted(set(self.space.micro_batches))
+        eps = [1]
+        if self.experts:
+            eps = [ep for ep in _divisors(math.gcd(*self.experts))
+                   if self.space.expert_parallel is None or ep in self.space.expert_parallel]
+        reps = []
+        seen_types = set()
+        for i, d in enumerate(pool.devices):
+            name = self.cluster.device_type_of(d).name
+            if name not in seen_types:
+                seen_types.add(name)
+                reps.append(i)
+        per_mb = [math.inf] * (top + 1)
+        per_block = [math.inf] * (top + 1)
+        blocks = self.bounds.block_templates
+        for start in reps:
+            for ep in eps:
+                if start + g * ep > pool.size:
+                    continue
+                rank = self.bounds.rank(pi, start, g * ep)
+                for mb in allowed:
+                    for sp in self._sps(tp):
+                        s = self.bounds.time_per_micro_batch((rank,), tp, cp, ep, sp, 1, mb)
+                        per_mb[mb] = min(per_mb[mb], s / mb)
+                        x = self.bounds.sums(rank, tp, cp, ep, sp, 1, Recompute.NONE, mb)
+                        per_block[mb] = min(per_block[mb],
+                                            min((x.time_s[t] for t in blocks), default=0.0) / mb)
+        sigma = [(math.inf, math.inf)] * (top + 1)
+        low = low_block = math.inf
+        for k in range(1, top + 1):
+            low, low_block = min(low, per_mb[k]), min(low_block, per_block[k])
+            sigma[k] = (low, low_block)
+        self._sigma[key] = sigma
+        return sigma
+
+    def push_devices(self) -> None:
+        """Every (pool, devices, tp, cp, pp, dp) with its coarse bound."""
+        space, B = self.space, self.batch
+        max_pp = max(self.blocks, 1)
+        if space.pipeline_parallel is not None:
+            lo_pp, hi_pp = space.pipeline_parallel
+        else:
+            lo_pp, hi_pp = 1, max_pp
+        for pi, pool in enumerate(self.pools):
+            N = pool.size
+            skip_upto = self._shared_prefix[pi]
+            for tp, cp in self.tpcp:
+                g = tp * cp
+                if g > N:
+                    continue
+                sigma = None
+                for pp in range(max(1, lo_pp), min(hi_pp, max_pp, N // g) + 1):
+                    dps = [N // (g * pp)] if self.use_all and N % (g * pp) == 0 else \
+                        ([] if self.use_all else range(1, min(B, N // (g * pp)) + 1))
+                    for dp in dps:
+                        n = g * pp * dp
+                        if dp > B or n <= skip_upto or pool.domain(n) % tp \
+                                or not _placed(pool, n, g) or not pool.whole_nodes_first(n):
+                            continue
+                        if sigma is None:
+                            sigma = self._sigma_of(pi, tp, cp)
+                        per_seq, per_block = sigma[min(B // dp, len(sigma) - 1)]
+                        if not math.isfinite(per_seq):
+                            continue
+                        # the ranks share the work, and one holds ceil(blocks / pp) blocks
+                        lb = 0.0 if self.bounds.shared_cores(n) else \
+                            B / dp * max(per_seq / pp, -(-self.blocks // pp) * per_block)
+                        self._push(lb * self.weight(pi, n), ("d", pi, tp, cp, pp, dp, lb))
+
+    # -------------------------------------------------------------- level 2: micro-batches
+    def expand_devices(self, pi: int, tp: int, cp: int, pp: int, dp: int, lb: float) -> None:
+        pool, B = self.pools[pi], self.batch
+        n = tp * cp * pp * dp
+        w = self.weight(pi, n)
+        # (expert parallelism: each degree's ranks, the least bound counts)
+        eps = self._eps(pool, n, tp, cp, dp)
+        for mb in _micro_batches(self.space, B // dp):
+            base = _Combo(tp, cp, pp, dp, mb, Schedule.ONE_F_ONE_B, 1, False, 1, pi)
+            splits = self.builder.replica_splits(base, B, even=self.space.even_batches)
+            if not splits:
+                self.unsplit.add(dp)
+                continue
+            for split in splits:
+                counts = micro_batch_counts(split, mb)
+                for sp in self._sps(tp):
+                    # every schedule takes at least m times the busiest rank's micro-batch
+                    lb_m = self._micro_bound(pi, n, tp, cp, pp, eps, sp, mb, counts)
+                    if lb_m * w >= self.threshold():
+                        self.pruned += 1
+                        self._floor(n, pi, lb_m)
+                        continue
+                    self._push(lb_m * w, ("m", pi, tp, cp, pp, dp, mb, sp, split, counts, lb_m))
+
+    def _micro_bound(self, pi: int, n: int, tp: int, cp: int, pp: int, eps: list[int],
+                     sp: bool, mb: int, counts: tuple[int, ...]) -> float:
+        """Every schedule takes at least ``m`` times its busiest rank's micro-batch: the
+        least over the expert parallel degrees of the largest over the replica classes."""
+        if self.bounds.shared_cores(n):
+            return 0.0
+        shapes = (False, True) if pp > 1 and Schedule.ZERO_BUBBLE in self.space.schedules \
+            else (False,)
+        out = math.inf
+        for ep in eps:
+            worst = 0.0
+            for kinds, m, _ in self.bounds.classes(pi, n, pp, tp, cp, ep, 1, counts):
+                if pp == 1:
+                    t = self.bounds.time_per_micro_batch(kinds, tp, cp, ep, sp, 1, mb)
+                else:
+                    t = min(self.bounds.busiest(kinds, tp, cp, ep, sp, 1, mb, pp, 1, v_shape)
+                            for v_shape in shapes)
+                worst = max(worst, m * t)
+            out = min(out, worst)
         return out
 
-    def replica_speeds(self, c: _Combo) -> tuple[float, ...]:
-        """Each replica's speed: the lowest peak of its devices over all pipeline ranks."""
-        key = (c.tp, c.cp, c.pp, c.dp)
-        speeds = self._replica_speeds.get(key)
-        if speeds is None:
-            per_rank = c.dp * c.cp * c.tp
-            out = []
-            for r in range(c.dp):
-                t = math.inf
-                for p in range(c.pp):
-                    devs = self.devices[p * per_rank:(p + 1) * per_rank]
-                    rep = devs[r * c.cp * c.tp:(r + 1) * c.cp * c.tp]
-                    t = min(t, self.replica_speed(rep))
-                out.append(t)
-            speeds = self._replica_speeds[key] = tuple(out)
-        return speeds
+    def _classes(self, c: _Combo, zero: int, counts: tuple[int, ...]) -> list:
+        return self.bounds.classes(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, zero, counts)
 
-    def replica_batches(self, c: _Combo, global_batch: int,
-                        even: bool = False) -> tuple[int, ...] | None:
-        """Micro-batches per replica: equal on identical replicas, in proportion to speed
-        otherwise (``even``: always equal, None when the batch does not divide)."""
-        if even:
-            if global_batch % (c.dp * c.micro_batch):
+    # -------------------------------------------------------------- level 3: schedules
+    def expand_micro(self, pi: int, tp: int, cp: int, pp: int, dp: int, mb: int, sp: bool,
+                     split: tuple[int, ...], counts: tuple[int, ...]) -> None:
+        pool = self.pools[pi]
+        n = tp * cp * pp * dp
+        w = self.weight(pi, n)
+        # the schedules of the even split's micro-batches (torch's limits checked per
+        # replica below)
+        for sched, v in _schedules(self.space, pp, max(1, self.batch // (dp * mb)),
+                                   self.blocks):
+            if any(schedule_problem(sched, pp, v, m) for m in set(counts)):
+                continue
+            zeros, _ = _ladder(self.space, sched)
+            for ep in self._eps(pool, n, tp, cp, dp):
+                c = _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, pi)
+                bounds = self.cheap_bounds(c, counts, zeros)
+                for z, lb in bounds.items():
+                    if lb * w >= self.threshold():
+                        self.pruned += 1
+                        self._floor(n, pi, lb)
+                        continue
+                    self._push(lb * w, ("s", c, split, counts, z))
+                if not bounds:
+                    self.pruned += 1
+
+    def cheap_bounds(self, c: _Combo, counts: tuple[int, ...],
+                     zeros: list[int]) -> dict[int, float]:
+        """:meth:`Bounds.cheap_bound` of each ZeRO stage some layout of ``c`` can fit at,
+        plus the optimizer's step (:meth:`Bounds.tail`), the largest over the replica
+        classes."""
+        out: dict[int, float] = {z: 0.0 for z in zeros}
+        bounds = self.bounds
+        for kinds, m, caps in self._classes(c, 1, counts):
+            # a higher ZeRO stage holds no more: once one fits its least-memory option,
+            # every higher one does
+            fits_from = None
+            for z in sorted(out):
+                least = bounds.least_memory(z, c.schedule)
+                if least is not None and bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp,
+                                                     c.cp, c.ep, c.sp, z, least,
+                                                     c.micro_batch, c.schedule, m, caps):
+                    fits_from = z
+                    break
+            if fits_from is None:
+                return {}
+            base = bounds.cheap_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                                      [], c.micro_batch, c.schedule, m, caps)
+            for z in list(out):
+                if z < fits_from:
+                    del out[z]
+                    continue
+                out[z] = max(out[z], base + bounds.tail(kinds, c.tp, c.cp, c.ep, z,
+                                                        c.n // c.pp // c.tp, c.pp, m))
+        return out
+
+    def cheap_bound(self, c: _Combo, counts: tuple[int, ...], zero: int) -> float | None:
+        """:meth:`cheap_bounds` of one ZeRO stage (None: no layout of ``c`` at it fits)."""
+        return self.cheap_bounds(c, counts, [zero]).get(zero)
+
+    def expand_combo(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...],
+                     zero: int, exact: bool = False, lb_before: float = 0.0) -> None:
+        """The bound of ZeRO stage ``zero`` of ``c``; the combination again, at it.
+
+        At ZeRO-2/3 the bound without the data-parallel collectives first
+        (:meth:`Bounds.zero_bound`'s ``exact=False``: no terms of the data-parallel
+        group to price), the exact one once that is the least bound left."""
+        exact = exact or zero < 2
+        lb = self.zero_bound(c, counts, zero, exact)
+        if lb is None:
+            self.pruned += 1
+            return
+        lb = max(lb, lb_before)
+        w = self.weight(c.pool, c.n)
+        if lb * w >= self.threshold():
+            self.pruned += 1
+            self._floor(c.n, c.pool, lb)
+            return
+        if not exact:
+            if self.heap and lb * w > self.heap[0][0]:
+                self._push(lb * w, ("z", c, split, counts, zero, True, lb))
+                return
+            self.expand_combo(c, split, counts, zero, True, lb)
+        elif self.heap and lb * w > self.heap[0][0]:
+            self._push(lb * w, ("c", c, split, counts, ((lb, zero),)))
+        else:
+            self.climb(c, split, counts, ((lb, zero),))
+
+    def zero_bound(self, c: _Combo, counts: tuple[int, ...], zero: int,
+                   exact: bool = True) -> float | None:
+        """:meth:`Bounds.zero_bound`, the largest over the replica classes (None: no layout
+        of ``c`` at ``zero`` fits)."""
+        if self.bounds.least_memory(zero, c.schedule) is None:
+            return None
+        threshold = self.threshold() / self.weight(c.pool, c.n)
+        lb = 0.0
+        for kinds, m, caps in self._classes(c, zero, counts):
+            x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
+                                       zero, c.micro_batch, c.schedule, m, threshold, caps=caps,
+                                       exact=exact)
+            if x is None:
                 return None
-            return (global_batch // (c.dp * c.micro_batch),) * c.dp
-        speeds = self.replica_speeds(c)
-        if len(set(speeds)) == 1 and global_batch % (c.dp * c.micro_batch) == 0:
-            return (global_batch // (c.dp * c.micro_batch),) * c.dp
-        # replicas of different speeds, or a batch that does not divide: split in proportion
-        # to speed, in whole micro-batches (the step waits for the busiest replica)
-        split = _split_batch(global_batch, speeds, c.micro_batch)
-        return None if split is None else tuple(b // c.micro_batch for b in split)
+            lb = max(lb, x)
+        return lb
 
-    def layout(self, c: _Combo, zero: int, rc: Recompute, replica_mbs: tuple[int, ...],
-               global_batch: int, bounds: Sequence[tuple[int, int]] | None = None,
-               options: Sequence[Sequence[tuple[int, Recompute]]] | None = None) -> Layout:
-        """A layout; ``options[k]`` optionally gives ``(blocks, recompute)`` runs per chunk."""
-        k = c.pp * c.v
-        if bounds is None:
-            bounds = self.proportional_bounds(c) if c.v == 1 else self.even_bounds(k)
-        bounds = list(bounds)
-        key = (tuple(bounds), c.tp, c.sp, zero, rc) if options is None else None
-        chunks = self._chunks.get(key) if key is not None else None
-        if chunks is None:
-            chunks = self._segments(c, zero, rc, bounds, options)
-            if key is not None:
-                if len(self._chunks) > 4096:
-                    self._chunks.clear()
-                self._chunks[key] = chunks
-        per_rank = c.dp * c.cp * c.tp
-        rank_devices = self._rank_devices.get(c.pp)
-        if rank_devices is None:   # one map per pp (the engine caches by its identity)
-            rank_devices = self._rank_devices[c.pp] = tuple(
-                self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp))
-        return Layout(c.pp, c.v, c.dp, c.cp, c.micro_batch, global_batch, replica_mbs,
-                      c.schedule, self.precision, chunks, rank_devices, (c.tp,) * c.pp,
-                      padded=len(set(replica_mbs)) > 1 and (zero >= 2 or c.ep > 1), ep=c.ep)
+    def zero_bounds(self, c: _Combo, counts: tuple[int, ...]) -> list[tuple[float, int]]:
+        """``(bound, zero)`` of every ZeRO stage some layout of ``c`` can fit at, least
+        bound first (:meth:`zero_bound`)."""
+        zeros, _ = _ladder(self.space, c.schedule)
+        out = [(lb, z) for z in zeros if (lb := self.zero_bound(c, counts, z)) is not None]
+        return sorted(out)
 
-    def _segments(self, c: _Combo, zero: int, rc: Recompute, bounds: list[tuple[int, int]],
-                  options: Sequence[Sequence[tuple[int, Recompute]]] | None
-                  ) -> tuple[tuple[Segment, ...], ...]:
-        """Each chunk's segments (runs of layers with the same options)."""
-        is_block = self._is_block
-        chunks = []
-        for ci, (lo, hi) in enumerate(bounds):
-            runs = list(options[ci]) if options is not None else None
-            segs: list[Segment] = []
-            start = lo
-            for i in range(lo, hi + 1):
-                edge = i == hi or (i > start and is_block[i] != is_block[start])
-                if not edge:
+    # -------------------------------------------------------------- level 4: the ladder
+    def climb(self, c: _Combo, split: tuple[int, ...], counts: tuple[int, ...],
+              zero_bounds: tuple[tuple[float, int], ...]) -> None:
+        """Price ``c`` at each ZeRO stage whose bound is below the threshold, recompute
+        climbing until a layout fits (more recompute only adds time).  A stage whose
+        uniform options are all bounded out, or none of which fits, still leaves its
+        least-memory layout as a seed for refinement (mixed recompute may fit and win)."""
+        builder, engine, bounds = self.builder, self.engine, self.bounds
+        w = self.weight(c.pool, c.n)
+        _, rcs = _ladder(self.space, c.schedule)
+        for lb, z in zero_bounds:
+            if lb * w >= self.threshold():
+                self.pruned += 1
+                self._floor(c.n, c.pool, lb)
+                continue
+            classes = self._classes(c, z, counts)
+            seed: Recompute | None = None
+            for rc in rcs:
+                if not all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep,
+                                       c.sp, z, rc, c.micro_batch, c.schedule, m, caps)
+                           for kinds, m, caps in classes):
                     continue
-                if not is_block[start]:
-                    segs.append(Segment(start, i, c.tp, c.sp, zero, Recompute.NONE))
-                elif runs is None:
-                    segs.append(Segment(start, i, c.tp, c.sp, zero, rc))
-                else:
-                    j = start
-                    while j < i and runs:
-                        count, opt = runs[0]
-                        take = min(count, i - j)
-                        if take > 0:
-                            segs.append(Segment(j, j + take, c.tp, c.sp, zero, opt))
-                        j += take
-                        if take == count:
-                            runs.pop(0)
-                        else:
-                            runs[0] = (count - take, opt)
-                    if j < i:
-                        segs.append(Segment(j, i, c.tp, c.sp, zero, rc))
-                start = i
-            chunks.append(tuple(segs))
-        return tuple(chunks)
+                seed = rc
+                uniform = max(bounds.step_bound(c.schedule, c.pp, c.v, m, sum(
+                    count * min(bounds.sums(k, c.tp, c.cp, c.ep, c.sp, z, rc,
+                                            c.micro_batch).time_s[t] for k in kinds)
+                    for t, count in bounds.layers), c.n) for kinds, m, _ in classes)
+                if max(lb, uniform) * w >= self.threshold():
+                    self.pruned += 1
+                    break                # this and more recompute: bounded out
+                try:
+                    lay = builder.layout(c, z, rc, counts, self.batch)
+                    q = engine.estimate(lay, ledger=False)   # (its records: refinement's bound reads them)
+                except StrategyError:
+                    seed = None
+                    break
+                self.evaluated += 1
+                cand = _Candidate(q.step_time_s * w, q.step_time_s, q.peak_memory_bytes,
+                                  c.key() + (z, rc.value, split), c, z, rc, lay, split, q.fits)
+                if self.least_memory is None or q.peak_memory_bytes < self.least_memory.peak_bytes:
+                    self.least_memory = cand
+                if q.fits:
+                    self._zero_lb[id(cand)] = lb
+                    self._estimates[id(cand)] = q
+                    self._record(cand)
+                    seed = None
+                    break
+                if c.v == 1:
+                    self.lowest.append(cand)
+                    if len(self.lowest) > 64:
+                        self.lowest.sort(key=lambda x: (x.peak_bytes, x.key))
+                        del self.lowest[32:]
+                if cand.objective >= self.threshold():
+                    break
+            else:
+                # every uniform option priced and none fits: the last (least memory) seeds
+                pass
+            if seed is not None and c.v == 1 and self.builder.blocks:
+                for later in rcs[rcs.index(seed) + 1:]:
+                    if all(bounds.fits(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep,
+                                       c.sp, z, later, c.micro_batch, c.schedule, m, caps)
+                           for kinds, m, caps in classes):
+                        seed = later
+                lay = builder.layout(c, z, seed, counts, self.batch)
+                self.seeds.append((lb * w, c.key() + (z, seed.value, split, "seed"),
+                                   _Candidate(math.inf, math.inf, math.inf,
+                                              c.key() + (z, seed.value, split), c, z, seed,
+                                              lay, split, False), lb))
 
-    def busy_bound(self, c: _Combo, m: int) -> float:
-        """A lower bound of the step time of every layout of ``c`` with ``m`` micro-batches
-        per replica: the schedule's time (:func:`autoplan.cost.pipeline_time`, which grows
-        with every rank's time) when the pipeline ranks share the least time each layer
-        takes on any of them (:meth:`CostEngine.layer_time_bound`: compute and exposed
-        tensor-, context- and expert-parallel collectives) evenly: with ``pp`` ranks'
-        times adding up to ``S`` the busiest takes at least ``S / pp``, and every schedule
-        is fastest for equal ranks.  Recompute, sharding, pipeline sends, the
-        data-parallel step and the optimizer only add to it."""
-        key = (c.tp, c.cp, c.pp, c.dp, c.micro_batch, c.sp, c.ep)
-        per_mb = self._bounds.get(key)
-        if per_mb is None:
-            engine = self.engine
-            per_rank = c.dp * c.cp * c.tp
-            ranks = [self.devices[p * per_rank:(p + 1) * per_rank] for p in range(c.pp)]
-            node = _whole_nodes(self.cluster)
-            if engine.homogeneous and node is not None \
-                    and (per_rank % node == 0 or node % per_rank == 0):
-                ranks = ranks[:1]   # every rank's groups are alike: translated by whole nodes
-            total = 0.0
-            for template, count in engine.layer_counts(0, self.summary.num_layers):
-                ep = c.ep if engine.template(template).expert_params else 1
-                total += count * min(engine.layer_time_bound(template, devs, c.tp, c.cp, ep, c.sp,
-                                                             c.micro_batch, self.precision)
-                                     for devs in ranks)
-            per_mb = self._bounds[key] = total / c.pp
-        return pipeline_time(c.schedule, [per_mb] * c.pp, m, virtual_stages=c.v)
+    # -------------------------------------------------------------- the loop
+    def run(self) -> None:
+        self.push_devices()
+        pops = 0
+        while self.heap:
+            lb, _, item = self.heap[0]
+            if lb >= self.threshold():
+                break
+            heapq.heappop(self.heap)
+            pops += 1
+            if pops % 64 == 0 and self._out_of_time():
+                break
+            kind = item[0]
+            if kind == "d":
+                self.expand_devices(*item[1:6], item[6])
+            elif kind == "m":
+                self.expand_micro(*item[1:10])
+            elif kind in "sz":
+                self.expand_combo(*item[1:])
+            else:
+                self.climb(*item[1:])
+        for lb, _, item in self.heap:          # what was never reached
+            if item[0] in "csz":
+                self._floor(item[1].n, item[1].pool, lb / self.weight(item[1].pool, item[1].n))
+            else:
+                pi, tp, cp, pp, dp = item[1:6]
+                self._floor(tp * cp * pp * dp, pi, item[-1])
 
-    def plan(self, lay: Layout, global_batch: int) -> Plan:
-        """The :class:`Plan` record of a layout (the engine prices both the same)."""
-        layers = self.summary.layers
-        pp, v = lay.pp, lay.virtual_stages
-        stages, placements = [], []
-        for k, chunk in enumerate(lay.chunks):
-            rank = lay.stage_ranks[k]
-            devs = lay.rank_devices[rank]
-            names = []
-            for seg in chunk:
-                for i in range(seg.lo, seg.hi):
-                    names.append(layers[i].name)
-                    placements.append(LayerPlacement(layers[i].name, k, seg.tp,
-                                                     seg.sequence_parallel, seg.zero, seg.recompute))
-            types = list(dict.fromkeys(self.cluster.device_type_of(d).name for d in devs))
-            stages.append(StagePlan(k, rank, k // pp, tuple(names), tuple(devs), "+".join(types),
-                                    lay.rank_tp[rank], lay.dp, lay.cp))
-        mesh = MeshPlan(MESH_DIMS, (pp, lay.dp, lay.cp, lay.rank_tp[0]),
-                        tuple(d for devs in lay.rank_devices for d in devs), ep=lay.ep)
-        replica_batch = tuple(m * lay.micro_batch for m in lay.replica_micro_batches)
-        return Plan(model=self.graph.model, title=self.graph.title, cluster=ClusterSummary.from_cluster(self.cluster),
-                    global_batch=global_batch, seq_len=self.graph.seq_len,
-                    precision=lay.precision, mesh=mesh, stages=tuple(stages),
-                    layers=tuple(placements), micro_batch=lay.micro_batch,
-                    num_micro_batches=max(lay.replica_micro_batches),
-                    replica_batch=replica_batch, schedule=lay.schedule, virtual_stages=v)
-
-
-# ------------------------------------------------------------------ enumeration
-def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
-            attention: bool = True) -> Iterable[_Combo]:
-    """Degree combinations, context-parallel degree outermost with cp = 1 first (its plans
-    bound the step time that prunes the others).  ``attention``: the model's key/value
-    size is known, so context parallelism can be priced.  Expert parallel degrees (models
-    with expert banks only) divide ``dp x cp`` and every layer's experts, ep = 1 first."""
-    n = cluster.num_devices
-    experts = expert_counts(graph)
-    domain = _domain_size(cluster)      # tp x cp groups tile it (inside one NVLink domain)
-    whole = _whole_nodes(cluster)
-    placed_cache: dict[tuple[int, int], bool] = {}
-
-    def placed(span: int, per_rank: int) -> bool:
-        hit = placed_cache.get((span, per_rank))
-        if hit is None:
-            hit = placed_cache[(span, per_rank)] = _groups_placed(cluster, span, per_rank,
-                                                                  domain, whole)
-        return hit
-    tp_limit = _blocks_tp_limit(graph)
-    blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
-    seq = graph.seq_len or 0
-    # the runtime splits each sequence into 2 cp load-balanced chunks
-    cps = sorted(cp for cp in set(space.context_parallel)
-                 if cp == 1 or (attention and seq and seq % (2 * cp) == 0))
-    for cp, tp in ((cp, tp) for cp in cps for tp in _divisors(domain)):
-        if tp_limit % tp or (space.tensor_parallel is not None and tp not in space.tensor_parallel):
-            continue
-        if (n // tp) % cp or domain % (tp * cp):
-            continue   # the key/value all-gather stays inside a domain, as tp's collectives do
-        rest = n // (tp * cp)
-        for pp in _divisors(rest):
-            if pp > max(blocks, 1):     # a model without repeated blocks runs as one stage
+    def refine_all(self) -> None:
+        """CP-SAT on every candidate, and every seed (a least-memory layout of a ZeRO
+        stage none of whose uniform options fit or is bounded in), whose refinement bound
+        is below the threshold, least bound first."""
+        space, engine, bounds = self.space, self.engine, self.bounds
+        queue, seen = [], set()
+        for cand in sorted(self.ranked):
+            c = cand.combo
+            if c.v != 1 or not self.builder.blocks or (c.key(), cand.zero) in seen:
                 continue
-            if space.pipeline_parallel is not None and \
-                    not space.pipeline_parallel[0] <= pp <= space.pipeline_parallel[1]:
+            if c.pp == 1 and cand.recompute is Recompute.NONE:
+                continue        # one stage, nothing recomputed: nothing to refine
+            seen.add((c.key(), cand.zero))
+            queue.append((self._zero_lb.get(id(cand), 0.0) * self.weight(c.pool, c.n),
+                          cand.key, cand))
+        for coarse, key, cand, _ in self.seeds:
+            if (cand.combo.key(), cand.zero) not in seen:
+                seen.add((cand.combo.key(), cand.zero))
+                queue.append((coarse, key, cand))
+        queue.sort(key=lambda x: (x[0], x[1]))
+        homogeneous = engine.homogeneous
+        for coarse, _, cand in queue:
+            if coarse >= self.threshold() or self._out_of_time():
+                break
+            if space.refine is not None and self.refined >= space.refine:
+                break
+            c = cand.combo
+            w = self.weight(c.pool, c.n)
+            est = self._estimates.get(id(cand))
+            if homogeneous:
+                kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, cand.zero)
+                tight = refine_bound(cand, engine, bounds, kinds, True, estimate=est)
+            else:
+                tight = max(refine_bound(cand, engine, bounds, kinds, False, m, caps,
+                                         estimate=est)
+                            for kinds, m, caps in self._classes(
+                                c, cand.zero, cand.layout.replica_micro_batches))
+            if tight * w >= self.threshold():
                 continue
-            dp = rest // pp
-            if dp > global_batch:
+            better = refine(cand, self.builder, self.batch, w)
+            self.refined += 1
+            if better is not None and better.step_time_s < cand.step_time_s * (1 - 1e-9):
+                self._record(better)
+
+    def rescue(self) -> None:
+        """Nothing fits evenly: let CP-SAT rebalance the least-memory candidates (e.g. fewer
+        layers on the stage of smaller GPUs), and price the combinations the memory bound
+        ruled out, for the message."""
+        for cand in sorted(self.lowest, key=lambda x: (x.peak_bytes, x.key))[:16]:
+            better = refine(cand, self.builder, self.batch, self.weight(cand.combo.pool,
+                                                                          cand.combo.n))
+            self.refined += 1
+            if better is not None:
+                self._record(better)
+        if self.ranked:
+            return
+        # for the message: the least memory of any layout of every device (each degree
+        # combination at its least-memory option, one-sequence micro-batches)
+        for c in self._least_memory_combos():
+            zeros, rcs = _ladder(self.space, c.schedule)
+            if not zeros or not rcs:
                 continue
-            per_replica = global_batch // dp
-            if space.micro_batches is not None:
-                mbs = [mb for mb in space.micro_batches if mb <= per_replica]
-            else:   # every divisor (what an expert would try), plus powers of two for
-                # batches that split unevenly over the replicas
-                mbs = sorted({d for d in _divisors(per_replica) if d <= space.max_micro_batch}
-                             | {2 ** i for i in range(7) if 2 ** i <= min(per_replica,
-                                                                         space.max_micro_batch)})
-            for mb in mbs:
-                if dp * mb > global_batch:
+            split = self.builder.replica_batches(c, self.batch, self.space.even_batches)
+            if split is None:
+                continue
+            counts = micro_batch_counts(split, c.micro_batch)
+            if any(schedule_problem(c.schedule, c.pp, c.v, m) for m in set(counts)):
+                continue
+            try:
+                lay = self.builder.layout(c, zeros[-1], rcs[-1], counts, self.batch)
+                q = self.engine.quick(lay)
+            except StrategyError:
+                continue
+            self.evaluated += 1
+            cand = _Candidate(q.step_time_s, q.step_time_s, q.peak_memory_bytes,
+                              c.key() + (zeros[-1], rcs[-1].value, split), c, zeros[-1],
+                              rcs[-1], lay, split, q.fits)
+            if self.least_memory is None or q.peak_memory_bytes < self.least_memory.peak_bytes:
+                self.least_memory = cand
+
+    def _least_memory_combos(self) -> Iterable[_Combo]:
+        """Every degree combination of all of the first pool's devices with one-sequence
+        micro-batches, sequence parallelism where tp > 1, 1F1B (GPipe where 1F1B cannot
+        run) and each expert parallel degree."""
+        pool = self.pools[0]
+        N = pool.size
+        lo_pp, hi_pp = self.space.pipeline_parallel or (1, max(self.blocks, 1))
+        for tp, cp in self.tpcp:
+            g = tp * cp
+            for pp in range(max(lo_pp, 1), min(hi_pp, max(self.blocks, 1)) + 1):
+                if N % (g * pp) or pool.domain(N) % tp or not _placed(pool, N, g):
                     continue
-                m = global_batch // (dp * mb)
-                scheds: list[tuple[Schedule, int]] = []
-                if pp == 1:
-                    scheds = [(Schedule.ONE_F_ONE_B, 1)]
-                else:
-                    for s in space.schedules:
-                        if s is Schedule.INTERLEAVED:
-                            scheds += [(s, v) for v in space.virtual_stages
-                                       if blocks >= pp * v and m >= pp and m % pp == 0]
-                        elif s is Schedule.ZERO_BUBBLE:
-                            if blocks >= 2 * pp and m >= 2 * pp:
-                                scheds.append((s, 2))
-                        elif s is Schedule.ONE_F_ONE_B:
-                            if m >= pp:
-                                scheds.append((s, 1))
-                        else:
-                            scheds.append((s, 1))
-                sps = [sp for sp in space.sequence_parallel if (sp and tp > 1) or not sp]
-                if tp > 1 and True in sps and False in sps:
-                    sps = [True, False]
-                # an ep group spans ep x tp consecutive devices (same tp index): inside one
-                # NVLink domain or over whole nodes, never straddling a domain's edge
-                eps = [ep for ep in _divisors(dp * cp)
-                       if experts and all(e % ep == 0 for e in experts)
-                       and (space.expert_parallel is None or ep in space.expert_parallel)
-                       and (ep == 1 or placed(ep * tp, dp * cp * tp))] or [1]
-                for sched, v in scheds:
-                    for sp in sps:
-                        for ep in eps:
-                            yield _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep)
+                dp = N // (g * pp)
+                if dp > self.batch:
+                    continue
+                m = self.batch // dp
+                sched = Schedule.ONE_F_ONE_B if pp == 1 or m >= pp else Schedule.GPIPE
+                for ep in self._eps(pool, N, tp, cp, dp):
+                    yield _Combo(tp, cp, pp, dp, 1, sched, 1, self._sps(tp)[0], ep, 0)
+
+    def idle_reason(self, cand: _Candidate, label: str) -> str:
+        """Why ``cand`` leaves devices idle (empty when it uses them all)."""
+        n = self.cluster.num_devices
+        if cand.combo.n == n and cand.combo.pool == 0:
+            return ""
+        all_best = None
+        if self.all_best is not None and self.all_best.step_time_s <= self.all_floor:
+            best = self.builder.plan(self.all_best.layout, self.batch, self.all_best.replica_batch)
+            all_best = (self.all_best.step_time_s, best.label(compact=True))
+        floor = self.all_floor
+        if self.all_best is not None:
+            floor = min(floor, self.all_best.step_time_s)
+        return idle_text(self.cluster, self.builder.devices(cand.combo), cand.step_time_s,
+                         label, all_best, floor, "time" if self._cum is None else "price")
 
 
-def _ladder(space: SearchSpace, schedule: Schedule) -> list[list[tuple[int, Recompute]]]:
-    """Rungs of (ZeRO stage, recompute), cheapest first; a rung is tried only when the
-    rungs below hold nothing that fits."""
-    zbv = schedule is Schedule.ZERO_BUBBLE
-    # what torch cannot run under zero-bubble schedules (strategy.ZBV_ZERO3, ZBV_SELECTIVE)
-    rc = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-          if r in space.recompute and not (zbv and r is Recompute.SELECTIVE)]
-    zs = [z for z in space.zero if not (zbv and z == 3)]
-    rungs = [
-        [(z, Recompute.NONE) for z in zs if z in (0, 1)],
-        [(z, r) for z in zs for r in rc if (z, r) in ((0, Recompute.SELECTIVE),
-                                                      (1, Recompute.SELECTIVE),
-                                                      (2, Recompute.NONE),
-                                                      (2, Recompute.SELECTIVE))],
-        [(z, r) for z in zs for r in rc if (z == 3 and r is not Recompute.FULL)
-         or (r is Recompute.FULL)],
-    ]
-    return [r for r in rungs if r]
+def _cumulative(values: Iterable[float]) -> Iterable[float]:
+    total = 0.0
+    for v in values:
+        total += v
+        yield total
 
 
-# ------------------------------------------------------------------ refinement
-def _refine(cand: _Candidate, builder: _Builder, global_batch: int) -> _Candidate | None:
-    """CP-SAT over blocks per rank and recompute per block, from the candidate's layout."""
-    c, engine, s = cand.combo, builder.engine, builder.summary
-    if c.v != 1 or not builder.blocks:
-        return None
-    lay = cand.layout
-    full = engine.estimate(lay)
-    recipe = engine.precision_costs(lay.precision)
-    act_scale = recipe.activation_scale
-    m = max(lay.replica_micro_batches)
-    opts = [r for r in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-            if r in builder.recompute
-            and not (r is Recompute.SELECTIVE and engine.options.fused_attention)]
-    mid = s.layers[builder.blocks[len(builder.blocks) // 2]]
-    zero_deg = c.dp * c.cp
-
-    def state_bytes_over(shards: int) -> float:
-        """Weight, gradient and optimizer bytes per parameter under the candidate's ZeRO
-        stage over ``shards`` ranks."""
-        weights, grads, optimizer = recipe.param_bytes, recipe.grad_bytes, recipe.optimizer_bytes
-        return {0: weights + grads + optimizer, 1: weights + grads + optimizer / shards,
-                2: weights + (grads + optimizer) / shards,
-                3: (weights + grads + optimizer) / shards}[cand.zero]
-
-    state_bytes = state_bytes_over(zero_deg)
-    # expert banks: 1/ep of them per device, their states sharded over dp x cp / ep
-    ep = c.ep if mid.expert_params else 1
-    x = mid.expert_params if ep > 1 else 0
-    local_params = mid.sharded_params / c.tp + (mid.params - mid.sharded_params - x)
-    local_x, state_x = x / ep, state_bytes_over(zero_deg // c.ep)
-    time_us, mem_mib, fixed_t, fixed_m, cap = [], [], [], [], []
-    counts_now = []
-    for p in range(c.pp):
-        chunk = lay.chunks[p]
-        nblocks = sum(seg.hi - seg.lo for seg in chunk if s.layers[seg.lo].is_block)
-        counts_now.append(nblocks)
-        device = engine.device_of(lay.rank_devices[p][:c.cp * c.tp])
-        layer_time = engine.template_time(mid.template, c.micro_batch, c.tp, c.cp, device,
-                                          recipe.dtype, False, ep)
-        forward, backward = layer_time.forward_s, layer_time.backward_s
-        # the token all-to-alls: dispatch and combine, forward and backward
-        ep_group = lay.rank_devices[p][0::c.tp][:ep]
-        a2a = engine.collective_time("all_to_all", ep_group,
-                                     engine.dispatch_bytes(mid, c.micro_batch, c.cp, act_scale,
-                                                           c.tp, ep_group)) \
-            if ep > 1 else 0.0
-        flight = in_flight(c.schedule, p, c.pp, m, 1)
-        t_row, m_row = [], []
-        for rc in opts:
-            extra = forward if rc is Recompute.FULL else \
-                (layer_time.core_forward_s if rc is Recompute.SELECTIVE else 0.0)
-            comm = a2a * (6 if rc is Recompute.FULL else 4)
-            t_row.append(max(1, round((forward + backward + extra + comm) * 1e6)))
-            act = engine.activation_bytes(mid, c.tp, c.sp, rc, c.cp) * c.micro_batch * act_scale \
-                * flight
-            m_row.append(max(1, math.ceil((act + local_params * state_bytes
-                                           + local_x * state_x) / _MiB)))
-        time_us.append(tuple(t_row))
-        mem_mib.append(tuple(m_row))
-        st = full.stages[p]
-        per_mb = st.forward_s + st.backward_s
-        base_rc = opts.index(cand.recompute) if cand.recompute in opts else 0
-        fixed_t.append(max(0, round(per_mb * 1e6) - nblocks * t_row[base_rc]))
-        fixed_m.append(max(0, math.ceil(st.memory.total_bytes / _MiB) - nblocks * m_row[base_rc]))
-        cap.append(int(st.memory_capacity_bytes * engine.options.memory_fraction / _MiB))
-    base = opts.index(cand.recompute) if cand.recompute in opts else 0
-    hint = tuple(tuple(counts_now[p] if o == base else 0 for o in range(len(opts)))
-                 for p in range(c.pp))
-    problem = StageProblem(num_blocks=len(builder.blocks), options=tuple(o.value for o in opts),
-                           time_us=tuple(time_us), memory_mib=tuple(mem_mib),
-                           fixed_time_us=tuple(fixed_t), fixed_memory_mib=tuple(fixed_m),
-                           capacity_mib=tuple(cap), hint=hint)
-    best: _Candidate | None = None
-    for _ in range(3):   # tighten the budget if the engine disagrees on memory
-        try:
-            sol = solve_stage_problem(problem)
-        except InfeasiblePlan:
-            return best
-        counts = [sum(row) for row in sol.counts]
-        # within a rank: the most memory-saving options first (earliest layers live longest)
-        runs = [[(row[o], opts[o]) for o in reversed(range(len(opts))) if row[o]] for row in sol.counts]
-        bounds = builder.bounds_from_counts(counts)
-        new = builder.layout(c, cand.zero, cand.recompute, lay.replica_micro_batches, global_batch,
-                             bounds=bounds, options=runs)
-        q = engine.quick(new)
-        if q.fits:
-            rcs = {r for run in runs for _, r in run}
-            best = _Candidate(q.step_time_s, q.peak_memory_bytes, cand.key + ("refined",), c, cand.zero,
-                              cand.recompute if len(rcs) != 1 else next(iter(rcs)), new)
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
             break
-        over = math.ceil((q.peak_memory_bytes - min(cap) * _MiB) / _MiB) + 1
-        problem = replace(problem, capacity_mib=tuple(max(1, x - max(over, 1)) for x in problem.capacity_mib))
-    return best
-
-
-#: A refined layout takes at least this fraction of its candidate's step time: refinement
-#: removes at most the recompute, and full recompute re-runs a forward, which is at most a
-#: third of forward plus backward (the backward runs two matmuls per forward matmul,
-#: Narayanan et al. 2021, Sec. 3.5), so at most a quarter of the step.
-REFINE_FLOOR = 3 / 4
-
-
-def _refine_order(ranked: list[_Candidate], engine: CostEngine, budget: int) -> list[_Candidate]:
-    """The candidates worth refining, best first: those whose step time could drop below
-    the best candidate's (``REFINE_FLOOR``), ordered by what refinement could reach at
-    best, the step time without the candidate's recompute (CP-SAT chooses recompute per
-    block and blocks per stage), one per degree combination."""
-    if not ranked:
-        return []
-    limit = ranked[0].step_time_s / REFINE_FLOOR
-    pool, seen = [], set()
-    for cand in ranked:
-        if cand.step_time_s > limit:
-            break
-        if cand.combo.v != 1 or cand.combo.key() in seen:
-            continue   # only single-chunk pipelines are refined (see _refine)
-        seen.add(cand.combo.key())
-        pool.append(cand)
-    bound = {id(c): c.step_time_s - engine.estimate(c.layout).breakdown["recompute_s"]
-             for c in pool}
-    return sorted(pool, key=lambda c: (bound[id(c)], c.step_time_s, c.key))
+        k += 1
+    return k
 
 
 # ------------------------------------------------------------------ search
 def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: float = 0.9,
            time_limit_s: float = 60.0, top_k: int = 1, precision: Precision | str = Precision.BF16,
            options: CostOptions | None = None, space: SearchSpace | None = None,
-           bound_s: float = math.inf) -> SearchResult:
+           bound_s: float = math.inf, use_all_devices: bool = False,
+           price_per_gpu_hour: float | Mapping[str, float] | None = None,
+           tolerance: float = 0.0) -> SearchResult:
     """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`.
 
-    ``bound_s``: the step time of a plan already known to fit (a warm start); degree
-    combinations whose cheapest layout is slower are pruned without climbing the ladder.
+    ``bound_s``: the step time of a plan already known to fit (a warm start); layouts
+    whose bound is at least this are not priced.  ``tolerance``: also price every layout
+    within this fraction of the best and keep the distinct plans among them
+    (``SearchResult.alternatives``; what :func:`autoplan.replan` chooses among).
     """
     t0 = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -708,12 +843,13 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                           f"got {global_batch!r}")
     if cluster.num_devices < 1:
         raise ConfigError("the cluster has no devices")
-    if not isinstance(top_k, int) or top_k < 1:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ConfigError(f"top_k must be a positive integer, got {top_k!r}")
+    if not 0 <= tolerance < 1:
+        raise ConfigError(f"tolerance must be a fraction in [0, 1), got {tolerance!r}")
     precision = Precision(precision)
     space = space or SearchSpace()
-    moe = bool(expert_counts(graph))
-    if moe:
+    if expert_counts(graph):
         # what autoplan.parallelize runs on MoE blocks: no sequence parallelism (their
         # experts stay whole on every tp rank), no selective recompute (a Hugging Face MoE
         # block's operators differ from the captured ones); see docs/limitations.md
@@ -721,134 +857,89 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                         recompute=tuple(r for r in space.recompute if r is not Recompute.SELECTIVE))
     options = replace(options or CostOptions(), memory_fraction=memory_fraction)
     engine = CostEngine(graph, cluster, options=options)
-    builder = _Builder(graph, engine, cluster, precision)
+    prices = _prices(cluster, price_per_gpu_hour)
+    builder = _Builder(graph, engine, cluster, precision,
+                       pools(cluster, use_all_devices=use_all_devices))
     builder.recompute = tuple(space.recompute)
+    s = _Search(graph, cluster, engine, builder, space, global_batch, use_all_devices, prices,
+                bound_s, tolerance, top_k, t0, time_limit_s)
+    if not s.tpcp:
+        raise _no_layout(graph, cluster, global_batch, space)
+    s.run()
+    s.refine_all()
+    if not s.ranked:
+        s.rescue()
+    if not s.ranked:
+        if s.least_memory is not None and not s.least_memory.fits:
+            raise _infeasible(engine, s.least_memory, graph, cluster)
+        if s.limit_hit:
+            raise InfeasiblePlan(f"the search's time limit ({time_limit_s:g} s) ran out before "
+                                 "it priced a layout that fits: give it more time "
+                                 "(time_limit_s, or --time-limit)")
+        if bound_s < math.inf:
+            raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
+        if s.unsplit:
+            raise _unsplit(cluster, global_batch, s.unsplit)
+        raise _no_layout(graph, cluster, global_batch, space)
 
-    combos = list(_combos(graph, cluster, global_batch, space,
-                          attention=engine.summary.kv_bytes_per_token is not None))
-    if not combos:
-        # the data-parallel degrees this model and cluster allow: n / (tp x pp), tp inside a
-        # node and within the blocks' limit (heads, features), pp at most one block per stage
-        n, blocks = cluster.num_devices, len(graph.blocks)
-        tps = [tp for tp in _divisors(_domain_size(cluster)) if _blocks_tp_limit(graph) % tp == 0]
-        dps = sorted({n // (tp * pp) for tp in tps for pp in _divisors(n // tp) if pp <= max(blocks, 1)})
-        limits = (f"{n} devices / (tp x pp), with tp in {tps} (inside a node's NVLink domain, "
-                  f"tiling every node's {sorted({len(x.local_ranks) for x in cluster.nodes})} "
-                  "devices, dividing the "
-                  f"blocks' heads and features) and pp at most the model's {blocks} blocks")
-        if not any(global_batch % dp == 0 and dp <= global_batch for dp in dps):
-            raise ConfigError(
-                f"global_batch={global_batch} cannot be split over any data-parallel degree this "
-                f"model and cluster allow ({dps[:12]}: {limits}); choose a global batch that is a "
-                "multiple of one of them, or fewer devices")
-        raise ConfigError(f"no layout of {graph.model} fits the search space on {n} devices: the "
-                          f"data-parallel degrees are {dps[:12]} ({limits}), and the search "
-                          "space's micro-batch, pipeline or context-parallel limits leave none")
-
-    best_time = bound_s
-    ranked: list[_Candidate] = []
-    least_memory: _Candidate | None = None
-    lowest: list[_Candidate] = []
-    evaluated = pruned = 0
-    limit_hit = False
-    unsplit: set[int] = set()      # dp degrees whose replicas cannot get equal batches
-
-    def _climb(c: _Combo, mbs: tuple[int, ...]) -> None:
-        """Climb the memory ladder of one combination and replica split."""
-        nonlocal best_time, least_memory, evaluated, pruned
-        if any(schedule_problem(c.schedule, c.pp, c.v, m) for m in set(mbs)):
-            return   # a replica's micro-batches do not fit the schedule (uneven splits)
-        for rung_i, rung in enumerate(_ladder(space, c.schedule)):
-            rung_cands = []
-            for zero, rc in rung:
-                try:
-                    lay = builder.layout(c, zero, rc, mbs, global_batch)
-                    q = engine.quick(lay)
-                except StrategyError:
-                    continue
-                evaluated += 1
-                cand = _Candidate(q.step_time_s, q.peak_memory_bytes,
-                                  c.key() + (zero, rc.value, mbs), c, zero, rc, lay, q.fits)
-                if least_memory is None or q.peak_memory_bytes < least_memory.peak_bytes:
-                    least_memory = cand
-                if not q.fits and c.v == 1:
-                    lowest.append(cand)
-                    if len(lowest) > 64:
-                        lowest.sort(key=lambda x: (x.peak_bytes, x.key))
-                        del lowest[32:]
-                rung_cands.append(cand)
-            if not rung_cands:
-                break
-            fitting = [x for x in rung_cands if x.fits]
-            if fitting:
-                ranked.extend(fitting)
-                best_time = min(best_time, min(x.step_time_s for x in fitting))
-                break
-            # the lowest rung's time bounds every higher rung: prune dominated combos
-            if rung_i == 0 and min(x.step_time_s for x in rung_cands) > best_time:
-                pruned += 1
-                break
-
-    for c in combos:
-        if time.perf_counter() - t0 > time_limit_s:
-            limit_hit = True
-            break
-        splits = builder.replica_splits(c, global_batch, even=space.even_batches)
-        if not splits:
-            unsplit.add(c.dp)
-            continue
-        for mbs in splits:
-            # MoE models (several times the combinations, one per ep degree): skip those
-            # slower than the best plan whatever the memory ladder does.  Dense models
-            # climb as they always have (their fitting but slower candidates stay ranked).
-            if moe and builder.busy_bound(c, max(mbs)) > best_time:
-                pruned += 1
-                continue
-            _climb(c, mbs)
-
-    if not ranked:
-        # nothing fits evenly: let CP-SAT rebalance the least-memory candidates (e.g. fewer
-        # layers on the stage of smaller GPUs) before giving up
-        for cand in sorted(lowest, key=lambda x: (x.peak_bytes, x.key))[:space.refine * 2]:
-            better = _refine(cand, builder, global_batch)
-            if better is not None:
-                ranked.append(better)
-        if not ranked:
-            if least_memory is None and unsplit:
-                raise ConfigError(
-                    f"global_batch={global_batch} does not split into equal replica batches for "
-                    f"any data-parallel degree the {cluster.num_devices} devices allow "
-                    f"({sorted(unsplit)[:12]}): choose a global batch that is a multiple of one "
-                    "of them")
-            raise _infeasible(engine, least_memory, graph, cluster)
-
-    ranked.sort()
-    refined = 0
-    seen_keys = set()
-    for cand in _refine_order(ranked, engine, space.refine):
-        if refined >= space.refine:
-            break
-        if cand.combo.key() in seen_keys:
-            continue
-        seen_keys.add(cand.combo.key())
-        better = _refine(cand, builder, global_batch)
-        refined += 1
-        if better is not None and better.step_time_s < cand.step_time_s * (1 - 1e-9):
-            ranked.append(better)
-    ranked.sort()
-
+    s.ranked.sort()
     plans: list[Plan] = []
     descriptions: set[str] = set()
-    for cand in ranked:
-        if len(plans) >= max(top_k, 1):
+    for cand in s.ranked:
+        if len(plans) >= top_k:
             break
-        p = builder.plan(cand.layout, global_batch)
+        p = builder.plan(cand.layout, global_batch, cand.replica_batch)
         desc = p.describe()
         if desc in descriptions:
             continue
         descriptions.add(desc)
+        p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
         plans.append(p.with_estimate(engine.estimate(p)))
-    return SearchResult(plans, evaluated, pruned, refined, time.perf_counter() - t0, limit_hit)
+    alternatives: list[Plan] = []
+    if tolerance > 0:
+        seen: set[str] = set()
+        for cand in s.ranked:
+            if cand.objective > s.ranked[0].objective * (1 + tolerance) or \
+                    len(alternatives) >= MAX_ALTERNATIVES:
+                break
+            p = builder.plan(cand.layout, global_batch, cand.replica_batch)
+            if p.describe() in seen:
+                continue
+            seen.add(p.describe())
+            p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
+            alternatives.append(p.with_estimate(engine.estimate(p)))
+    return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
+                        s.limit_hit, alternatives)
+
+
+#: At most this many plans within the tolerance are kept (best first).
+MAX_ALTERNATIVES = 32
+
+
+def _unsplit(cluster, global_batch: int, unsplit: set[int]) -> ConfigError:
+    return ConfigError(
+        f"global_batch={global_batch} does not split into equal replica batches for any "
+        f"data-parallel degree the {cluster.num_devices} devices allow "
+        f"({sorted(unsplit)[:12]}): choose a global batch that is a multiple of one of them")
+
+
+def _no_layout(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace) -> ConfigError:
+    """The data-parallel degrees this model and cluster allow, and why none works."""
+    n, blocks = cluster.num_devices, len(graph.blocks)
+    tps = [tp for tp in _divisors(_domain_size(cluster)) if _blocks_tp_limit(graph) % tp == 0]
+    dps = sorted({n // (tp * pp) for tp in tps for pp in _divisors(n // tp) if pp <= max(blocks, 1)})
+    limits = (f"{n} devices / (tp x pp), with tp in {tps} (inside a node's NVLink domain, "
+              f"tiling every node's {sorted({len(x.local_ranks) for x in cluster.nodes})} "
+              "devices, dividing the "
+              f"blocks' heads and features) and pp at most the model's {blocks} blocks")
+    if not any(global_batch % dp == 0 and dp <= global_batch for dp in dps):
+        return ConfigError(
+            f"global_batch={global_batch} cannot be split over any data-parallel degree this "
+            f"model and cluster allow ({dps[:12]}: {limits}); choose a global batch that is a "
+            "multiple of one of them, or fewer devices")
+    return ConfigError(f"no layout of {graph.model} fits the search space on {n} devices: the "
+                       f"data-parallel degrees are {dps[:12]} ({limits}), and the search "
+                       "space's micro-batch, pipeline or context-parallel limits leave none")
 
 
 def _infeasible(engine: CostEngine, least: _Candidate | None, graph: ModelGraph, cluster) -> InfeasiblePlan:
@@ -882,7 +973,9 @@ def _infeasible(engine: CostEngine, least: _Candidate | None, graph: ModelGraph,
 def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None = None,
          example_inputs: Any = None, memory_fraction: float = 0.9, time_limit_s: float = 60.0,
          top_k: int = 1, precision: Precision | str | Sequence[Precision | str] = Precision.BF16,
-         options: CostOptions | None = None, space: SearchSpace | None = None) -> Plan:
+         options: CostOptions | None = None, space: SearchSpace | None = None,
+         use_all_devices: bool = False,
+         price_per_gpu_hour: float | Mapping[str, float] | None = None) -> Plan:
     """The fastest layout of a model on a cluster that fits every device's memory.
 
     Parameters
@@ -904,6 +997,14 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
         The mixed-precision recipe (default bf16), or several to search, each with its
         share of ``time_limit_s``, the fastest plan of any winning.  FP8 recipes are
         searched only when given here.
+    use_all_devices : bool
+        Only layouts that use every device of the cluster.  By default the devices
+        used are part of the search: a plan may leave some idle (whole nodes first,
+        a slow group of a mixed cluster) when that is faster; ``plan.idle_devices``
+        lists them and ``plan.idle_reason`` says why.
+    price_per_gpu_hour : float or dict, optional
+        With prices (one for every GPU, or by device type or node profile name) the plan
+        is the cheapest per sample instead of the fastest (idle devices cost nothing).
 
     Returns
     -------
@@ -931,7 +1032,9 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
             results.append(search(graph, cluster, global_batch=global_batch,
                                   memory_fraction=memory_fraction,
                                   time_limit_s=time_limit_s / len(precisions), top_k=top_k,
-                                  precision=p, options=options, space=space))
+                                  precision=p, options=options, space=space,
+                                  use_all_devices=use_all_devices,
+                                  price_per_gpu_hour=price_per_gpu_hour))
         except InfeasiblePlan as exc:
             infeasible = infeasible or exc
     if not results:
@@ -975,3 +1078,30 @@ def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
     fingerprint = ModelFingerprint.of(graph)      # emit, parallelize, replan refuse another model
     plans = [replace(p, graph=graph, fingerprint=fingerprint) for p in result.plans]
     return replace(plans[0], runners_up=tuple(plans[1:]), search_stats=result)
+
+
+# ------------------------------------------------------------------ enumeration (tests)
+def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
+            attention: bool = True) -> Iterable[_Combo]:
+    """Every degree combination of all the devices of ``cluster`` the search may price
+    (before bounds): what the tests of placement rules read."""
+    engine = CostEngine(graph, cluster, options=CostOptions())
+    builder = _Builder(graph, engine, cluster, Precision.BF16, pools(cluster, use_all_devices=True))
+    s = _Search(graph, cluster, engine, builder, space, global_batch, True, None, math.inf,
+                0.0, 1, time.perf_counter(), math.inf)
+    if not attention:
+        s.tpcp = [(tp, cp) for tp, cp in s.tpcp if cp == 1]
+    N, pool = cluster.num_devices, builder.pools[0]
+    for tp, cp in s.tpcp:
+        g = tp * cp
+        for pp in range(1, max(s.blocks, 1) + 1):
+            if N % (g * pp):
+                continue
+            dp = N // (g * pp)
+            if dp > global_batch or pool.domain(N) % tp or not _placed(pool, N, g):
+                continue
+            for mb in _micro_batches(space, global_batch // dp):
+                for sched, v in _schedules(space, pp, max(1, global_batch // (dp * mb)), s.blocks):
+                    for sp in s._sps(tp):
+                        for ep in s._eps(pool, N, tp, cp, dp):
+                            yield _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, 0)

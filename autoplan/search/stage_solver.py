@@ -33,7 +33,7 @@ from ortools.sat.python import cp_model
 
 from ..errors import InfeasiblePlan
 
-__all__ = ["StageProblem", "StageSolution", "solve_stage_problem"]
+__all__ = ["StageProblem", "StageSolution", "solve_stage_problem", "memory_allows"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,27 @@ class StageSolution:
     status: str
 
 
+def memory_allows(data: StageProblem) -> bool:
+    """Whether the ranks can hold the blocks at all, each block at the option of least
+    memory on its rank (at least ``min_blocks`` each): the memory constraints alone,
+    without the solver.  False proves the problem infeasible.
+
+    >>> memory_allows(StageProblem(num_blocks=4, options=("none", "full"),
+    ...     time_us=((1, 2), (1, 2)), memory_mib=((3, 1), (3, 1)),
+    ...     fixed_time_us=(0, 0), fixed_memory_mib=(0, 0), capacity_mib=(2, 1)))
+    False
+    """
+    room = 0
+    for p in range(len(data.capacity_mib)):
+        free = data.capacity_mib[p] - data.fixed_memory_mib[p]
+        least = min(data.memory_mib[p])
+        most = data.num_blocks if least <= 0 else free // least
+        if free < 0 or most < data.min_blocks:
+            return False
+        room += most
+    return room >= data.num_blocks
+
+
 def solve_stage_problem(data: StageProblem, *, max_deterministic_time_s: float = 2.0,
                         seed: int = 0) -> StageSolution:
     """Minimise the slowest rank's time subject to every rank's memory.
@@ -76,6 +97,10 @@ def solve_stage_problem(data: StageProblem, *, max_deterministic_time_s: float =
     InfeasiblePlan
         When no assignment fits (the solver proved it, or found nothing in time).
     """
+    if not memory_allows(data):
+        raise InfeasiblePlan(f"no assignment of {data.num_blocks} blocks to "
+                             f"{len(data.capacity_mib)} ranks fits memory (even at each "
+                             "rank's least-memory option)", binding="memory")
     ranks = range(len(data.capacity_mib))
     opts = range(len(data.options))
     model = cp_model.CpModel()
