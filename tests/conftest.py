@@ -24,6 +24,13 @@ def _private_autoplan_home(tmp_path_factory: pytest.TempPathFactory):
         os.environ["AUTOPLAN_HOME"] = saved
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # `-n auto` (pytest-xdist) without --dist: hand each worker whole test files, so that a
+    # module's fixtures (traced models, searched plans) are built once, not once per worker
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadfile"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", default=False,
                      help="rewrite tests/golden/*.json from today's plans instead of comparing")

@@ -32,6 +32,8 @@ def test_the_tail_of_a_crashed_ranks_output_is_faulthandlers_report(tmp_path):
     assert _tail(str(tmp_path / "missing.log")) == ""
 
 
+# The tests below make rank 1 fail; rank 0 then waits in teardown until the harness kills it
+# ``grace`` seconds later (10 s by default): 2 s here, the reports are what is checked.
 def _abort_on_rank_1(rank: int, world: int) -> int:
     if rank == 1:
         os.abort()      # a native crash: SIGABRT, no Python traceback
@@ -40,7 +42,7 @@ def _abort_on_rank_1(rank: int, world: int) -> int:
 
 def test_a_rank_that_aborts_is_reported_with_its_stack():
     with pytest.raises(DistributedFailure) as failure:
-        run(_abort_on_rank_1, 2, timeout=120, pg_timeout=30)
+        run(_abort_on_rank_1, 2, timeout=120, pg_timeout=30, grace=2)
     text = str(failure.value)
     assert "rank 1: died of SIGABRT" in text
     assert "Fatal Python error: Aborted" in text and "_abort_on_rank_1" in text
@@ -55,7 +57,7 @@ def _abort_once_on_rank_1(rank: int, world: int, marker: str) -> int:
 
 def test_a_native_crash_that_does_not_repeat_is_run_again(tmp_path, capsys):
     marker = str(tmp_path / "crashed")
-    assert run(_abort_once_on_rank_1, 2, marker, timeout=120, pg_timeout=30) == [0, 1]
+    assert run(_abort_once_on_rank_1, 2, marker, timeout=120, pg_timeout=30, grace=2) == [0, 1]
     err = capsys.readouterr().err
     assert "crashed natively; running _abort_once_on_rank_1 again" in err
     assert "rank 1: died of SIGABRT" in err
@@ -72,5 +74,5 @@ def _raise_on_rank_1(rank: int, world: int, marker: str) -> int:
 def test_a_python_error_is_not_run_again(tmp_path):
     marker = tmp_path / "runs"
     with pytest.raises(DistributedFailure, match="an error of the test's own"):
-        run(_raise_on_rank_1, 2, str(marker), timeout=120, pg_timeout=30)
+        run(_raise_on_rank_1, 2, str(marker), timeout=120, pg_timeout=30, grace=2)
     assert marker.read_text() == "x"   # one run

@@ -83,6 +83,7 @@ def test_clusters_compose_or_say_why(tmp_path):
     check()
 
 
+@pytest.mark.slow   # 20 searches of gpt2-mid; memory-bound plans fast: test_search, test_cost_memory*
 @settings(max_examples=20, **SETTINGS)
 @given(case=fc.memory_bound_cases(("gpt2-mid",)))
 def test_plans_where_memory_binds_stay_within_it(case):
@@ -109,6 +110,7 @@ def checkpoints(tmp_path_factory):
     bench.close()
 
 
+@pytest.mark.slow   # 30 random corruptions; the fixed ones fast: below and test_elastic's latest_good
 def test_corrupted_checkpoints_are_skipped_or_refused(checkpoints):
     @settings(max_examples=30, **SETTINGS)
     @given(ops=fc.checkpoint_corruptions(checkpoints.files, checkpoints.json_docs))

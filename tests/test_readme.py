@@ -31,7 +31,7 @@ def test_quick_start_has_exactly_two_commands():
     assert len(cmds) == 2, cmds
     assert all(c.startswith("python -m pip install torch==2.13.0 && ") for c in cmds)
     assert cmds[0].endswith("autoplan demo")
-    assert cmds[1].endswith("python -m pytest -q")
+    assert cmds[1].endswith('python -m pytest -q -n auto -m "not slow"')
 
 
 def test_ci_runs_the_readme_test_command():

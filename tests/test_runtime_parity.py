@@ -228,3 +228,20 @@ def test_uneven_replicas_under_zero2_and_zero3_run_padded(gpt_graph, llama_graph
     graphs = {"gpt": g, "llama": l}
     _report("uneven replicas under ZeRO-2/3 (padded), 4 ranks",
             run(functools.partial(rc.parity, graph=graphs), 4, "gpt", targets)[0])
+
+
+def test_bf16_parity_2_ranks(gpt_graph):
+    """bf16 (the default precision) at 2 ranks: 10 steps of DDP, FSDP2 (ZeRO-3), TP+SP and
+    PP 1F1B against the fp32 single process, within ``BF16_FACTOR`` times the single-process
+    bf16 error (the 8-rank version, with CP, Llama and 3-D layouts, is
+    test_runtime_parity_8's, in the slow suite)."""
+    B = functools.partial(Strategy, global_batch=rc.GLOBAL_BATCH, precision="bf16")
+    targets = [
+        ("dp2 (DDP)", B(dp=2), "gpt"),
+        ("zero3 dp2", B(dp=2, zero=3), "gpt"),
+        ("tp2 sp", B(tp=2, sequence_parallel=True), "gpt"),
+        ("pp2 1f1b", B(pp=2, micro_batch=1), "gpt"),
+    ]
+    bounds = {"gpt": rc.bf16_bounds("gpt")}
+    _report("bf16, 10 steps vs fp32 single process, 2 ranks",
+            run(rc.bf16_parity, 2, targets, bounds, {"gpt": gpt_graph["gpt"]})[0])

@@ -21,8 +21,8 @@ Coverage at 8 ranks (G = GPT, L = Llama):
   (runtime_cases.bf16_bounds says why).
 
 An 8-rank spawn costs ~8 s on 2 cores and each layout a few seconds, so each test
-runs many layouts in one spawn; the heaviest are marked ``slow`` (.ci/run runs them
-after the default suite when its time allows).  Tables of errors: ``pytest -s``.
+runs many layouts in one spawn; all are marked ``slow`` (the long suite, ``pytest -m slow``,
+which .ci/run also runs); test_runtime_parity.py covers the same features at 2-4 ranks.  Tables of errors: ``pytest -s``.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def test_llama_parity_8_ranks_3d(graphs):
                 timeout=TIMEOUT_S)[0])
 
 
+@pytest.mark.slow   # CP inside 3-D layouts; 4-rank CP and uneven replicas: test_runtime_parity
 def test_context_parallel_and_uneven_batches_8_ranks(graphs):
     """CP in 3-D layouts, and replicas with different batch shares (ZeRO <= 1: the
     replicas' per-micro-batch collectives must match), weighted by their share."""
@@ -136,6 +137,7 @@ def test_uneven_batches_pipelined_8_ranks(graphs):
                 timeout=TIMEOUT_S)[0])
 
 
+@pytest.mark.slow   # 8-rank searched plans; 4-rank ones: test_runtime_parity.test_searched_plans_parity
 def test_searched_plans_parity_8_ranks(graphs):
     """The three best plans autoplan.plan finds for each model on an 8-process CPU cluster."""
     names = ("gpt", "llama")
@@ -146,6 +148,7 @@ def test_searched_plans_parity_8_ranks(graphs):
     _report("plans from autoplan.plan, 8 ranks", results)
 
 
+@pytest.mark.slow   # bf16 of 3-D layouts; 2-rank bf16: test_runtime_parity.test_bf16_parity_2_ranks
 def test_bf16_parity_8_ranks(graphs):
     """10 bf16 steps (autocast, fp32 master weights and AdamW) of DP, TP+SP, PP 1F1B,
     ZeRO-3, CP and a 3-D layout against the fp32 single process, within
