@@ -127,8 +127,9 @@ def select_layouts(graph, cluster, *, runners_up: int = RUNNERS_UP) -> list[dict
     from autoplan import plan as search_plan
     from autoplan.cost import estimate_plan
     from autoplan.errors import AutoplanError
+    # every layout runs on the WORLD ranks launched: none may leave a rank idle
     picked = search_plan(graph, cluster, global_batch=BATCH, top_k=100_000, precision="fp32",
-                         options=GLOO_ON_CPU)
+                         options=GLOO_ON_CPU, use_all_devices=True)
     if picked.search_stats.time_limit_hit:
         print("warning: the search hit its time limit; its ranked list may be incomplete")
     ranked = [picked, *picked.runners_up]

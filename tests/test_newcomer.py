@@ -215,7 +215,8 @@ def test_one_name_for_a_model_in_every_report(tmp_path: Path):
                          space=SearchSpace(pipeline_parallel=(1, 1)))
     assert plan.pp == 1 and plan.summary().startswith("Tiny GPT ")
     page = plan_report_html(plan)
-    assert "<title>autoplan: Tiny GPT on 8 devices" in page and ">GPT<" not in page
+    # the search may leave devices idle: the title names the ones the plan uses
+    assert f"<title>autoplan: Tiny GPT on {plan.num_devices} devices" in page and ">GPT<" not in page
     assert "<h2>Step timeline</h2>" in page and "Pipeline schedule" not in page
     title = plot_schedule(plan).axes[0].get_title()
     assert title.startswith("Tiny GPT: ")

@@ -63,7 +63,8 @@ def test_the_pick_its_runners_up_the_other_degrees_and_the_ladder(gpt, profile4:
     rt = importlib.import_module("autoplan.runtime.parallelize")
     for r in rows:
         plan = rt.resolve_plan(model, r["plan"], graph, world_size=pr.WORLD, global_batch=pr.BATCH)
-        rt._check_program(model, graph, plan, graph.seq_len, True, None)
+        rt._check_program(model, graph, plan, graph.seq_len, True, None,
+                          device=next(model.parameters()).device)
 
 
 def test_spearman_exact():

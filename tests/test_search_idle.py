@@ -23,7 +23,7 @@ import autoplan
 import runtime_cases as rc
 from autoplan.graph import ModelGraph
 from autoplan.hardware import NodeGroup, compose_cluster
-from autoplan.hardware.profiler import _build_profile
+from autoplan.profiling.build import build_profile
 from autoplan.hardware.profiles import NetworkSpec, NetworkTopology
 from autoplan.plan import Plan
 from dist_harness import run
@@ -41,7 +41,7 @@ def _profile(kind: str, speed: float, world: int):
         r["matmul"] = {dt: [[n, t / speed] for n, t in table] for dt, table in r["matmul"].items()}
         r["copy_s"] /= speed
         r["info"]["name"] = f"test-{kind}"
-    profile, _ = _build_profile(kind, raw, cuda=False, nproc=world, threads=1,
+    profile, _ = build_profile(kind, raw, cuda=False, nproc=world, threads=1,
                                 devices_per_node=1, quick=True, copy_bytes=2**20)
     node = profile.node
     network = NetworkSpec(1, node.bw_unidir_bytes_per_s, node.latency_s,
