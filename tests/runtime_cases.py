@@ -802,12 +802,14 @@ def cpu_cluster(world: int = 4, memory_bytes: int | None = None, overhead: dict 
 
 
 def searched_plans(graph: str, world: int = 4, top_k: int = 3) -> list[str]:
-    """The ``top_k`` plans autoplan.plan finds for the graph on :func:`cpu_cluster` (JSON)."""
+    """The ``top_k`` plans autoplan.plan finds for the graph on :func:`cpu_cluster` (JSON),
+    each on every one of the ``world`` ranks the parity run launches (plans that leave ranks
+    idle run in tests/test_search_idle.py)."""
     import autoplan
 
     g = _graph(graph)
     best = autoplan.plan(g, cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ,
-                         precision="fp32", top_k=top_k, time_limit_s=30)
+                         precision="fp32", top_k=top_k, time_limit_s=30, use_all_devices=True)
     return [p.to_json() for p in (best, *getattr(best, "runners_up", ()))][:top_k]
 
 
