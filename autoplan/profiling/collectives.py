@@ -11,6 +11,7 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
+from ..hardware.collectives import CollectiveOp, ring_coefficients
 from ..hardware.profiles import (COLLECTIVE_OPS, CollectiveEfficiency, IntraNodeTopology,
                                  NodeSpec)
 from .plan import MeasurementPlan
@@ -23,6 +24,27 @@ WORK_SHAPE = (256, 256, 1024)
 WORK_FLOPS = 2 * math.prod(WORK_SHAPE)
 #: floor of a collective's time after the compute is subtracted (noise can take it below 0)
 MIN_COLLECTIVE_S = 1e-6
+
+
+def collective_floor_s(op: str, nbytes: int, world: int, copy_bytes_per_s: float) -> float:
+    """The least time a collective of ``nbytes`` can take on ranks that share host memory: the
+    bytes each rank moves (the ring model's, :func:`ring_coefficients`; p2p's round trip
+    twice the message) at the host's measured memory copy rate, and never under
+    :data:`MIN_COLLECTIVE_S`.  A time after compute less the compute alone is the difference
+    of two noisy figures: on a loaded host it can read near zero, and one such reading would
+    fit a link faster than memory (CI measured 51.7 TB/s on 2 ranks of a 2-core VM).
+
+    >>> collective_floor_s("all_reduce", 10**9, 2, 10e9)   # 2(n-1)/n = 1 x 1 GB at 10 GB/s
+    0.1
+    >>> collective_floor_s("p2p", 1000, 2, 10e9) == MIN_COLLECTIVE_S
+    True
+    """
+    if op == "p2p":
+        moved = 2.0 * nbytes   # timed as a round trip
+    else:
+        factor, _ = ring_coefficients(CollectiveOp(op), world)
+        moved = factor * nbytes
+    return max(MIN_COLLECTIVE_S, moved / copy_bytes_per_s)
 
 
 def fit_alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
@@ -91,13 +113,15 @@ def p2p_partner(rank: int, world: int, *, every_pair: bool) -> int | None:
 def measure_collectives(torch, dist, rank: int, world: int, device, plan: MeasurementPlan,
                         timed: Callable[..., float], say: Callable[[str], None], *, cuda: bool,
                         shares_cores: bool, after_compute: bool,
-                        work: Callable[[], None] | None) -> dict[str, list[tuple[int, float]]]:
+                        work: Callable[[], None] | None,
+                        copy_bytes_per_s: float) -> dict[str, list[tuple[int, float]]]:
     """Seconds per call of each collective (:data:`~autoplan.hardware.profiles.COLLECTIVE_OPS`)
     at each of the plan's message sizes, on every rank at once: ``op -> [(bytes, seconds)]``,
     p2p one way; none with one rank.  ``timed(fn, mean=True)`` is the mean of every timed
     call; with ``after_compute`` (a CPU whose ranks have cores of their own) each collective
     is timed after ``work`` (a :data:`WORK_SHAPE` matmul) less ``work`` alone, and where
-    ``shares_cores`` p2p so, every pair of ranks at once (:func:`p2p_partner`)."""
+    ``shares_cores`` p2p so, every pair of ranks at once (:func:`p2p_partner`); such a
+    difference is held at :func:`collective_floor_s` (the host's ``copy_bytes_per_s``)."""
     # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -136,7 +160,8 @@ def measure_collectives(torch, dist, rank: int, world: int, device, plan: Measur
             if not (after_compute or (shares_cores and op == "p2p")):
                 sec = timed(fn, mean=True)
             else:  # after compute, less the compute
-                sec = max(MIN_COLLECTIVE_S, timed(lambda: (work(), fn()), mean=True) - work_s)
+                sec = max(collective_floor_s(op, nbytes, world, copy_bytes_per_s),
+                          timed(lambda: (work(), fn()), mean=True) - work_s)
             comm[op].append((nbytes, sec / 2 if op == "p2p" else sec))  # p2p: one way
         say("collectives " + fmt_bytes(nbytes) + ": " + ", ".join(
             f"{op} {comm[op][-1][1] * 1e6:.0f} us" for op in ops))

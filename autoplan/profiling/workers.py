@@ -260,7 +260,8 @@ def _worker_body(rank: int, world: int, init_method: str, backend: str, cuda: bo
 
     comm = measure_collectives(torch, dist, rank, world, device, plan, timed, say, cuda=cuda,
                                shares_cores=shares_cores, after_compute=after_compute,
-                               work=work if not cuda else None)
+                               work=work if not cuda else None,
+                               copy_bytes_per_s=2 * plan.copy_bytes / copy_s)
 
     # where the CPU ranks pair up, this rank's pair (every pair at once), for the
     # tensor-parallel figure and, where ranks share cores, the arrival cost
