@@ -89,7 +89,8 @@ def _plans(graph) -> dict[str, Plan]:
             plan_of(Strategy(dp=4, pp=2, global_batch=16, micro_batch=2, precision="fp32",
                              zero=3), graph, world_size=8), (6, 4, 4, 2)),
     }
-    for i, p in enumerate(rc.searched_plans(graph.to_json(), world=8, top_k=3)):
+    for i, p in enumerate(rc.searched_plans(graph.to_json(), world=8, top_k=3,
+                                               use_all_devices=True)):
         plans[f"searched #{i + 1}"] = Plan.from_json(p)
     return plans
 

@@ -9,12 +9,13 @@ their own while 0 and 1 wait, each step's loss reaching every process; after thr
 the losses and every parameter match a single process training the whole global batch
 (fp32, ``ATOL = 1e-5``), and ``finish`` puts all four back in one process group.  The same
 plan under :func:`autoplan.elastic.run_elastic` (what an emitted program runs) trains the
-same losses.
+same losses.  Plans of different active processes run in turn in one launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -124,6 +125,17 @@ def test_the_plan_runs_with_its_idle_processes_waiting(planned, graph_json):
         assert o["losses"] == out[2]["losses"]
     checked = [o for o in out if o["checked"]]
     assert len(checked) == 1 and checked[0]["param_err"] <= rc.ATOL
+
+
+@pytest.mark.distributed
+def test_plans_of_different_active_worlds_run_in_turn_in_one_launch(planned, graph_json):
+    """The idle plan, the all-device plan, then the idle plan again on the same four
+    processes: each ``finish`` rejoins the world for the next (runtime_cases.parity)."""
+    _, plan, every = planned
+    targets = [("fast pair", plan), ("all four", every), ("fast pair again", plan)]
+    results = run(functools.partial(rc.parity, graph=graph_json), 4, "gpt", targets)[0]
+    assert list(results) == [label for label, _ in targets]
+    assert all(r["loss_err"] <= rc.ATOL for r in results.values()), results
 
 
 def _elastic(rank: int, world: int, plan_json: str, cluster_json: str) -> dict:
