@@ -93,9 +93,50 @@ def test_cast_bytes_of_one_linear_by_hand():
     assert fwd2 == 33 * (m * k + k * n / 2)
     assert bwd2 == 33 * (k * n / 2 + m * n / 2) + 2 * (k * n / 2 + m * n / 2 + m * k)
     te_fwd, te_bwd = cfp8.cast_bytes(lin, "transformer-engine", "tensor", tokens=m, tp=1)
-    assert (te_fwd, te_bwd) == (6 * (m * k + k * n), 6 * m * n)
+    # Transformer Engine: the input and the output gradient each micro-batch; the weight
+    # once a step (its cache), 6 B a weight
+    assert (te_fwd, te_bwd) == (6 * m * k, 6 * m * n)
     assert cfp8.cast_bytes(lin, "transformer-engine", "block", tokens=m, tp=1)[1] == 4.0625 * m * n
+    assert cfp8.te_weight_cast_bytes(lin, "tensor", tp=1) == 6 * k * n
+    assert cfp8.te_weight_cast_bytes(lin, "tensor", tp=2) == 6 * k * n / 2
+    bank = cfp8.Fp8Linear("experts.up", "column", k, n, num_experts=8)
+    assert cfp8.te_weight_cast_bytes(bank, "tensor", tp=1, ep=4) == 6 * k * n * 2
     assert (fwd + bwd) / (te_fwd + te_bwd) > 5
+
+
+def test_transformer_engine_casts_weights_once_a_step():
+    """Megatron-Core's TE weight cache: more micro-batches add no weight casts, unless ZeRO-3
+    gathers the weights again for each (then one cast per micro-batch)."""
+    from autoplan import trace
+    from autoplan.models import GPT, GPTConfig
+    import torch
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=1024, hidden=2048, heads=16, layers=2))
+    g = trace(model, seq_len=1024)
+    h100 = load_cluster("h100-sxm5-80gb")
+    te = CostEngine(g, h100, options=CostOptions(stack="megatron-core"))
+    device = h100.device_types[0]
+    block = next(l for l in g.layers if l.kind is LayerKind.BLOCK)
+    weights = sum(cfp8.te_weight_cast_bytes(lin, "tensor", tp=1) for lin in
+                  cfp8.fp8_linears_of(block.tp.linears, "transformer-engine").values())
+    blocks = sum(1 for l in g.layers if l.kind is LayerKind.BLOCK)
+    one_cast = blocks * weights / device.memory_bw_bytes_per_s
+
+    def optimizer_s(**kw):
+        est = te.estimate(Strategy(dp=8, micro_batch=1, precision="fp8", **kw))
+        return est.breakdown["optimizer_s"]
+
+    def bf16_optimizer_s(**kw):
+        return te.estimate(Strategy(dp=8, micro_batch=1, **kw)).breakdown["optimizer_s"]
+
+    for zero in (0, 1):
+        cast = [optimizer_s(global_batch=8 * mb, zero=zero)
+                - bf16_optimizer_s(global_batch=8 * mb, zero=zero) for mb in (1, 4)]
+        assert cast[0] == pytest.approx(one_cast, rel=1e-9)
+        assert cast[1] == pytest.approx(one_cast, rel=1e-9)
+    cast3 = optimizer_s(global_batch=32, zero=3) - bf16_optimizer_s(global_batch=32, zero=3)
+    assert cast3 == pytest.approx(4 * one_cast, rel=1e-9)
 
 
 def test_torchao_and_transformer_engine_price_apart():

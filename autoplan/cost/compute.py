@@ -153,6 +153,26 @@ def fp8_terms(engine: CostEngine, layer: LayerCost, seg: "Segment", recipe: Prec
                          engine.summary.seq_len or 1)
 
 
+def te_weight_cast_s(engine: CostEngine, chunks, recipe: PrecisionCosts, device, ep: int,
+                     micro_batches: int) -> float:
+    """Seconds a rank holding ``chunks`` spends per step quantizing the weights of its
+    converted linears under Transformer Engine (:func:`autoplan.cost.fp8
+    .te_weight_cast_bytes`): once a step, or once per micro-batch where ZeRO-3 gathers
+    them again; 0 for another recipe or library."""
+    scaling = _fp8_scaling(recipe.dtype)
+    if scaling is None or engine.options.fp8_library != "transformer-engine":
+        return 0.0
+    nbytes = 0.0
+    for chunk in chunks:
+        for seg in chunk:
+            casts = micro_batches if seg.zero >= 3 else 1
+            for template, count in engine.layer_counts(seg.lo, seg.hi):
+                nbytes += casts * count * sum(
+                    _fp8.te_weight_cast_bytes(lin, scaling, seg.tp, ep)
+                    for lin in engine._fp8_linears(template).values())
+    return nbytes / device.memory_bw_bytes_per_s
+
+
 def model_compute_s(engine: CostEngine, b: int, dtype: str = "fp32") -> tuple[float, float]:
     """Seconds of the whole model's forward and backward on one device (the first of
     the cluster) for a micro-batch of ``b`` sequences in ``dtype``: every layer's
@@ -355,7 +375,7 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
                 # routed rows, ~ m sqrt(kn) of inputs and of gradients, and its weights
                 kn = f / (2 * tokens)
                 per = _fp8.TE_CAST_BYTES[scaling]
-                cast_fwd += per * (tokens * math.sqrt(kn) + kn)
+                cast_fwd += per * tokens * math.sqrt(kn)   # weights: te_weight_cast_s
                 cast_bwd += per * tokens * math.sqrt(kn)
         else:
             rate = peak * device.efficiency(ref, mm)

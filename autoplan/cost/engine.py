@@ -403,6 +403,7 @@ class CostEngine:
     # compute (autoplan.cost.compute)
     _fp8_linears = _compute.fp8_linears
     _fp8_terms = _compute.fp8_terms
+    _te_weight_cast_s = _compute.te_weight_cast_s
     _ledger_flops = _compute.ledger_flops
     # communication and one layer's terms (autoplan.cost.comm)
     _groups = _comm.rank_groups

@@ -23,7 +23,13 @@ An FP8 recipe (``Precision.is_fp8``) runs the bf16 program with the GEMMs of som
     rowwise recipe's backward GEMMs run the tensorwise kernel with unit scales and
     rescale their outputs in a pass of their own (:data:`ROWWISE_RESCALE_BYTES`).
   - **Transformer Engine** (``"transformer-engine"``): fused casts that quantize each
-    operand once and write its transpose with it (:data:`TE_CAST_BYTES`).
+    operand once and write its transpose with it (:data:`TE_CAST_BYTES`).  Its weights
+    are quantized once per optimizer step, not per micro-batch: Megatron-Core calls
+    ``set_is_first_microbatch()`` on the model at a step's first micro-batch, and TE's
+    modules then cast the weight and its transpose and cache them for the step's other
+    micro-batches (``is_first_microbatch``; TE ``Linear.forward``).  Under ZeRO-3 the
+    weights are gathered again for every micro-batch, and so cast again
+    (:func:`te_weight_cast_bytes`).
 
 * torchao's scale collectives, which its tensorwise scales need wherever a tensor is
   split over ranks (:func:`tp_amax_reduces`): one all-reduce of the absolute maximum per
@@ -57,8 +63,8 @@ from ..precision import fp8_converts
 
 __all__ = ["Fp8Linear", "TORCHAO_CAST_BYTES", "TORCHAO_SHARD_CAST_BYTES", "FP8_TRANSPOSE_BYTES",
            "ROWWISE_RESCALE_BYTES", "TE_CAST_BYTES", "AMAX_BYTES", "SCALE_BYTES",
-           "fp8_linears_of", "cast_bytes", "weight_cast_bytes", "fp8_gemm_rate",
-           "tp_amax_reduces", "float8_tp", "region_fp8", "FP8_ROWWISE_TABLE", "LayerFp8"]
+           "fp8_linears_of", "cast_bytes", "te_weight_cast_bytes", "weight_cast_bytes",
+           "fp8_gemm_rate", "tp_amax_reduces", "float8_tp", "region_fp8", "FP8_ROWWISE_TABLE", "LayerFp8"]
 
 #: Device-memory bytes one eager torchao cast moves per element of a 16-bit tensor
 #: (``hp_tensor_to_float8_dynamic``, one kernel each): ``abs`` (read 2, write 2), ``max``
@@ -142,8 +148,10 @@ def cast_bytes(lin: Fp8Linear, library: str, scaling: str, *, tokens: float, tp:
     m = tokens if experts_tokens is None else experts_tokens
     weight = k * n * lin.num_experts
     if library == "transformer-engine":
+        # the input forward, the output gradient backward; the weight once a step
+        # (te_weight_cast_bytes)
         per = TE_CAST_BYTES[scaling]
-        return per * (m * k + weight), per * m * n
+        return per * m * k, per * m * n
     # torchao: input and weight cast for the forward GEMM and again for the backward's;
     # the output gradient for each backward GEMM; once each under its float8 TP styles
     styled = float8_tp(library, scaling, tp)
@@ -154,6 +162,21 @@ def cast_bytes(lin: Fp8Linear, library: str, scaling: str, *, tokens: float, tp:
     if scaling == "row":
         bwd += ROWWISE_RESCALE_BYTES * (m * k + weight)
     return fwd, bwd
+
+
+def te_weight_cast_bytes(lin: Fp8Linear, scaling: str, tp: int, ep: int = 1) -> float:
+    """Device-memory bytes Transformer Engine moves quantizing ``lin``'s weight (and its
+    transpose) on one rank: once per optimizer step where the weights stay resident
+    (its FP8 weight cache, module docstring), once per micro-batch under ZeRO-3.  An
+    expert bank's weights are those of the rank's ``1/ep`` of its experts.
+
+    >>> lin = Fp8Linear("mlp.fc1", "column", 4096, 14336)
+    >>> te_weight_cast_bytes(lin, "tensor", tp=1) / 1e6           # 6 B per weight
+    352.321536
+    """
+    k, n = lin.local(tp)
+    experts = lin.num_experts / ep if lin.num_experts > 1 else 1
+    return TE_CAST_BYTES[scaling] * k * n * experts
 
 
 def weight_cast_bytes(lin: Fp8Linear, tp: int) -> float:

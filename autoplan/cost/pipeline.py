@@ -444,12 +444,16 @@ def rank_eval(engine: CostEngine, lay: Layout, rank: int, replica: int, micro_ba
         ev.tp_step += t_sp
         ev.dp_step_total += t_sp
         ev.dp_step_exposed += t_sp
-    # torchao's FP8 all-gathers: the next step's scales, after the optimizer step
+    # torchao's FP8 all-gathers: the next step's scales, after the optimizer step (the
+    # read of the shards for their maxima is counted with the optimizer, below)
+    t_read = 0.0
     if _fp8_scaling(recipe.dtype) and engine.options.fp8_library == "torchao":
         t_scales, t_read = engine._fp8_step_scales(chunks, recipe, groups, ledger)
         ev.dp_step_total += t_scales
         ev.dp_step_exposed += t_scales
-        ev.optimizer += t_read
+    # Transformer Engine's FP8 weight casts, once a step (its weight cache): memory-bound
+    # per-step work like the optimizer's, and counted with it
+    t_read += engine._te_weight_cast_s(chunks, recipe, device, ep, micro_batches)
     # optimizer: memory-bound Adam over the parameters this device updates
     local_opt = params_by_zero[0] + tied_extra + sum(params_by_zero[1:]) / zero_degree
     local_opt += x0 + (x1 + x2 + x3) / edp
@@ -462,6 +466,7 @@ def rank_eval(engine: CostEngine, lay: Layout, rank: int, replica: int, micro_ba
     else:
         ev.optimizer = (local_opt * recipe.optimizer_bytes_accessed
                         / device.memory_bw_bytes_per_s)
+    ev.optimizer += t_read
     if overhead is not None and tensors:
         # the host's time per parameter tensor (CPU devices): DTensors where FSDP2
         # wraps the rank (a 16-bit plan's policy wraps it without data parallelism
