@@ -169,6 +169,11 @@ def _check_fraction(value: float) -> None:
         raise _UsageError(f"--memory-fraction must be in (0, 1], got {value} (default 0.9)")
 
 
+def _work_limit() -> int:
+    from .search.search import WORK_LIMIT
+    return WORK_LIMIT
+
+
 def _check_search_args(args: argparse.Namespace) -> None:
     """The search's numbers, checked before the (slow) capture."""
     if args.global_batch < 1:
@@ -176,8 +181,14 @@ def _check_search_args(args: argparse.Namespace) -> None:
                           f"got {args.global_batch}")
     if args.top_k < 1:
         raise _UsageError(f"--top-k must be at least 1, got {args.top_k} (default 3)")
-    if getattr(args, "time_limit", 1.0) <= 0:
-        raise _UsageError(f"--time-limit must be positive seconds, got {args.time_limit} (default 60)")
+    time_limit = getattr(args, "time_limit", None)
+    if time_limit is not None and not time_limit > 0:
+        raise _UsageError(f"--time-limit must be positive seconds, got {time_limit} "
+                          "(default: no wall-clock cap)")
+    work_limit = getattr(args, "work_limit", 1)
+    if work_limit is not None and work_limit < 1:
+        raise _UsageError(f"--work-limit must be a positive number of search steps, got "
+                          f"{work_limit} (default {_work_limit()})")
     _check_fraction(getattr(args, "memory_fraction", 0.9))
 
 
@@ -238,9 +249,13 @@ def _plan_text(plan, cluster) -> str:
             lines += [f"      {d}" for d in diffs]
     stats = getattr(plan, "search_stats", None)
     if stats is not None:
+        limit = {"work": " - work limit reached (--work-limit gives more steps)",
+                 "time": " - time limit reached (--time-limit: the plan depends on the "
+                         "machine's load)"}
         lines += ["", f"searched {stats.evaluated} layouts ({stats.pruned} degree combinations pruned "
-                      f"as dominated, {stats.refined} refined with CP-SAT) in {stats.seconds:.1f} s"
-                      + (" - time limit reached" if stats.time_limit_hit else "")]
+                      f"as dominated, {stats.refined} refined with CP-SAT) in {stats.steps} steps, "
+                      f"{stats.seconds:.1f} s"
+                      + (limit[stats.limit.value] if stats.limit is not None else "")]
     return "\n".join(lines)
 
 
@@ -321,6 +336,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with _Step(f"searching layouts for {cluster.num_devices} devices of {cluster.name}", args.json):
         best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
                          memory_fraction=args.memory_fraction, time_limit_s=args.time_limit,
+                         work_limit=args.work_limit,
                          precision=args.precision, options=options)
     if args.out:
         atomic_write_text(args.out, best.to_json())
@@ -340,7 +356,13 @@ def _build_plan(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--top-k", type=int, default=3, help="plans to rank (default 3)")
     p.add_argument("--memory-fraction", type=float, default=0.9)
-    p.add_argument("--time-limit", type=float, default=60.0, help="search time limit, seconds")
+    p.add_argument("--work-limit", type=int, default=_work_limit(),
+                   help="the search's budget in steps (bounds computed, layouts priced): "
+                        "when it binds, the best plan so far, the same on any machine "
+                        f"(default {_work_limit()})")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="a wall-clock cap on the search, seconds (default none: a plan it cuts "
+                        "short depends on the machine's load)")
     p.add_argument("--precision", default=["bf16"], choices=PRECISIONS, nargs="+",
                    help="the mixed-precision recipe (default bf16), or several to search, e.g. "
                         "'bf16 fp8' (FP8 only when named: fp8, fp8-rowwise run by torchao, "

@@ -119,7 +119,7 @@ def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
 
 
 def choose_plan(plan: Plan, world_size: int, *, graph: ModelGraph,
-                cluster: Cluster | None = None, time_limit_s: float = 30.0,
+                cluster: Cluster | None = None, time_limit_s: float | None = None,
                 allow_idle: bool = True) -> Plan:
     """The plan an elastic job runs on ``world_size`` processes (policy in the module docstring).
 
@@ -217,7 +217,7 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
                 cluster: Cluster | None = None, seed: int = 0, keep: int = 3,
                 data: Callable[[int], Any] | None = None, vocab_size: int | None = None,
                 optimizer: Callable | None = None, graph: ModelGraph | None = None,
-                time_limit_s: float = 30.0, timeout: datetime.timedelta | None = None,
+                time_limit_s: float | None = None, timeout: datetime.timedelta | None = None,
                 on_step: Callable[[int, float], None] | None = None,
                 log_every: int = 1, fp8_emulate: bool = False) -> ElasticResult:
     """Train steps ``1..steps`` across restarts; call it in every process of the job.
@@ -260,8 +260,9 @@ def run_elastic(model_factory: Callable[[], torch.nn.Module], plan: Plan, *, ste
         ``autoplan.trace`` of the model (e.g. built on the meta device); then the
         model is built only after a plan fits this world.  Default: every rank
         builds the model and traces it.
-    time_limit_s : float
-        Bound on the replanning search.
+    time_limit_s : float, optional
+        A wall-clock cap on the replanning search (default None: none; the search's
+        deterministic work limit bounds it, so every process replans alike).
     timeout : datetime.timedelta, optional
         Collective timeout of the process groups this call forms when it leaves
         processes idle (default 10 minutes).

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = sys.argv[1:] if argv is None else argv
     ok = True
     print(f"{'case':<34} {'capture s':>9} {'search s':>9} {'cpu s':>6} {'target':>7} {'evals':>6} "
-          f"{'pruned':>6} {'same JSON':>9}  plan")
+          f"{'pruned':>6} {'steps':>6} {'same JSON':>9}  plan")
     for name, (kind, kw), seq, (profile, nodes), gb, target in CASES:
         if wanted and not any(w in name for w in wanted):
             continue
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         passed = t_search <= target and same
         ok &= passed
         print(f"{name:<34} {t_capture:>9.2f} {t_search:>9.2f} {c_search:>6.2f} {target:>6.0f}s "
-              f"{stats.evaluated:>6} {stats.pruned:>6} {str(same):>9}  "
+              f"{stats.evaluated:>6} {stats.pruned:>6} {stats.steps:>6} {str(same):>9}  "
               f"{'PASS' if passed else 'FAIL'} {plan.summary()}", flush=True)
     return 0 if ok else 1
 

@@ -5,8 +5,9 @@ clearly slower plan for; the plan must be within 2% of the better plan the same 
 model prices.  The sweeps plan GPT-3 175B and Llama-3-70B on every count of 120..128
 A100 nodes: within 2% of the best plan using every device of any count up to it, and a
 replan from 128 nodes within 3%.  The table is printed (``pytest -s`` shows it); the
-planning times are the benchmark's figures, not asserted here (nor is the wall
-clock allowed to cut a search short).
+planning times are the benchmark's figures, not asserted here; the searches run with
+the library's defaults, whose budget counts steps, not seconds (a loaded machine finds
+the same plans).
 """
 
 from __future__ import annotations
@@ -22,12 +23,6 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import search_coverage as sc  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _no_wall_clock_limit(monkeypatch):
-    """The plans as the search finds them, not as a loaded machine's wall clock cuts them."""
-    monkeypatch.setitem(sc.TIME_LIMIT, "time_limit_s", 3600.0)
 
 
 @pytest.mark.parametrize("row", sc.ROWS, ids=[r.model + "-" + str(r.nodes) + "-" + r.stack

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..errors import AutoplanError, ConfigError, InfeasiblePlan, StrategyError
+from ..search.search import WORK_LIMIT
 from ._text import model_name, plan_label
 
 __all__ = ["whatif_text", "whatif", "WHATIF_COLUMNS", "cluster_price_per_hour"]
@@ -177,8 +178,9 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
            seq_len: int | Sequence[int] | None = None, *,
            price_per_gpu_hour: float | Mapping[str, float] | None = None,
            memory_fraction: float = 0.9, top_k: int = 1, precision: str = "bf16",
-           time_limit_s: float = 60.0, options: Any = None, space: Any = None,
-           progress: Callable[[str], None] | None = None):
+           time_limit_s: float | None = None, options: Any = None, space: Any = None,
+           progress: Callable[[str], None] | None = None,
+           work_limit: int | None = WORK_LIMIT):
     """The best plan for every scenario: one row per (model, seq_len, cluster, global_batch).
 
     Parameters
@@ -198,7 +200,7 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
     price_per_gpu_hour : float or dict, optional
         One price, or a dict by device type / node profile name (mixed clusters);
         adds ``cost_per_hour``, ``cost_per_step`` and ``cost_per_million_tokens``.
-    memory_fraction, top_k, precision, time_limit_s, options, space
+    memory_fraction, top_k, precision, time_limit_s, work_limit, options, space
         Passed to :func:`autoplan.plan`; with ``top_k > 1`` each scenario has
         up to ``top_k`` rows, ``rank`` 1 the best.
     progress : callable, optional
@@ -281,6 +283,7 @@ def whatif(model: Any, clusters: Any, global_batch: int | Sequence[int] | Callab
                             best = _plan(graph, cluster, global_batch=gb, top_k=top_k,
                                          memory_fraction=memory_fraction, precision=precision,
                                          time_limit_s=time_limit_s, options=options, space=space,
+                                         work_limit=work_limit,
                                          use_all_devices=True)
                             plans = [best, *getattr(best, "runners_up", ())][:top_k]
                             found = [_plan_row(p, i + 1) for i, p in enumerate(plans)]

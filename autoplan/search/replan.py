@@ -22,7 +22,7 @@ from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyErr
 from ..graph import ModelGraph
 from ..plan import Plan
 from ..plan_facts import PLAN_FACTS
-from .search import SearchSpace, _attach, search
+from .search import WORK_LIMIT, SearchSpace, _attach, _check_limits, search
 
 __all__ = ["replan", "plan_diff", "reshard_fraction"]
 
@@ -69,9 +69,10 @@ def reshard_fraction(old: Plan, new: Plan, graph: ModelGraph | None = None) -> f
 
 
 def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
-           memory_fraction: float | None = None, time_limit_s: float = 30.0,
+           memory_fraction: float | None = None, time_limit_s: float | None = None,
            top_k: int = 1, space: SearchSpace | None = None,
-           tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False) -> Plan:
+           tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False,
+           work_limit: int | None = WORK_LIMIT) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
 
     Parameters
@@ -91,6 +92,11 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     tolerance : float
         Among the plans within this fraction of the fastest (default 1%), the one
         that reshards least (:func:`reshard_fraction`; then the fastest) is returned.
+    work_limit : int, optional
+        The search's budget in steps, as in :func:`autoplan.plan` (the same inputs give
+        the same plan on any machine).
+    time_limit_s : float, optional
+        A wall-clock cap (default None: none), as in :func:`autoplan.plan`.
 
     Raises
     ------
@@ -118,16 +124,18 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     if memory_fraction is None:
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
     space = space or SearchSpace()
+    _check_limits(time_limit_s, work_limit)
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
-                  use_all_devices=use_all_devices)
+                  use_all_devices=use_all_devices, work_limit=work_limit)
     t0 = time.perf_counter()
     warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
     try:
         result = search(graph, new_cluster, space=space, tolerance=tolerance,
                         bound_s=warm * (1 + tolerance) * (1 + 1e-9), **common)
     except InfeasiblePlan:
-        if math.isinf(warm) or time.perf_counter() - t0 > time_limit_s:
+        if math.isinf(warm) or (time_limit_s is not None
+                                and time.perf_counter() - t0 > time_limit_s):
             raise
         # nothing within the warm start's bound: the search again, unbounded
         result = search(graph, new_cluster, space=space, tolerance=tolerance, **common)

@@ -41,14 +41,20 @@ Method
 The objective is the step time, or with ``price_per_gpu_hour`` the price of a sample
 (the devices used, for the step's time, over the global batch).  The same inputs give a
 byte-identical plan: iteration orders are fixed, ties break on a stable key, and CP-SAT
-runs single-threaded with a fixed seed and a deterministic time budget.
-``time_limit_s`` bounds the wall time; should it bind, the best plan so far is returned.
+runs single-threaded with a fixed seed and a deterministic time budget.  The search's
+budget is counted in steps, not seconds (``work_limit``, default :data:`WORK_LIMIT`):
+should it bind, the best plan so far is returned, the same on a busy machine as on an
+idle one.  A wall-clock cap (``time_limit_s``) is there only when asked for; a plan it
+cuts short depends on the machine's load.  ``plan.search_stats.limit`` says which limit
+bound, if any.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import math
+import numbers
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
@@ -64,7 +70,24 @@ from .builder import _Builder, _Candidate, _Combo, micro_batch_counts
 from .fleet import Pool, idle_text, pools
 from .refine import refine, refine_bound
 
-__all__ = ["plan", "search", "SearchResult", "SearchSpace"]
+__all__ = ["plan", "search", "SearchResult", "SearchSpace", "SearchLimit", "WORK_LIMIT"]
+
+#: The search's default budget, in steps: an entry of its queue expanded (the bounds of a
+#: combination's children), a layout priced, or a candidate refined with CP-SAT.  Steps,
+#: not seconds, so that the same inputs give the same plan however loaded the machine is.
+#: The largest search benchmarked takes about 104,000 steps (DeepSeek-V3 on 1,024 H100s,
+#: ``benchmarks/search_speed.py``; a 1T-parameter GPT on 3,072 A100s 65,000, GPT-3 175B on
+#: 122 A100 nodes 27,000): the limit leaves it five times that, and stops a search of a far
+#: larger space after a few minutes of CPU (2,500-3,500 steps a CPU second on those
+#: searches) with its best plan so far.
+WORK_LIMIT = 500_000
+
+
+class SearchLimit(enum.Enum):
+    """Which budget stopped a search before its bounds did (``SearchResult.limit``)."""
+
+    WORK = "work"        # ``work_limit`` steps (deterministic)
+    TIME = "time"        # ``time_limit_s`` of wall clock (asked for; depends on the load)
 
 
 @dataclass(frozen=True)
@@ -106,14 +129,17 @@ class SearchResult:
 
     ``evaluated``: layouts priced; ``pruned``: combinations (or ZeRO stages of them) whose
     bound, or whose least-memory option, ruled them out without pricing; ``refined``:
-    candidates given to CP-SAT."""
+    candidates given to CP-SAT; ``steps``: the work counted against ``work_limit``
+    (:data:`WORK_LIMIT`); ``limit``: the budget that stopped the search before its
+    bounds did (None: none did, the plan is the best the search space holds)."""
 
     plans: list[Plan]
     evaluated: int
     pruned: int
     refined: int
     seconds: float
-    time_limit_hit: bool
+    limit: SearchLimit | None = None
+    steps: int = 0
     #: With a tolerance: every distinct plan within it of the best, best first (what
     #: :func:`autoplan.replan` chooses among); else empty.
     alternatives: list = field(default_factory=list)
@@ -122,10 +148,36 @@ class SearchResult:
     def best(self) -> Plan:
         return self.plans[0]
 
+    @property
+    def time_limit_hit(self) -> bool:
+        """Whether the wall-clock cap (``time_limit_s``) stopped the search."""
+        return self.limit is SearchLimit.TIME
+
+    @property
+    def work_limit_hit(self) -> bool:
+        """Whether the work budget (``work_limit``) stopped the search."""
+        return self.limit is SearchLimit.WORK
+
     def __repr__(self) -> str:
         return (f"<SearchResult {len(self.plans)} plans, {self.evaluated} evaluated, "
-                f"{self.pruned} pruned, {self.refined} refined, {self.seconds:.1f} s"
-                + (", time limit hit>" if self.time_limit_hit else ">"))
+                f"{self.pruned} pruned, {self.refined} refined, {self.steps} steps, "
+                f"{self.seconds:.1f} s"
+                + (f", {self.limit.value} limit hit>" if self.limit is not None else ">"))
+
+
+def _check_limits(time_limit_s: Any, work_limit: Any) -> None:
+    """``time_limit_s``: None or positive seconds; ``work_limit``: None or a positive
+    number of steps (ConfigError, one line, otherwise)."""
+    if time_limit_s is not None and (isinstance(time_limit_s, bool)
+                                     or not isinstance(time_limit_s, numbers.Real)
+                                     or not time_limit_s > 0):
+        raise ConfigError(f"time_limit_s must be positive seconds or None (no wall-clock "
+                          f"cap, the default), got {time_limit_s!r}")
+    if work_limit is not None and (isinstance(work_limit, bool)
+                                   or not isinstance(work_limit, numbers.Integral)
+                                   or work_limit < 1):
+        raise ConfigError(f"work_limit must be a positive whole number of search steps or "
+                          f"None (no limit), got {work_limit!r} (default {WORK_LIMIT})")
 
 
 # ------------------------------------------------------------------ helpers
@@ -242,7 +294,8 @@ class _Search:
     def __init__(self, graph: ModelGraph, cluster, engine: CostEngine, builder: _Builder,
                  space: SearchSpace, global_batch: int, use_all: bool,
                  prices: list[float] | None, bound_s: float, tolerance: float, top_k: int,
-                 t0: float, time_limit_s: float) -> None:
+                 t0: float, time_limit_s: float | None,
+                 work_limit: int | None = WORK_LIMIT) -> None:
         self.graph, self.cluster, self.engine, self.builder = graph, cluster, engine, builder
         self.space, self.batch, self.use_all = space, global_batch, use_all
         self.pools = builder.pools
@@ -250,8 +303,9 @@ class _Search:
         self.blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
         self.experts = expert_counts(graph)
         self.bound_s, self.tolerance, self.top_k = bound_s, tolerance, top_k
-        self.t0, self.time_limit_s = t0, time_limit_s
-        self.limit_hit = False
+        self.t0, self.time_limit_s, self.work_limit = t0, time_limit_s, work_limit
+        self.limit: SearchLimit | None = None
+        self.steps = 0                         # the work counted against work_limit
         # objective weight per (pool, devices): 1 (time), or the price of a sample per second
         self._cum = None if prices is None else [
             [0.0] + list(_cumulative(prices[d] / 3600 / global_batch for d in p.devices))
@@ -298,10 +352,24 @@ class _Search:
             self._objectives.sort()
             del self._objectives[self.top_k:]
 
-    def _out_of_time(self) -> bool:
-        if time.perf_counter() - self.t0 > self.time_limit_s:
-            self.limit_hit = True
-        return self.limit_hit
+    @property
+    def limit_hit(self) -> bool:
+        return self.limit is not None
+
+    def _step(self) -> bool:
+        """Take a step of work if the budgets allow it; True when they do not (the search
+        stops, its best plan so far the result).  The work limit binds alike on every
+        machine; the wall clock is read only where a cap was asked for."""
+        if self.limit is None:
+            if self.work_limit is not None and self.steps >= self.work_limit:
+                self.limit = SearchLimit.WORK
+            elif self.time_limit_s is not None and \
+                    time.perf_counter() - self.t0 > self.time_limit_s:
+                self.limit = SearchLimit.TIME
+        if self.limit is not None:
+            return True
+        self.steps += 1
+        return False
 
     def _push(self, lb: float, item: tuple) -> None:
         self._seq += 1
@@ -624,6 +692,8 @@ class _Search:
                 if max(lb, uniform) * w >= self.threshold():
                     self.pruned += 1
                     break                # this and more recompute: bounded out
+                if self._step():
+                    return               # the budget is spent: the search stops
                 try:
                     lay = builder.layout(c, z, rc, counts, self.batch)
                     q = engine.estimate(lay, ledger=False)   # (its records: refinement's bound reads them)
@@ -666,15 +736,13 @@ class _Search:
     # -------------------------------------------------------------- the loop
     def run(self) -> None:
         self.push_devices()
-        pops = 0
         while self.heap:
             lb, _, item = self.heap[0]
             if lb >= self.threshold():
                 break
-            heapq.heappop(self.heap)
-            pops += 1
-            if pops % 64 == 0 and self._out_of_time():
+            if self._step():
                 break
+            heapq.heappop(self.heap)
             kind = item[0]
             if kind == "d":
                 self.expand_devices(*item[1:6], item[6])
@@ -713,7 +781,7 @@ class _Search:
         queue.sort(key=lambda x: (x[0], x[1]))
         homogeneous = engine.homogeneous
         for coarse, _, cand in queue:
-            if coarse >= self.threshold() or self._out_of_time():
+            if coarse >= self.threshold():
                 break
             if space.refine is not None and self.refined >= space.refine:
                 break
@@ -730,6 +798,8 @@ class _Search:
                                 c, cand.zero, cand.layout.replica_micro_batches))
             if tight * w >= self.threshold():
                 continue
+            if self._step():
+                break
             better = refine(cand, self.builder, self.batch, w)
             self.refined += 1
             if better is not None and better.step_time_s < cand.step_time_s * (1 - 1e-9):
@@ -825,11 +895,11 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 # ------------------------------------------------------------------ search
 def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: float = 0.9,
-           time_limit_s: float = 60.0, top_k: int = 1, precision: Precision | str = Precision.BF16,
+           time_limit_s: float | None = None, top_k: int = 1, precision: Precision | str = Precision.BF16,
            options: CostOptions | None = None, space: SearchSpace | None = None,
            bound_s: float = math.inf, use_all_devices: bool = False,
            price_per_gpu_hour: float | Mapping[str, float] | None = None,
-           tolerance: float = 0.0) -> SearchResult:
+           tolerance: float = 0.0, work_limit: int | None = WORK_LIMIT) -> SearchResult:
     """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`.
 
     ``bound_s``: the step time of a plan already known to fit (a warm start); layouts
@@ -847,6 +917,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         raise ConfigError(f"top_k must be a positive integer, got {top_k!r}")
     if not 0 <= tolerance < 1:
         raise ConfigError(f"tolerance must be a fraction in [0, 1), got {tolerance!r}")
+    _check_limits(time_limit_s, work_limit)
     precision = Precision(precision)
     space = space or SearchSpace()
     if expert_counts(graph):
@@ -862,7 +933,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                        pools(cluster, use_all_devices=use_all_devices))
     builder.recompute = tuple(space.recompute)
     s = _Search(graph, cluster, engine, builder, space, global_batch, use_all_devices, prices,
-                bound_s, tolerance, top_k, t0, time_limit_s)
+                bound_s, tolerance, top_k, t0, time_limit_s, work_limit)
     if not s.tpcp:
         raise _no_layout(graph, cluster, global_batch, space)
     s.run()
@@ -872,10 +943,14 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     if not s.ranked:
         if s.least_memory is not None and not s.least_memory.fits:
             raise _infeasible(engine, s.least_memory, graph, cluster)
-        if s.limit_hit:
+        if s.limit is SearchLimit.TIME:
             raise InfeasiblePlan(f"the search's time limit ({time_limit_s:g} s) ran out before "
                                  "it priced a layout that fits: give it more time "
                                  "(time_limit_s, or --time-limit)")
+        if s.limit is SearchLimit.WORK:
+            raise InfeasiblePlan(f"the search's work limit ({work_limit} steps) ran out before "
+                                 "it priced a layout that fits: give it more steps "
+                                 "(work_limit, or --work-limit)")
         if bound_s < math.inf:
             raise InfeasiblePlan(f"no layout is faster than the bound given ({bound_s:.4g} s)")
         if s.unsplit:
@@ -909,7 +984,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
             alternatives.append(p.with_estimate(engine.estimate(p)))
     return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
-                        s.limit_hit, alternatives)
+                        s.limit, s.steps, alternatives)
 
 
 #: At most this many plans within the tolerance are kept (best first).
@@ -971,11 +1046,13 @@ def _infeasible(engine: CostEngine, least: _Candidate | None, graph: ModelGraph,
 
 
 def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None = None,
-         example_inputs: Any = None, memory_fraction: float = 0.9, time_limit_s: float = 60.0,
+         example_inputs: Any = None, memory_fraction: float = 0.9,
+         time_limit_s: float | None = None,
          top_k: int = 1, precision: Precision | str | Sequence[Precision | str] = Precision.BF16,
          options: CostOptions | None = None, space: SearchSpace | None = None,
          use_all_devices: bool = False,
-         price_per_gpu_hour: float | Mapping[str, float] | None = None) -> Plan:
+         price_per_gpu_hour: float | Mapping[str, float] | None = None,
+         work_limit: int | None = WORK_LIMIT) -> Plan:
     """The fastest layout of a model on a cluster that fits every device's memory.
 
     Parameters
@@ -989,14 +1066,15 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
         Sequences (samples) per optimizer step.
     memory_fraction : float
         Plans use at most this fraction of each device's memory.
-    time_limit_s : float
-        Wall-time bound of the search; the best plan so far is returned when it binds.
+    time_limit_s : float, optional
+        A wall-clock cap on the search (default None: none); the best plan so far is
+        returned when it binds, and that plan depends on the machine's load.
     top_k : int
         How many plans to rank; the runners-up are ``plan.runners_up``.
     precision : Precision, str or list of them
         The mixed-precision recipe (default bf16), or several to search, each with its
-        share of ``time_limit_s``, the fastest plan of any winning.  FP8 recipes are
-        searched only when given here.
+        share of ``work_limit`` and ``time_limit_s``, the fastest plan of any winning.
+        FP8 recipes are searched only when given here.
     use_all_devices : bool
         Only layouts that use every device of the cluster.  By default the devices
         used are part of the search: a plan may leave some idle (whole nodes first,
@@ -1005,6 +1083,10 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     price_per_gpu_hour : float or dict, optional
         With prices (one for every GPU, or by device type or node profile name) the plan
         is the cheapest per sample instead of the fastest (idle devices cost nothing).
+    work_limit : int, optional
+        The search's budget in steps (default :data:`WORK_LIMIT`; None: no limit): a
+        combination's bounds computed, a layout priced or a candidate refined counts one.
+        When it binds the best plan so far is returned, the same plan on any machine.
 
     Returns
     -------
@@ -1025,13 +1107,18 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
         trace(model_or_graph, seq_len=seq_len, example_inputs=example_inputs)
     cluster = as_cluster(cluster)
     precisions = _precisions(precision)
+    _check_limits(time_limit_s, work_limit)
+    share = len(precisions)
     results, infeasible = [], None
     for p in precisions:
-        # each recipe its share of the time limit
+        # each recipe its share of the budgets
         try:
             results.append(search(graph, cluster, global_batch=global_batch,
                                   memory_fraction=memory_fraction,
-                                  time_limit_s=time_limit_s / len(precisions), top_k=top_k,
+                                  time_limit_s=None if time_limit_s is None
+                                  else time_limit_s / share,
+                                  work_limit=None if work_limit is None
+                                  else max(1, work_limit // share), top_k=top_k,
                                   precision=p, options=options, space=space,
                                   use_all_devices=use_all_devices,
                                   price_per_gpu_hour=price_per_gpu_hour))
@@ -1069,7 +1156,8 @@ def _merged(results: list[SearchResult], top_k: int) -> SearchResult:
     return SearchResult(plans[:top_k], sum(r.evaluated for r in results),
                         sum(r.pruned for r in results), sum(r.refined for r in results),
                         sum(r.seconds for r in results),
-                        any(r.time_limit_hit for r in results))
+                        next((r.limit for r in results if r.limit is not None), None),
+                        sum(r.steps for r in results))
 
 
 def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
@@ -1088,7 +1176,7 @@ def _combos(graph: ModelGraph, cluster, global_batch: int, space: SearchSpace,
     engine = CostEngine(graph, cluster, options=CostOptions())
     builder = _Builder(graph, engine, cluster, Precision.BF16, pools(cluster, use_all_devices=True))
     s = _Search(graph, cluster, engine, builder, space, global_batch, True, None, math.inf,
-                0.0, 1, time.perf_counter(), math.inf)
+                0.0, 1, time.perf_counter(), None, None)
     if not attention:
         s.tpcp = [(tp, cp) for tp, cp in s.tpcp if cp == 1]
     N, pool = cluster.num_devices, builder.pools[0]
