@@ -816,7 +816,7 @@ def searched_plans(graph: str, world: int = 4, top_k: int = 3,
 
     g = _graph(graph)
     best = autoplan.plan(g, cpu_cluster(world), global_batch=GLOBAL_BATCH, seq_len=SEQ,
-                         precision="fp32", top_k=top_k, time_limit_s=30,
+                         precision="fp32", top_k=top_k,
                          use_all_devices=use_all_devices)
     return [p.to_json() for p in (best, *getattr(best, "runners_up", ()))][:top_k]
 

@@ -214,9 +214,9 @@ def test_search_considers_fp8_only_when_asked():
     g = trace(model, seq_len=1024)
     h100 = load_cluster("h100-sxm5-80gb")
     te = CostOptions(stack="megatron-core")
-    default = plan(g, h100, global_batch=64, time_limit_s=10, top_k=3, options=te)
+    default = plan(g, h100, global_batch=64, top_k=3, options=te)
     assert {p.precision.value for p in (default, *default.runners_up)} == {"bf16"}
-    both = plan(g, h100, global_batch=64, time_limit_s=10, top_k=3, options=te,
+    both = plan(g, h100, global_batch=64, top_k=3, options=te,
                 precision=["bf16", "fp8"])
     assert both.precision.value == "fp8"
     assert both.estimate.step_time_s < default.estimate.step_time_s

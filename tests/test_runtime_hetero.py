@@ -80,7 +80,7 @@ def _searched(graph: str, nodes: str, devices_per_node: int = 1, **space) -> Pla
     beside the speed-proportional one and may rank the even one first), else its best."""
     cluster = hetero_cluster(nodes, devices_per_node)
     best = autoplan.plan(ModelGraph.from_json(graph), cluster, global_batch=rc.GLOBAL_BATCH,
-                         precision="fp32", time_limit_s=30, space=SearchSpace(**space), top_k=8,
+                         precision="fp32", space=SearchSpace(**space), top_k=8,
                          use_all_devices=True)
     ranked = [best, *getattr(best, "runners_up", ())]
     plan = next((p for p in ranked if len(set(p.replica_batch)) > 1), best)
