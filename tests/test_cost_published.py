@@ -47,9 +47,10 @@ HELD_OUT_LIMITS = {"mape": 0.09, "moe_mape": 0.25}
 #: Fitted sources that miss the targets, held at today's figure so that they cannot get
 #: worse unseen: Megatron-Bridge's FP8 rows since Transformer Engine's recipe came to be
 #: priced as it runs (autoplan/cost/fp8.py, issue 66; refit of 2026-11-29: 12.9% MAPE,
-#: worst H100 Llama 3 8B +30.9%; they were 9.8% and +26.2%).  The targets stand
-#: (docs/validation.md says they are missed).
-KNOWN_MISSES = {"megatron_bridge_perf": {"mape": 0.13, "worst": 0.31}}
+#: worst H100 Llama 3 8B +30.9%; they were 9.8% and +26.2%; with TE's weights cast once a
+#: step: 11.0%, worst +28.9%, inside issue 66's FP8 targets of 15% and 30% but above the
+#: 10% every source is held to).  The target stands (docs/validation.md says it is missed).
+KNOWN_MISSES = {"megatron_bridge_perf": {"mape": 0.115}}
 
 
 @pytest.fixture(scope="module")
