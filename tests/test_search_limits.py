@@ -5,11 +5,14 @@ machine as on an idle one; a wall-clock cap only when asked for.
   byte-identical plan JSON;
 * a small work limit binds the same way on every run, and the statistics say so;
 * a wall-clock cap binds only when given, and says so;
-* bad limits are one-line ``ConfigError`` messages (the command line's: code 2).
+* bad limits are one-line ``ConfigError`` messages (the command line's: code 2);
+* the cyclic garbage collector is paused while a search runs and left as it was after.
 """
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
 
 import pytest
@@ -140,3 +143,28 @@ def test_command_line_limits():
     capped = run("plan", *MODEL, "--cluster", "a100-sxm4-80gb", "--global-batch", "16",
                  "--time-limit", "600")
     assert "limit reached" not in capped.stdout
+
+
+def test_the_collector_is_paused_during_a_search_and_left_as_it_was(graph, cluster,
+                                                                     monkeypatch):
+    frontier = sys.modules["autoplan.search.frontier"]
+    seen = []
+    run = frontier._Search.run
+
+    def spy(self):
+        seen.append(gc.isenabled())
+        return run(self)
+
+    monkeypatch.setattr(frontier._Search, "run", spy)
+    gc.enable()
+    search(graph, cluster, global_batch=48)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ConfigError):
+        search(graph, cluster, global_batch=0)
+    assert gc.isenabled()                       # resumed after an error too
+    gc.disable()
+    try:
+        search(graph, cluster, global_batch=48)
+        assert seen == [False, False] and not gc.isenabled()   # the caller's choice kept
+    finally:
+        gc.enable()

@@ -288,6 +288,7 @@ class CostEngine:
         self._node_size = sizes.pop() if len(sizes) == 1 else None
         self._alike: dict[tuple, bool] = {}
         self._alike_by_id: dict[tuple, tuple[tuple, bool]] = {}
+        self._peaks: dict[object, tuple[float, ...]] = {}    # dtype -> every device's peak
 
     # ------------------------------------------------------------------ entry points
     def layout(self, layout) -> Layout:
@@ -422,6 +423,15 @@ class CostEngine:
     _replica_devices = staticmethod(_pipeline.replica_devices)
     _rank = _pipeline.rank_eval
 
+    def _device_peaks(self, dtype) -> tuple[float, ...]:
+        """Every device's peak FLOP/s at ``dtype``, in device order (read once per dtype:
+        an estimate sums them over its devices, a thousand on large clusters)."""
+        hit = self._peaks.get(dtype)
+        if hit is None:
+            hit = self._peaks[dtype] = tuple(self.cluster.device_type_of(i).peak(dtype)
+                                             for i in range(self.cluster.num_devices))
+        return hit
+
     # ------------------------------------------------------------------ evaluation
     def _evaluate(self, lay: Layout, full: bool):
         s = self.summary
@@ -523,9 +533,8 @@ class CostEngine:
         hw_flops = model_flops + rc_flops * lay.global_batch
         n_dev = sum(len(d) for d in lay.rank_devices)
         # MFU against the 16-bit peak also for FP8 (as Megatron-Bridge and NeMo report it)
-        peak_sum = sum(self.cluster.device_type_of(i).peak("bf16" if _fp8_scaling(recipe.dtype)
-                                                           else recipe.dtype)
-                       for devs in lay.rank_devices for i in devs)
+        peaks = self._device_peaks("bf16" if _fp8_scaling(recipe.dtype) else recipe.dtype)
+        peak_sum = sum(peaks[i] for devs in lay.rank_devices for i in devs)
         stages = tuple(StageEstimate(
             rank=p, device_type=rk.device_type, layers=rk.layers,
             micro_batches_in_flight=rk.in_flight, forward_s=rk.fwd, backward_s=rk.bwd,

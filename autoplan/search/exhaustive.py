@@ -23,7 +23,7 @@ from ..plan import expert_counts
 from ..strategy import Precision, Recompute, Schedule, schedule_problem
 from .builder import _Builder, _Combo, micro_batch_counts
 from .fleet import pools
-from .search import SearchSpace, _micro_batches, _schedules
+from .space import SearchSpace, _micro_batches, _schedules
 
 __all__ = ["exhaustive", "Priced"]
 
