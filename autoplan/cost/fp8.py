@@ -64,7 +64,8 @@ from ..precision import fp8_converts
 __all__ = ["Fp8Linear", "TORCHAO_CAST_BYTES", "TORCHAO_SHARD_CAST_BYTES", "FP8_TRANSPOSE_BYTES",
            "ROWWISE_RESCALE_BYTES", "TE_CAST_BYTES", "AMAX_BYTES", "SCALE_BYTES",
            "fp8_linears_of", "cast_bytes", "te_weight_cast_bytes", "weight_cast_bytes",
-           "fp8_gemm_rate", "tp_amax_reduces", "float8_tp", "region_fp8", "FP8_ROWWISE_TABLE", "LayerFp8"]
+           "fp8_gemm_rate", "tp_amax_reduces", "float8_tp", "region_fp8", "FP8_ROWWISE_TABLE",
+           "LayerFp8"]
 
 #: Device-memory bytes one eager torchao cast moves per element of a 16-bit tensor
 #: (``hp_tensor_to_float8_dynamic``, one kernel each): ``abs`` (read 2, write 2), ``max``
