@@ -530,7 +530,7 @@ class Bounds:
                    rest_s: float = 0.0,
                    rank_rest_s: Sequence[float] | None = None,
                    caps: Sequence[float] | None = None, tail: bool = True,
-                   exact: bool = True) -> float | None:
+                   exact: bool = True, slope: bool = False) -> Any:
         """A lower bound of the step time of every layout at ZeRO stage ``zero`` (any
         recompute per block, any split of the blocks), or None when none fits.
 
@@ -559,7 +559,11 @@ class Bounds:
         exposed ZeRO collectives ``e >= 0`` add ``e`` to its time, and recompute hides at
         most ``e`` of them, so every block's time at ``z`` is at least its ZeRO-0/1
         time plus, where recomputed, ZeRO-0/1's addition.  What the search takes first;
-        the exact bound only for what that leaves below the best plan."""
+        the exact bound only for what that leaves below the best plan.
+
+        ``slope=True``: ``(bound, seconds)``, where the bound of the same layouts with
+        more micro-batches a step grows by at least ``seconds`` for each (the busiest
+        rank's time per micro-batch in the schedule's time the bound is)."""
         n = self.num_blocks
         block, room_of = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, zero, b,
                                     schedule, m, caps)
@@ -569,9 +573,9 @@ class Bounds:
         if not n:
             if room_of[0][0] < 0:
                 return None
-            return self.step_bound(schedule, pp, v, m,
-                                   self.time_per_micro_batch(kinds, tp, cp, ep, sp, zero, b),
-                                   n_devices)
+            per_mb = self.time_per_micro_batch(kinds, tp, cp, ep, sp, zero, b)
+            x = self.step_bound(schedule, pp, v, m, per_mb, n_devices)
+            return (x, 0.0 if self.shared_cores(n_devices) else per_mb / pp) if slope else x
         bt = self.block_templates
         least = self.least_memory(zero, schedule)
         low = self.sums(kinds[0], tp, cp, ep, sp, 1, least, b) if least is not None else None
@@ -588,15 +592,16 @@ class Bounds:
             return None
         shared = self.shared_cores(n_devices)
         if shared:
-            return 0.0
+            return (0.0, 0.0) if slope else 0.0
         ranks = stage_ranks(schedule, pp, pp * v)
         first, last = ranks[0], ranks[-1]
         after = self.tail(kinds, tp, cp, ep, zero, n_devices // pp // tp, pp, m) if tail else 0.0
         # the cheap bound first: ZeRO-0/1's layer times (ZeRO-2/3 only add), no recompute
-        cheap = self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m, first, last,
-                               rest_s) + after
+        cheap, cheap_busiest = self._balanced(kinds, tp, cp, ep, sp, 1, b, schedule, pp, v, m,
+                                              first, last, rest_s, busiest=True)
+        cheap += after
         if cheap >= threshold:
-            return cheap
+            return (cheap, cheap_busiest) if slope else cheap
         none_bytes = self.sums(kinds[0], tp, cp, ep, sp, 1, Recompute.NONE, b)
         a_none = min(none_bytes.saved[t] for t in bt)
         layers_at = zero if exact else min(zero, 1)
@@ -684,8 +689,12 @@ class Bounds:
                 else:
                     lo = mid
             at_least = lo
-        return max(cheap, self._balanced(kinds, tp, cp, ep, sp, layers_at, b, schedule, pp, v,
-                                         m, first, last, spent + rest_s, at_least) + after)
+        bound, busiest = self._balanced(kinds, tp, cp, ep, sp, layers_at, b, schedule, pp, v,
+                                        m, first, last, spent + rest_s, at_least, busiest=True)
+        bound += after
+        if not slope:
+            return max(cheap, bound)
+        return (cheap, cheap_busiest) if cheap > bound else (bound, busiest)
 
     def cheap_bound(self, pool: int, n_devices: int, kinds: tuple[tuple[int, ...], ...],
                     pp: int, v: int, tp: int, cp: int, ep: int, sp: bool, zeros: Sequence[int],
@@ -717,18 +726,21 @@ class Bounds:
 
     def _balanced(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
                   sp: bool, zero: int, b: int, schedule: Schedule, pp: int, v: int, m: int,
-                  first: int, last: int, recompute_s: float, at_least: float = 0.0) -> float:
+                  first: int, last: int, recompute_s: float, at_least: float = 0.0,
+                  busiest: bool = False) -> Any:
         """The schedule's time for ranks whose work adds up to ``S_z`` plus
         ``recompute_s``, the busiest holding at least its share and the least whole-block
-        split's busiest rank (see :meth:`zero_bound`)."""
+        split's busiest rank (see :meth:`zero_bound`); ``busiest=True``: with that rank's
+        time, by which the schedule's time grows with each micro-batch more
+        (:func:`autoplan.cost.pipeline_time`: ``m`` times it plus what does not grow)."""
         total = self.time_per_micro_batch(kinds, tp, cp, ep, sp, zero, b) + recompute_s
         if pp == 1:
-            return m * total
-        busiest = max(total / pp, at_least, self.busiest(kinds, tp, cp, ep, sp, zero, b, pp,
-                                                         v, first == last))
-        rest = max(0.0, (total - busiest) / (pp - 1))
-        return pipeline_time(schedule, [busiest] + [min(rest, busiest)] * (pp - 1), m,
-                             virtual_stages=v)
+            return (m * total, total) if busiest else m * total
+        top = max(total / pp, at_least, self.busiest(kinds, tp, cp, ep, sp, zero, b, pp, v,
+                                                     first == last))
+        rest = max(0.0, (total - top) / (pp - 1))
+        t = pipeline_time(schedule, [top] + [min(rest, top)] * (pp - 1), m, virtual_stages=v)
+        return (t, top) if busiest else t
 
     def busiest(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int,
                 sp: bool, zero: int, b: int, pp: int, v: int, v_shape: bool) -> float:

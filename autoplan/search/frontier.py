@@ -30,6 +30,11 @@ __all__: list[str] = []
 class _Search:
     """State of one best-bound-first search (see the module docstring)."""
 
+    #: Prune by the bounds of the same options at more replicas (:meth:`_dominated`).
+    use_dominance = True
+    #: Tests: compute the bound of what :meth:`_dominated` prunes, and check it does.
+    check_dominance = False
+
     def __init__(self, graph: ModelGraph, cluster, engine: CostEngine, builder: _Builder,
                  space: SearchSpace, global_batch: int, use_all: bool,
                  prices: list[float] | None, bound_s: float, tolerance: float, top_k: int,
@@ -66,6 +71,9 @@ class _Search:
         self._sigma: dict[tuple, list[float]] = {}
         self._zero_lb: dict[int, float] = {}   # id(candidate) -> its ZeRO stage's bound
         self._estimates: dict[int, Any] = {}   # id(candidate) -> its Estimate
+        # bounds of the same options at more replicas (:meth:`_dominated`)
+        self._dominance = self.use_dominance and prices is None and engine.homogeneous
+        self._chains: dict[tuple, list[tuple[int, int, tuple, float]]] = {}
         attention = engine.summary.kv_bytes_per_token is not None
         self.tpcp = self._degrees(attention)
 
@@ -258,8 +266,12 @@ class _Search:
             for split in splits:
                 counts = micro_batch_counts(split, mb)
                 for sp in self._sps(tp):
-                    # every schedule takes at least m times the busiest rank's micro-batch
+                    # every schedule takes at least m times the busiest rank's micro-batch,
+                    # and at least the least bound of the schedules it can run
                     lb_m = self._micro_bound(pi, n, tp, cp, pp, eps, sp, mb, counts)
+                    if lb_m * w < self.threshold():
+                        lb_m = max(lb_m, self._schedules_bound(pi, tp, cp, pp, dp, mb, sp,
+                                                               counts, eps))
                     if lb_m * w >= self.threshold():
                         self.pruned += 1
                         self._floor(n, pi, lb_m)
@@ -287,6 +299,29 @@ class _Search:
             out = min(out, worst)
         return out
 
+    def _schedules_bound(self, pi: int, tp: int, cp: int, pp: int, dp: int, mb: int,
+                         sp: bool, counts: tuple[int, ...], eps: list[int]) -> float:
+        """The least over the schedules :meth:`expand_micro` prices (and expert parallel
+        degrees) of their bound without memory (:meth:`Bounds.cheap_bound`, no ZeRO
+        stages): what the bound of each of its combinations is at least (inf: none)."""
+        n = tp * cp * pp * dp
+        if self.bounds.shared_cores(n):
+            return 0.0
+        out = math.inf
+        for sched, v in _schedules(self.space, pp, max(1, self.batch // (dp * mb)),
+                                   self.blocks):
+            if any(schedule_problem(sched, pp, v, m) for m in set(counts)) or \
+                    not _ladder(self.space, sched)[0]:
+                continue
+            for ep in eps:
+                c = _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, pi)
+                worst = 0.0
+                for kinds, m, caps in self._classes(c, 1, counts):
+                    worst = max(worst, self.bounds.cheap_bound(pi, n, kinds, pp, v, tp, cp,
+                                                               ep, sp, [], mb, sched, m, caps))
+                out = min(out, worst)
+        return out
+
     def _classes(self, c: _Combo, zero: int, counts: tuple[int, ...]) -> list:
         return self.bounds.classes(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, zero, counts)
 
@@ -305,7 +340,13 @@ class _Search:
             zeros, _ = _ladder(self.space, sched)
             for ep in self._eps(pool, n, tp, cp, dp):
                 c = _Combo(tp, cp, pp, dp, mb, sched, v, sp, ep, pi)
-                bounds = self.cheap_bounds(c, counts, zeros)
+                live = [z for z in zeros if not self._dominated(c, counts, z)]
+                self.pruned += len(zeros) - len(live)
+                if not live:
+                    continue
+                # (a ZeRO stage fits wherever a lower one does: the stages left keep
+                # the bounds they have among all of them)
+                bounds = self.cheap_bounds(c, counts, live)
                 for z, lb in bounds.items():
                     if lb * w >= self.threshold():
                         self.pruned += 1
@@ -357,7 +398,13 @@ class _Search:
         (:meth:`Bounds.zero_bound`'s ``exact=False``: no terms of the data-parallel
         group to price), the exact one once that is the least bound left."""
         exact = exact or zero < 2
-        lb = self.zero_bound(c, counts, zero, exact)
+        if self._dominated(c, counts, zero):
+            self.pruned += 1
+            return
+        if not exact or zero < 2:
+            lb = self._noted_bound(c, counts, zero)
+        else:
+            lb = self.zero_bound(c, counts, zero, exact)
         if lb is None:
             self.pruned += 1
             return
@@ -378,21 +425,74 @@ class _Search:
             self.climb(c, split, counts, ((lb, zero),))
 
     def zero_bound(self, c: _Combo, counts: tuple[int, ...], zero: int,
-                   exact: bool = True) -> float | None:
+                   exact: bool = True, slope: bool = False) -> Any:
         """:meth:`Bounds.zero_bound`, the largest over the replica classes (None: no layout
-        of ``c`` at ``zero`` fits)."""
+        of ``c`` at ``zero`` fits); ``slope=True``: with its growth per micro-batch."""
         if self.bounds.least_memory(zero, c.schedule) is None:
             return None
         threshold = self.threshold() / self.weight(c.pool, c.n)
-        lb = 0.0
+        lb, grows = 0.0, 0.0
         for kinds, m, caps in self._classes(c, zero, counts):
             x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
                                        zero, c.micro_batch, c.schedule, m, threshold, caps=caps,
-                                       exact=exact)
+                                       exact=exact, slope=True)
             if x is None:
                 return None
-            lb = max(lb, x)
+            if x[0] > lb:
+                lb, grows = x
+        return (lb, grows) if slope else lb
+
+    # -------------------------------------------------------------- dominance
+    def _chain(self, c: _Combo, zero: int) -> tuple:
+        """The options of ``c`` but its data-parallel degree."""
+        return (c.pool, c.tp, c.cp, c.pp, c.micro_batch, c.schedule, c.v, c.sp, c.ep, zero)
+
+    def _terms(self, c: _Combo, zero: int) -> tuple:
+        """What the layers' terms of ``c``'s ranks depend on at ZeRO-0/1 (the signatures of
+        its kinds of rank)."""
+        kinds = self.bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, zero)
+        return self.bounds._kinds_key(kinds, c.tp, c.cp, c.ep, 1)
+
+    def _noted_bound(self, c: _Combo, counts: tuple[int, ...], zero: int) -> float | None:
+        """:meth:`zero_bound` without the data-parallel collectives (``exact=False``),
+        kept for :meth:`_dominated` with how it grows with micro-batches."""
+        if not self._dominance:
+            return self.zero_bound(c, counts, zero, False)
+        lb, slope = self.zero_bound(c, counts, zero, False, slope=True) or (None, 0.0)
+        self._chains.setdefault(self._chain(c, zero), []).append(
+            (c.dp, max(counts), self._terms(c, zero), math.inf if lb is None else lb, slope))
         return lb
+
+    def _dominated(self, c: _Combo, counts: tuple[int, ...], zero: int) -> bool:
+        """Whether the bound of the same options at more replicas proves that no layout of
+        ``c`` at ``zero`` enters the result.
+
+        That bound (:meth:`Bounds.zero_bound` with ``exact=False``: the layers' terms of
+        ZeRO-0/1, the recompute memory forces, the optimizer's step) falls as replicas are
+        added, on a cluster of one device type where the ranks' terms are alike (the same
+        signatures) and a replica runs no more micro-batches: the layers' terms are the
+        same; each rank holds no more (the optimizer states and gradients sharded over
+        more ranks, no more micro-batches in flight or pipeline buffers), so the recompute
+        memory forces is no more; the optimizer's step updates no more states; and the
+        schedule's time grows with the micro-batches.  None (nothing fits) carries over
+        alike.  So a bound at least the threshold with more replicas bounds ``c`` out
+        too, without being computed.  Not with prices (more devices cost more a second)."""
+        if not self._dominance:
+            return False
+        entries = self._chains.get(self._chain(c, zero))
+        if not entries:
+            return False
+        threshold, m, terms = self.threshold(), max(counts), None
+        for dp, m_more, terms_more, lb, slope in entries:
+            if dp > c.dp and m_more <= m and lb + (m - m_more) * slope >= threshold:
+                if terms is None:
+                    terms = self._terms(c, zero)
+                if terms_more == terms:
+                    if self.check_dominance:
+                        own = self.zero_bound(c, counts, zero, False)
+                        assert own is None or own >= threshold, (c, zero, own, threshold, lb)
+                    return True
+        return False
 
     def zero_bounds(self, c: _Combo, counts: tuple[int, ...]) -> list[tuple[float, int]]:
         """``(bound, zero)`` of every ZeRO stage some layout of ``c`` can fit at, least
