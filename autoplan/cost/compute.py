@@ -310,6 +310,10 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
     hit = engine._template_times.get(key)
     if hit is not None:
         return hit
+    layer = engine._templates[template]
+    experts = layer.num_experts
+    imbalance = engine.options.expert_imbalance if ep > 1 else 1.0
+    token_split = tp if engine.options.moe_tokens_split_over_tp else 1
     scaling = _fp8_scaling(dtype)
     fp8 = scaling is not None
     if fp8:
@@ -319,11 +323,15 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
         library = engine.options.fp8_library
         converted = engine._fp8_linears(template)
         tokens = b * (engine.summary.seq_len or 1) / cp
+        # an expert bank quantizes the rows its local experts take: every token-to-expert
+        # assignment of this rank's tokens (its ep group's, for its 1/ep of the experts),
+        # the busiest rank's share under imbalance
+        routed = layer.expert_tokens * b / cp / token_split * imbalance
         cast_fwd = cast_bwd = 0.0
         for lin in converted.values():
-            if lin.num_experts == 1:
-                f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp)
-                cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
+            f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp,
+                                     experts_tokens=routed if lin.num_experts > 1 else None)
+            cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
         rowwise = library == "torchao" and scaling == "row"
     # fp32 matmuls on TF32 tensor cores where asked (CostOptions.fp32_matmuls); the
     # elementwise bytes stay the recipe's
@@ -332,10 +340,7 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
     fwd = bwd = core = wgrad = 0.0
     # fused-attention kernels (the stack's, or a captured SDPA call) at their own speed
     attention = engine._attention_tables.get(device.name)
-    experts = engine._templates[template].num_experts
-    imbalance = engine.options.expert_imbalance if ep > 1 else 1.0
     grouped = engine.options.expert_grouped_gemm
-    token_split = tp if engine.options.moe_tokens_split_over_tp else 1
     converted_experts = fp8 and any(l.num_experts > 1 for l in converted.values())
     for n in engine.summary.templates[template]:
         div = (tp if n.sharded else 1) * cp
@@ -370,13 +375,6 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
         elif fp8_gemm:
             rate = _fp8.fp8_gemm_rate(device, ref, rowwise=rowwise)
             rate_backward = _fp8.fp8_gemm_rate(device, ref)
-            if n.expert:
-                # an expert bank's GEMM (Transformer Engine's grouped FP8 GEMM): its
-                # routed rows, ~ m sqrt(kn) of inputs and of gradients, and its weights
-                kn = f / (2 * tokens)
-                per = _fp8.TE_CAST_BYTES[scaling]
-                cast_fwd += per * tokens * math.sqrt(kn)   # weights: te_weight_cast_s
-                cast_bwd += per * tokens * math.sqrt(kn)
         else:
             rate = peak * device.efficiency(ref, mm)
         tf, tb = f / rate, g / (rate_backward or rate)
