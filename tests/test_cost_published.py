@@ -42,8 +42,9 @@ MEMORY_KNOWN = pr.MEMORY_KNOWN_SOURCES
 #: Hopper's attention priced from Ampere's FlashAttention-2 fraction: 7.2%, every source
 #: <= 9.8%, worst Narayanan T2-04 -32.2%, MoE 24.7%; with the recipes' token dispatchers:
 #: MoE 23.6%; with DeepSpeed's gathers prefetched one module ahead: 6.8%, worst
-#: Megatron-Bridge H100 Llama 3 8B +26.2%, MoE 23.9%)
-HELD_OUT_LIMITS = {"mape": 0.09, "moe_mape": 0.25}
+#: Megatron-Bridge H100 Llama 3 8B +26.2%, MoE 23.9%; with the expert GEMMs and FP8 casts
+#: priced as Transformer Engine runs them, issue 66: MoE 21.4%, its FP8 rows 24.8%)
+HELD_OUT_LIMITS = {"mape": 0.09, "moe_mape": 0.23}
 #: Fitted sources that miss the targets, held at today's figure so that they cannot get
 #: worse unseen: Megatron-Bridge's FP8 rows since Transformer Engine's recipe came to be
 #: priced as it runs (autoplan/cost/fp8.py, issue 66; refit of 2026-11-29: 12.9% MAPE,

@@ -104,6 +104,38 @@ def test_cast_bytes_of_one_linear_by_hand():
     assert (fwd + bwd) / (te_fwd + te_bwd) > 5
 
 
+@pytest.mark.parametrize("ep,tp", [(1, 1), (4, 1), (2, 2)])
+def test_transformer_engine_quantizes_every_routed_row_of_an_expert_bank(monkeypatch, ep, tp):
+    """An expert bank's casts under Transformer Engine: every token-to-expert assignment's
+    row (tokens x top-k), by its input features forward and its output features backward,
+    at any expert parallelism (a rank's experts take its ep group's tokens) and 1/tp of
+    them where Megatron-Core splits the tokens over tp."""
+    g = _graph("mixtral")
+    block = next(l for l in g.layers if l.kind is LayerKind.BLOCK)
+    cluster = _h100(8)
+    b, routed = 2, 2 * rc.SEQ * rc.MOE_TOP_K / tp
+    dense_tokens = b * rc.SEQ
+
+    def times(per):
+        monkeypatch.setitem(cfp8.TE_CAST_BYTES, "tensor", per)
+        eng = CostEngine(g, cluster, options=CostOptions(stack="megatron-core"))
+        t = eng.template_time(block.template, b, tp, 1, eng.cluster.device_types[0], "fp8",
+                              sp=tp > 1, ep=ep)
+        return t, eng.cluster.device_types[0].memory_bw_bytes_per_s
+
+    (on, bw), (off, _) = times(6.0), times(0.0)
+    fwd = bwd = 0.0
+    for lin in block.tp.linears:
+        if fp8_converts(lin.role, lin.in_features, lin.out_features, lin.num_experts,
+                        "transformer-engine"):
+            k, n = cfp8.Fp8Linear(lin.name, lin.role.value, lin.in_features,
+                                  lin.out_features).local(tp)
+            rows = routed if lin.num_experts > 1 else dense_tokens
+            fwd, bwd = fwd + 6 * rows * k, bwd + 6 * rows * n
+    assert on.forward_s - off.forward_s == pytest.approx(fwd / bw, rel=1e-9)
+    assert on.backward_s - off.backward_s == pytest.approx(bwd / bw, rel=1e-9)
+
+
 def test_transformer_engine_casts_weights_once_a_step():
     """Megatron-Core's TE weight cache: more micro-batches add no weight casts, unless ZeRO-3
     gathers the weights again for each (then one cast per micro-batch)."""

@@ -112,3 +112,82 @@ def test_the_profiler_times_grouped_gemms_and_tables_them():
     assert list(tables["fp32"].points)[0][0] == 2 * 4 * 256 * 256
     assert all(0 < e <= 1 for _, e in tables["fp32"].points)
     assert any("grouped GEMM fp32" in line for line in said)
+
+
+def _sized_cluster(grouped: dict | None = None):
+    """The toy device with an efficiency that grows with the matmul's size (so the size a
+    GEMM is priced at shows), and an FP8 peak twice the 16-bit one."""
+    profile = toy_profile(devices_per_node=1)
+    curve = EfficiencyTable(((1e3, 0.1), (1e7, 0.5)), source="example: by size")
+    device = dataclasses.replace(profile.device, grouped_matmul_efficiency=grouped,
+                                 peak_flops_per_s={**profile.device.peak_flops_per_s,
+                                                   "fp8": 2 * PEAK},
+                                 matmul_efficiency={"default": curve})
+    return compose_cluster([NodeGroup(dataclasses.replace(profile, device=device), 1)],
+                           name="toy")
+
+
+def _expert_nodes(moe):
+    summary = summarize(moe)
+    return [n for l in summary.layers for n in summary.templates[l.template] if n.expert]
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_per_expert_kernels_on_streams_are_priced_at_the_concurrent_experts_size(moe, streams):
+    """Transformer Engine's GroupedLinear (``expert_gemm_streams``): one GEMM per local
+    expert, ``streams`` at a time, priced as one GEMM of the concurrent experts' rows; as
+    many streams as local experts prices the bank as one kernel; a measured grouped table
+    (torch's kernel) is not what runs."""
+    s = Strategy(global_batch=1, precision="bf16")
+    c = _sized_cluster({"bf16": EfficiencyTable(((1.0, 0.05),), source="example: flat")})
+    whole = estimate(moe, _sized_cluster(), s, calibration=None,
+                     options=CostOptions(expert_grouped_gemm=True))
+    te = estimate(moe, c, s, calibration=None,
+                  options=CostOptions(expert_grouped_gemm=True, expert_gemm_streams=streams))
+    device = c.device_types[0]
+    share = streams / EXPERTS
+    expected = sum((n.fwd_flops + n.bwd_flops)
+                   * (1 / (PEAK * device.efficiency(n.fwd_flops * share, "bf16"))
+                      - 1 / (PEAK * device.efficiency(n.fwd_flops, "bf16")))
+                   for n in _expert_nodes(moe))
+    assert expected > 0
+    assert te.breakdown["compute_s"] - whole.breakdown["compute_s"] == pytest.approx(
+        expected, rel=1e-9)
+    every = estimate(moe, c, s, calibration=None,
+                     options=CostOptions(expert_grouped_gemm=True, expert_gemm_streams=EXPERTS))
+    assert every.step_time_s == whole.step_time_s
+
+
+def test_fp8_expert_gemms_keep_the_measured_grouped_speed(moe):
+    """An FP8 bank run as one grouped kernel: the measured (bf16) grouped efficiency times
+    the FP8/bf16 speed of a GEMM of the bank's size (here twice the peak, same fraction)."""
+    s = Strategy(global_batch=1, precision="fp8")
+    opts = CostOptions(expert_grouped_gemm=True, fp8_library="transformer-engine")
+    eff = 0.05
+    flat = estimate(moe, _sized_cluster(), s, options=opts, calibration=None)
+    table = EfficiencyTable(((1.0, eff),), source="example: flat")
+    c = _sized_cluster({"bf16": table})
+    measured = estimate(moe, c, s, options=opts, calibration=None)
+    device = c.device_types[0]
+    expected = sum((n.fwd_flops + n.bwd_flops)
+                   * (1 / (2 * PEAK * eff) - 1 / (2 * PEAK * device.efficiency(n.fwd_flops, "fp8")))
+                   for n in _expert_nodes(moe))
+    assert measured.breakdown["compute_s"] - flat.breakdown["compute_s"] == pytest.approx(
+        expected, rel=1e-9)
+
+
+def test_expert_gemm_streams_of_the_stacks_and_bad_values():
+    from autoplan.cost.compute import expert_kernel_fraction
+    from autoplan.cost.constants import TE_GEMM_STREAMS
+    from autoplan.errors import ConfigError
+
+    assert CostOptions(stack="megatron-core").expert_gemm_streams == TE_GEMM_STREAMS == 4
+    assert CostOptions().expert_gemm_streams == 0           # torch's grouped_mm: one kernel
+    te = CostOptions(stack="megatron-core")
+    assert expert_kernel_fraction(te, experts=128, ep=8) == 4 / 16
+    assert expert_kernel_fraction(te, experts=8, ep=2) == 1.0
+    assert expert_kernel_fraction(CostOptions(), experts=128, ep=1) == 1.0
+    assert expert_kernel_fraction(CostOptions(expert_grouped_gemm=False), 128, 8) == 1 / 16
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ConfigError, match="expert_gemm_streams"):
+            CostOptions(expert_gemm_streams=bad)

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LayerTime", "CAUSAL_BLOCK_FRACTION", "FUSED_BACKWARD_PRODUCTS",
            "ELEMENTWISE_BACKWARD_FACTOR", "AUTOCAST_CAST_BYTES", "host_runs_ahead",
-           "template_time", "template_flops", "core_fraction", "model_compute_s",
-           "model_host_s", "fp8_linears", "fp8_terms", "ledger_flops"]
+           "template_time", "template_flops", "expert_kernel_fraction", "core_fraction",
+           "model_compute_s", "model_host_s", "fp8_linears", "fp8_terms", "ledger_flops"]
 
 
 #: Backward bytes of a memory-bound operator per forward byte on a GPU, and on a CPU where
@@ -285,6 +285,30 @@ def ledger_flops(engine: CostEngine, ledger: LedgerBuilder, seg: Segment, b: int
         ledger.flops(l.name, fwd, bwd, rc)
 
 
+def expert_kernel_fraction(options, experts: int, ep: int) -> float:
+    """The fraction of a rank's expert-bank GEMM (its ``experts / ep`` local experts'
+    rows) that one kernel runs, or the kernels running at once, which is what sets
+    their efficiency (:class:`~autoplan.cost.constants.CostOptions`): the whole bank as
+    one grouped kernel (``expert_grouped_gemm``); ``min(streams, experts / ep)``
+    experts' GEMMs at a time on ``expert_gemm_streams`` concurrent streams (Transformer
+    Engine's ``GroupedLinear``); one expert's without grouped GEMMs (a loop).
+
+    >>> from autoplan.cost import CostOptions
+    >>> expert_kernel_fraction(CostOptions(stack="megatron-core"), experts=128, ep=8)
+    0.25
+    >>> expert_kernel_fraction(CostOptions(stack="megatron-core"), experts=256, ep=64)
+    1.0
+    >>> expert_kernel_fraction(CostOptions(stack="megatron-2021"), experts=8, ep=2)
+    0.25
+    """
+    if not options.expert_grouped_gemm:
+        return ep / experts
+    streams = options.expert_gemm_streams
+    if streams and streams * ep < experts:
+        return streams * ep / experts
+    return 1.0
+
+
 def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, device, dtype: str,
                   sp: bool = False, ep: int = 1) -> LayerTime:
     """Compute seconds of one ``template`` layer and micro-batch of ``b`` sequences on
@@ -299,10 +323,15 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
     (``GraphSummary.elementwise_backward``) and :data:`ELEMENTWISE_BACKWARD_FACTOR`
     times the forward's on a GPU, or at the device's measured speed for its kind
     (``elementwise_rates``).
-    An expert bank's GEMMs run one expert at a time: the efficiency is that of one
-    expert's GEMM, ``ep x tokens x top-k / experts`` rows (this rank's local
-    experts take the tokens of its ``ep`` group), and under expert parallelism the
-    busiest rank runs ``expert_imbalance`` times the mean load.
+    An expert bank's GEMMs run as the stack runs them (:func:`expert_kernel_fraction`):
+    one grouped kernel over the rank's local experts, at the profile's measured
+    grouped-GEMM efficiency by one expert's FLOPs where it has one (under an FP8 recipe
+    times the FP8/bf16 speed ratio of a GEMM of the bank's size), else at the matmul
+    curve of the whole bank; per-expert kernels on concurrent streams (Transformer
+    Engine), at the matmul curve of the concurrent experts' FLOPs; or one expert at a
+    time.  One expert's GEMM has ``ep x tokens x top-k / experts`` rows (this rank's
+    local experts take the tokens of its ``ep`` group), and under expert parallelism
+    the busiest rank runs ``expert_imbalance`` times the mean load.
     """
     fused = engine.options.fused_attention
     key = (template, b, tp, cp, device.name, dtype, fused, sp, ep,
@@ -310,6 +339,10 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
     hit = engine._template_times.get(key)
     if hit is not None:
         return hit
+    layer = engine._templates[template]
+    experts = layer.num_experts
+    imbalance = engine.options.expert_imbalance if ep > 1 else 1.0
+    token_split = tp if engine.options.moe_tokens_split_over_tp else 1
     scaling = _fp8_scaling(dtype)
     fp8 = scaling is not None
     if fp8:
@@ -319,11 +352,15 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
         library = engine.options.fp8_library
         converted = engine._fp8_linears(template)
         tokens = b * (engine.summary.seq_len or 1) / cp
+        # an expert bank quantizes the rows its local experts take: every token-to-expert
+        # assignment of this rank's tokens (its ep group's, for its 1/ep of the experts),
+        # the busiest rank's share under imbalance
+        routed = layer.expert_tokens * b / cp / token_split * imbalance
         cast_fwd = cast_bwd = 0.0
         for lin in converted.values():
-            if lin.num_experts == 1:
-                f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp)
-                cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
+            f8, b8 = _fp8.cast_bytes(lin, library, scaling, tokens=tokens, tp=tp,
+                                     experts_tokens=routed if lin.num_experts > 1 else None)
+            cast_fwd, cast_bwd = cast_fwd + f8, cast_bwd + b8
         rowwise = library == "torchao" and scaling == "row"
     # fp32 matmuls on TF32 tensor cores where asked (CostOptions.fp32_matmuls); the
     # elementwise bytes stay the recipe's
@@ -332,10 +369,10 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
     fwd = bwd = core = wgrad = 0.0
     # fused-attention kernels (the stack's, or a captured SDPA call) at their own speed
     attention = engine._attention_tables.get(device.name)
-    experts = engine._templates[template].num_experts
-    imbalance = engine.options.expert_imbalance if ep > 1 else 1.0
-    grouped = engine.options.expert_grouped_gemm
-    token_split = tp if engine.options.moe_tokens_split_over_tp else 1
+    # one grouped kernel over the local experts (a measured table of its own, where the
+    # profile has one), per-expert kernels on concurrent streams, or one at a time
+    one_kernel = engine.options.expert_grouped_gemm and not engine.options.expert_gemm_streams
+    bank_share = expert_kernel_fraction(engine.options, experts, ep) if experts > 1 else 1.0
     converted_experts = fp8 and any(l.num_experts > 1 for l in converted.values())
     for n in engine.summary.templates[template]:
         div = (tp if n.sharded else 1) * cp
@@ -351,12 +388,12 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
         grouped_eff = None
         if n.expert and experts > 1:
             f, g = f * imbalance, g * imbalance
-            if grouped:
+            if one_kernel:
                 # a measured grouped GEMM, by the FLOPs of one expert's part of it
                 grouped_eff = device.grouped_efficiency(
                     ref * imbalance * ep / experts, "bf16" if fp8 else dtype)
-            # one GEMM over all local experts' rows, or one expert's GEMM each
-            ref = ref * imbalance * (1 if grouped else ep / experts)
+            # the FLOPs one kernel, or the kernels running at once, multiply
+            ref = ref * imbalance * bank_share
         rate_backward = None
         # an FP8 recipe's converted GEMM (a TE expert bank's grouped FP8 GEMM included)
         fp8_gemm = fp8 and not n.core and (n.module in converted or
@@ -370,13 +407,11 @@ def template_time(engine: CostEngine, template: str, b: int, tp: int, cp: int, d
         elif fp8_gemm:
             rate = _fp8.fp8_gemm_rate(device, ref, rowwise=rowwise)
             rate_backward = _fp8.fp8_gemm_rate(device, ref)
-            if n.expert:
-                # an expert bank's GEMM (Transformer Engine's grouped FP8 GEMM): its
-                # routed rows, ~ m sqrt(kn) of inputs and of gradients, and its weights
-                kn = f / (2 * tokens)
-                per = _fp8.TE_CAST_BYTES[scaling]
-                cast_fwd += per * tokens * math.sqrt(kn)   # weights: te_weight_cast_s
-                cast_bwd += per * tokens * math.sqrt(kn)
+            if grouped_eff is not None:
+                # the measured (bf16) grouped GEMM at the FP8/bf16 speed of a GEMM of the
+                # bank's size
+                speedup = rate_backward / (peak * device.efficiency(ref, "bf16"))
+                rate = rate_backward = peak * grouped_eff * speedup
         else:
             rate = peak * device.efficiency(ref, mm)
         tf, tb = f / rate, g / (rate_backward or rate)

@@ -45,6 +45,7 @@ __all__ = [
     "STACKS",
     "ATTENTION_KERNELS",
     "MOE_DISPATCHERS",
+    "TE_GEMM_STREAMS",
     "cost_profiles_dir",
     "load_constants",
 ]
@@ -180,6 +181,15 @@ class CostOptions(Record):
         kernel's overhead.
         ``False``: one GEMM per local expert, each at one expert's size (a loop over
         experts, the Hugging Face families' eager expert forward).
+    expert_gemm_streams : int
+        With ``expert_grouped_gemm``: ``0``, the local experts' GEMMs are one grouped
+        kernel (``torch._grouped_mm``); ``n >= 1``, one GEMM kernel per local expert,
+        ``n`` of them at a time on concurrent streams (Transformer Engine's
+        ``GroupedLinear``, bf16 and FP8 alike: :data:`TE_GEMM_STREAMS`).  The concurrent
+        kernels are priced as one GEMM of their combined size, ``min(n, local experts)``
+        experts' rows: they share the device and overlap their fixed cost (the
+        calibration's ``matmul_overhead_s``), at the dense matmul curve (the profile's
+        grouped table measures torch's grouped kernel, not these).
     moe_tokens_split_over_tp : bool
         Under tensor parallelism, each tp rank routes, dispatches and computes the
         experts of only its ``1/tp`` of the tokens (Megatron-Core: the MoE layer runs on
@@ -352,6 +362,7 @@ class CostOptions(Record):
     zero3_gather_unit: str | None = None
     dp_nic_per_device: bool | None = None
     expert_grouped_gemm: bool | None = None
+    expert_gemm_streams: int | None = None
     moe_tokens_split_over_tp: bool | None = None
     pp_buffers_per_micro_batch: bool | None = None
     pp_scatter_gather: bool | None = None
@@ -402,6 +413,12 @@ class CostOptions(Record):
         if self.master_weights not in MASTER_WEIGHTS:
             raise ConfigError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, "
                               f"got {self.master_weights!r}")
+        if (isinstance(self.expert_gemm_streams, bool)
+                or not isinstance(self.expert_gemm_streams, int)
+                or self.expert_gemm_streams < 0):
+            raise ConfigError("expert_gemm_streams (concurrent per-expert GEMM kernels; 0: one "
+                              "grouped kernel) must be an integer >= 0, got "
+                              f"{self.expert_gemm_streams!r}")
         if self.zero3_gather_unit not in ("layer", "module"):
             raise ConfigError(f"zero3_gather_unit must be 'layer' or 'module', got "
                               f"{self.zero3_gather_unit!r}")
@@ -443,6 +460,7 @@ class Stack:
 _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_param_gather",
                           "tp_comm_overlap", "pp_comm_overlap", "zero3_regather_for_recompute",
                           "zero3_gather_unit", "dp_nic_per_device", "expert_grouped_gemm",
+                          "expert_gemm_streams",
                           "moe_tokens_split_over_tp", "pp_buffers_per_micro_batch",
                           "pp_scatter_gather", "attention_kernel", "zero_buffer_copies",
                           "moe_dispatcher", "sp_grads_per_tensor_under_fsdp2",
@@ -457,6 +475,16 @@ ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
 #: MoE token dispatchers a stack may run (``CostOptions.moe_dispatcher``).
 MOE_DISPATCHERS = ("alltoall", "deepep")
 
+#: Concurrent streams Transformer Engine runs an expert bank's per-expert GEMMs on
+#: (``CostOptions.expert_gemm_streams`` of the ``megatron-core`` stack): ``GroupedLinear``
+#: calls ``general_grouped_gemm``, which launches one cuBLAS GEMM per local expert,
+#: round-robin over ``nvte_get_num_compute_streams()`` streams, 4
+#: (TransformerEngine ``transformer_engine/common/gemm/cublaslt_gemm.cu``,
+#: ``multi_stream_cublas_gemm``; ``common/util/multi_stream.cpp``,
+#: ``get_num_compute_streams``).  Its CUTLASS grouped kernel is opt-in
+#: (``NVTE_USE_CUTLASS_GROUPED_GEMM``), Hopper and 16-bit only.
+TE_GEMM_STREAMS = 4
+
 #: Where a 16-bit precision keeps its fp32 master weights (``CostOptions.master_weights``).
 MASTER_WEIGHTS = ("optimizer", "fsdp2")
 
@@ -465,7 +493,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            overlap_param_gather: bool, tp_comm_overlap: bool, pp_comm_overlap: bool,
            zero3_regather_for_recompute: bool = False, zero3_gather_unit: str = "layer",
            dp_nic_per_device: bool = False, expert_grouped_gemm: bool = False,
-           moe_tokens_split_over_tp: bool = False,
+           expert_gemm_streams: int = 0, moe_tokens_split_over_tp: bool = False,
            pp_buffers_per_micro_batch: bool = False, pp_scatter_gather: bool = False,
            attention_kernel: str = "flash-attention-2",
            zero_buffer_copies: bool = False, moe_dispatcher: str = "alltoall",
@@ -482,7 +510,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         pp_comm_overlap=pp_comm_overlap,
         zero3_regather_for_recompute=zero3_regather_for_recompute,
         zero3_gather_unit=zero3_gather_unit, dp_nic_per_device=dp_nic_per_device,
-        expert_grouped_gemm=expert_grouped_gemm, moe_tokens_split_over_tp=moe_tokens_split_over_tp,
+        expert_grouped_gemm=expert_grouped_gemm, expert_gemm_streams=expert_gemm_streams,
+        moe_tokens_split_over_tp=moe_tokens_split_over_tp,
         pp_buffers_per_micro_batch=pp_buffers_per_micro_batch,
         pp_scatter_gather=pp_scatter_gather, attention_kernel=attention_kernel,
         zero_buffer_copies=zero_buffer_copies, moe_dispatcher=moe_dispatcher,
@@ -544,9 +573,11 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
            "--overlap-param-gather (with the distributed optimizer, zero=1), "
            "--tp-comm-overlap (userbuffers), overlapped pipeline p2p (scattered over the tp "
            "ranks), fused attention (Transformer Engine's cuDNN kernels); "
-           "MoE: --moe-grouped-gemm, each tp rank routing its sequence-parallel shard",
+           "MoE: --moe-grouped-gemm (Transformer Engine's GroupedLinear: one GEMM per local "
+           "expert, four streams at a time), each tp rank routing its sequence-parallel shard",
            fused_attention=True, overlap_grad_reduce=True, overlap_param_gather=True,
            tp_comm_overlap=True, pp_comm_overlap=True, expert_grouped_gemm=True,
+           expert_gemm_streams=TE_GEMM_STREAMS,
            moe_tokens_split_over_tp=True, pp_scatter_gather=True, attention_kernel="cudnn",
            loss_parallel=True),
     _stack("deepspeed-zero3",

@@ -98,9 +98,11 @@ and backward times of all its chunks:
   blocking, so exposed (:meth:`CostEngine.dispatch_bytes`; pairwise exchange in
   :mod:`autoplan.hardware.collectives`); a DeepEP-style dispatcher
   (``CostOptions.moe_dispatcher="deepep"``) sends one copy per destination node or rank
-  instead of one per assignment (:meth:`CostEngine.dispatch_share`).  The expert GEMMs
-  run one expert at a time: ``ep x tokens x top-k / experts`` rows each (the tokens of
-  the ep group spread over all experts), priced at that size's efficiency, and the
+  instead of one per assignment (:meth:`CostEngine.dispatch_share`).  One expert's GEMM
+  has ``ep x tokens x top-k / experts`` rows (the tokens of the ep group spread over all
+  experts); the bank runs as one grouped kernel, as per-expert kernels on concurrent
+  streams (Transformer Engine) or one expert at a time, each priced at the size of what
+  runs at once (:func:`~autoplan.cost.compute.expert_kernel_fraction`), and the
   busiest rank computes ``CostOptions.expert_imbalance`` times the mean.  The router and
   shared experts are ordinary (dense) matmuls.
 * **ZeRO-3 / FSDP** (:mod:`~autoplan.cost.comm`; Rajbhandari et al. 2020, Sec. 5.3;

@@ -143,8 +143,16 @@ def cast_bytes(lin: Fp8Linear, library: str, scaling: str, *, tokens: float, tp:
                experts_tokens: float | None = None) -> tuple[float, float]:
     """Device-memory bytes one rank moves quantizing ``lin``'s operands for one micro-batch
     of ``tokens`` tokens, ``(forward, backward)`` (see the module docstring).  An expert
-    bank (Transformer Engine only) quantizes ``experts_tokens`` rows of its local experts
-    and their weights."""
+    bank (converted by Transformer Engine only) quantizes the ``experts_tokens`` rows its
+    local experts take instead: every token-to-expert assignment, each expert's rows
+    quantized for its own GEMM (``GroupedLinear``'s ``fused_multi_quantize`` over the
+    per-expert splits of its input, and of its output gradient in the backward).
+
+    >>> bank = Fp8Linear("mlp.experts.w1", "expert_column", 4096, 14336, num_experts=8)
+    >>> cast_bytes(bank, "transformer-engine", "tensor", tokens=8192, tp=1,
+    ...            experts_tokens=2 * 8192) == (6 * 2 * 8192 * 4096, 6 * 2 * 8192 * 14336)
+    True
+    """
     k, n = lin.local(tp)
     m = tokens if experts_tokens is None else experts_tokens
     weight = k * n * lin.num_experts
