@@ -253,7 +253,7 @@ def _plan_text(plan, cluster) -> str:
                  "time": " - time limit reached (--time-limit: the plan depends on the "
                          "machine's load)"}
         lines += ["", f"searched {stats.evaluated} layouts ({stats.pruned} degree combinations pruned "
-                      f"as dominated, {stats.refined} refined with CP-SAT) in {stats.steps} steps, "
+                      f"as dominated, {stats.refined} refined per stage) in {stats.steps} steps, "
                       f"{stats.seconds:.1f} s"
                       + (limit[stats.limit.value] if stats.limit is not None else "")]
     return "\n".join(lines)

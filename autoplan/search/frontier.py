@@ -1,6 +1,6 @@
 """The best-bound-first walk of one search (:class:`_Search`): the queue of device
 subsets, degrees, micro-batches, schedules and ZeRO stages, each with its lower bound, the
-memory ladder that prices what the bounds leave, CP-SAT refinement and the bookkeeping of
+memory ladder that prices what the bounds leave, refinement and the bookkeeping of
 idle devices.  :func:`autoplan.search.search` sets it up and reads its result; the module
 docstring of :mod:`autoplan.search.search` describes the method."""
 
@@ -599,7 +599,7 @@ class _Search:
                 self._floor(tp * cp * pp * dp, pi, item[-1])
 
     def refine_all(self) -> None:
-        """CP-SAT on every candidate, and every seed (a least-memory layout of a ZeRO
+        """Refine every candidate, and every seed (a least-memory layout of a ZeRO
         stage none of whose uniform options fit or is bounded in), whose refinement bound
         is below the threshold, least bound first."""
         space, engine, bounds = self.space, self.engine, self.bounds

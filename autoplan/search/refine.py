@@ -1,4 +1,4 @@
-"""Refinement: blocks per pipeline rank and recompute per block, with CP-SAT.
+"""Refinement: blocks per pipeline rank and recompute per block (the per-stage problem).
 
 For a priced candidate the per-stage problem (:mod:`autoplan.search.stage_solver`)
 chooses how many blocks each pipeline rank holds and which recompute option each of
@@ -26,16 +26,18 @@ __all__ = ["refine", "refine_bound"]
 
 _MiB = float(2**20)
 
-#: CP-SAT's deterministic time budget per refinement (about seconds of one core): the
-#: per-stage problems of a search are solved to optimality in far less, but a few of the
-#: largest (8 ranks, 80 blocks, 3 options) would spend seconds proving it; at this budget
-#: none of the 30 slowest of a Llama-3-70B search on mixed-a100-v100 came out worse.
+#: CP-SAT's deterministic time budget per refinement (about seconds of one core), where
+#: the per-stage problem has more options than the exact counting solves: the per-stage
+#: problems of a search were solved to optimality in far less, but a few of the largest
+#: (8 ranks, 80 blocks, 3 options) would spend seconds proving it; at this budget none of
+#: the 30 slowest of a Llama-3-70B search on mixed-a100-v100 came out worse.
 REFINE_SOLVER_S = 0.25
 
 
 def refine(cand: _Candidate, builder: _Builder, global_batch: int,
            weight: float = 1.0) -> _Candidate | None:
-    """CP-SAT over blocks per rank and recompute per block, from the candidate's layout."""
+    """Blocks per rank and recompute per block (:func:`solve_stage_problem`), from the
+    candidate's layout."""
     c, engine, s = cand.combo, builder.engine, builder.summary
     if c.v != 1 or not builder.blocks:
         return None

@@ -30,10 +30,11 @@ Method
    least-memory option can fit, recompute climbs none, selective, full until a layout
    fits (recompute only adds time); every ZeRO stage is priced, since sharding can be
    faster (a sharded optimizer step, sharded gradient accumulation).
-5. **Per-stage problem (CP-SAT).** For every fitting candidate whose refinement bound
-   (:func:`~autoplan.search.refine.refine_bound`) is below the best plan, OR-Tools CP-SAT
+5. **Per-stage problem.** For every fitting candidate whose refinement bound
+   (:func:`~autoplan.search.refine.refine_bound`) is below the best plan, an exact solver
    chooses how many blocks each pipeline rank holds and which recompute option each uses
-   (:mod:`autoplan.search.stage_solver`).
+   (:mod:`autoplan.search.stage_solver`: by counting for the three recompute options,
+   OR-Tools CP-SAT beyond).
 6. **One engine.** Every candidate is priced by the cost model
    (:class:`autoplan.cost.CostEngine`), so the search and :func:`autoplan.estimate`
    never disagree.
