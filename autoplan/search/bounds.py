@@ -45,6 +45,7 @@ from ..cost.engine import AUTOCAST_COPY_BYTES, GRAD_ACCUMULATE_READS_WRITES, Seg
 from ..cost.memory import fsdp2_state_bytes, model_state_bytes
 from ..precision import DTYPE_BYTES
 from ..strategy import Recompute, Schedule, stage_ranks
+from .recompute_lp import hull_at, lower_hull, recompute_lp
 
 __all__ = ["Bounds", "ByRank"]
 
@@ -541,7 +542,7 @@ class Bounds:
         memory without recompute saves the excess bytes, spread over its blocks, at the
         least seconds the options allow (the lower convex hull of what each saves per
         micro-batch in flight against what it adds); blocks go where that costs least
-        (:func:`_recompute_lp`), so the ranks' work adds up to at least ``S_z`` plus
+        (:func:`~autoplan.search.recompute_lp.recompute_lp`), so the ranks' work adds up to at least ``S_z`` plus
         that.  A bound already at ``threshold`` without recompute is returned
         as it is (the caller prunes it either way).  ``extra_bytes[p]``: more bytes rank
         ``p`` holds whatever its blocks (what refinement reads off a priced layout);
@@ -627,18 +628,18 @@ class Bounds:
                         exposed = max(0.0, at_none.time_s[t] - one_none.time_s[t])
                         extra = min(extra, one_rc.time_s[t] - one_none.time_s[t] - exposed)
                 points.append((saved, max(0.0, extra)))
-        hull = _lower_hull(points)
+        hull = lower_hull(points)
 
         def cost(free: float, flight: float, k: int) -> float:
             """Least recompute seconds for ``k`` blocks in ``free`` bytes: the bytes over
             spread evenly over them (the hull is convex), inf beyond what it saves (what
-            :func:`_recompute_lp` allocates, at whole blocks)."""
+            :func:`~autoplan.search.recompute_lp.recompute_lp` allocates, at whole blocks)."""
             over = k * (block + flight * a_none) - free
             if over <= 0:
                 return 0.0
-            return k * _hull_at(hull, over / (k * flight))
+            return k * hull_at(hull, over / (k * flight))
 
-        spent = _recompute_lp(room_of, block, a_none, hull, n, v)
+        spent = recompute_lp(room_of, block, a_none, hull, n, v)
         if spent is None:
             return None                         # the blocks do not fit, whatever recompute
         at_least = 0.0
@@ -803,93 +804,3 @@ class Bounds:
                                              and rc is Recompute.SELECTIVE):
                 return rc
         return None
-
-
-def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The lower convex hull of ``(x, y)`` points, by increasing ``x`` (Andrew's monotone
-    chain; of points at one ``x`` the least ``y``).
-
-    >>> _lower_hull([(0.0, 0.0), (3.0, 1.0), (4.0, 12.0), (2.0, 5.0)])
-    [(0.0, 0.0), (3.0, 1.0), (4.0, 12.0)]
-    """
-    hull: list[tuple[float, float]] = []
-    for x, y in sorted(points):
-        if hull and hull[-1][0] == x:
-            continue
-        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (y - hull[-2][1])
-                                  - (hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])) <= 0:
-            hull.pop()
-        hull.append((x, y))
-    return hull
-
-
-def _hull_at(hull: list[tuple[float, float]], x: float) -> float:
-    """The hull's value at ``x`` (inf beyond its last point)."""
-    if x > hull[-1][0] * (1 + 1e-12):
-        return math.inf
-    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return hull[-1][1]
-
-
-def _recompute_lp(room_of: Sequence[tuple[float, float]], block: float, a_none: float,
-                  hull: list[tuple[float, float]], n: int, v: int) -> float | None:
-    """The least recompute seconds per micro-batch that lets the ranks hold ``n`` blocks
-    (the fractional relaxation; None when they cannot, whatever recompute).
-
-    Rank ``p`` has ``free`` bytes for blocks of ``block`` bytes of states and ``a_none``
-    of activations per micro-batch in flight (``flight``).  Holding ``k`` blocks, it saves
-    ``k (block + flight a_none) - free`` bytes, ``x = P / f - free / (k f)`` per block and
-    micro-batch in flight (``P = block + f a_none``), at ``hull(x)`` seconds each (the
-    options' lower convex hull, :func:`_lower_hull`).  On a segment of the hull ``y = a + s
-    x`` that is ``k a + s (k P - free) / f``: linear in ``k``, so each rank offers blocks in
-    bands of one price per block, rising band by band (the hull is convex).  Every rank
-    takes its first ``v`` blocks (a block per chunk) from its cheapest bands, then the
-    rest go to the cheapest bands of any rank.
-
-    >>> hull = [(0.0, 0.0), (10.0, 1.0)]        # saving 10 bytes a block costs 1 s
-    >>> _recompute_lp([(100.0, 1.0)], 0.0, 10.0, hull, 10, 1)   # 10 blocks fit as they are
-    0.0
-    >>> _recompute_lp([(100.0, 1.0)], 0.0, 10.0, hull, 20, 1)   # 100 bytes over: 10 s
-    10.0
-    >>> _recompute_lp([(100.0, 1.0)], 5.0, 10.0, hull, 21, 1) is None   # states: 105 > 100
-    True
-    """
-    x_top = hull[-1][0]
-    bands: list[tuple[float, float]] = []
-    held, spent = 0.0, 0.0
-    for free, flight in room_of:
-        plain = block + flight * a_none
-        if plain <= 0:
-            offers = [(0.0, float(n))]
-        else:
-            def k_at(x: float) -> float:
-                """Blocks held when each saves ``x``: ``free / (P - f x)``."""
-                left = plain - flight * x
-                return math.inf if left <= 0 else max(0.0, free) / left
-
-            offers = [(0.0, k_at(0.0))]
-            for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-                slope = (y1 - y0) / (x1 - x0)
-                price = (y0 - slope * x0) + slope * plain / flight
-                offers.append((max(0.0, price), k_at(x1) - k_at(x0)))
-            if free < 0 or k_at(x_top) < v:
-                return None                     # not one block per chunk
-        # this rank's first v blocks, from its cheapest bands
-        need = float(v)
-        for price, blocks in offers:
-            take = min(need, blocks)
-            spent += take * price
-            need -= take
-            if take < blocks:
-                bands.append((price, blocks - take))
-        held += v
-    left = n - held
-    for price, blocks in sorted(bands):
-        if left <= 0:
-            break
-        take = min(left, blocks)
-        spent += take * price
-        left -= take
-    return spent if left <= 1e-9 else None
