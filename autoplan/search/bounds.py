@@ -29,7 +29,9 @@ in flight (:func:`autoplan.cost.in_flight`), plus the runtime's reserve and the
 allocator's fragmentation share of it (the engine's ``MemoryBreakdown``).  A uniform
 option ``(z, r)`` fits only if the ranks can hold the blocks between them: rank ``p``
 at most ``floor(free_p / (states + in_flight_p x activations))`` of them, at least one
-per chunk, the embeddings on the first stage's rank and the head on the last's.
+per chunk, the embeddings on the first stage's rank and the head on the last's.  Blocks
+of several templates (DeepSeek-V3's dense blocks before its mixtures of experts) count
+each at its own size, the smallest first: no split puts more of them on a rank.
 Recompute of some blocks only saves their activations, so a combination none of whose
 ranks can hold its blocks at the stage's least-memory option fits no mix either.
 """
@@ -86,6 +88,9 @@ class Bounds:
         self.pre = engine.layer_counts(0, blocks[0]) if blocks else self.layers
         self.post = engine.layer_counts(blocks[-1] + 1, n) if blocks else ()
         self.block_templates = tuple(dict.fromkeys(s.layers[i].template for i in blocks))
+        #: How many blocks of each template (in ``block_templates`` order).
+        self.block_counts = tuple(sum(1 for i in blocks if s.layers[i].template == t)
+                                  for t in self.block_templates)
         # what a pipeline boundary between two blocks sends per sequence (the least)
         self.boundary_bytes = min((s.layers[i].send_bytes for i in blocks[:-1]), default=0.0)
         kmem = engine.constants.memory
@@ -335,7 +340,7 @@ class Bounds:
     def _room(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
               tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
               m: int, caps: Sequence[float] | None = None
-              ) -> tuple[float, list[tuple[float, float]]]:
+              ) -> tuple[float, list[tuple[float, float]], tuple[float, ...]]:
         """The memory model the bounds share: each block's model states (and, under
         autocast, its cached 16-bit weight copy), and per rank the bytes left for its
         blocks and its micro-batches in flight.  A rank's fixed bytes: the embeddings or
@@ -370,7 +375,7 @@ class Bounds:
     def _room_of(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
                  tp: int, cp: int, ep: int, sp: bool, zero: int, b: int, schedule: Schedule,
                  m: int, caps: Sequence[float] | None
-                 ) -> tuple[float, list[tuple[float, float]]]:
+                 ) -> tuple[float, list[tuple[float, float]], tuple[float, ...]]:
         x = self.sums(kind, tp, cp, ep, sp, 1, Recompute.NONE, b)   # (bytes: any stage)
         shards = n_devices // pp // tp          # dp x cp: what ZeRO shards over
         edp = max(1, shards // ep)
@@ -409,9 +414,31 @@ class Bounds:
         out[first] = (free - pre[0] - f * pre[1], f)
         free, f = out[last]
         out[last] = (free - post[0] - f * post[1], f)
-        block = min((x.params[t] * dense + x.expert_params[t] * expert
-                     for t in self.block_templates), default=0.0)
-        return block, out
+        states = tuple(x.params[t] * dense + x.expert_params[t] * expert
+                       for t in self.block_templates)
+        return min(states, default=0.0), out, states
+
+    def _most_blocks(self, free: float, flight: float, states: Sequence[float],
+                     saved: Sequence[float]) -> int:
+        """The most blocks a rank holds in ``free`` bytes, each its template's model
+        states and ``flight`` micro-batches of its saved bytes: the smallest first, so no
+        split of the blocks puts more on the rank (-1: ``free`` is negative)."""
+        if free < 0:
+            return -1
+        sizes = [x + flight * a for x, a in zip(states, saved)]
+        if len(sizes) == 1:
+            return self.num_blocks if sizes[0] <= 0 else math.floor(free / sizes[0])
+        held = 0
+        for size, count in sorted(zip(sizes, self.block_counts)):
+            if size <= 0:
+                held += count
+                continue
+            take = min(count, max(0, math.floor(free / size)))
+            held += take
+            if take < count:
+                break
+            free -= take * size
+        return held
 
     def _state_bytes(self, zero: int, shards: int, m: int) -> float:
         """Model-state bytes of one parameter at ZeRO stage ``zero`` over ``shards`` ranks,
@@ -432,7 +459,7 @@ class Bounds:
         rank's optimizer step, at least the ranks' mean (their parameters add up to the
         model's whatever the split).  The engine's step per parameter: the optimizer's
         bytes over the memory bandwidth (the states this rank updates: all under ZeRO-0,
-        ``1 / (dp x cp)`` of them else), and where gradients accumulate over micro-batches
+        else ``1 / (dp x cp)`` of them, of an expert bank's ``ep / (dp x cp)``), and where gradients accumulate over micro-batches
         (``CostOptions.grad_accumulate_add``) each micro-batch after the first adds them
         (3 passes over the gradient: whole under ZeRO-0/1, the shard under ZeRO-2/3).
         0 on devices whose host time the engine prices (CPU profiles)."""
@@ -446,17 +473,18 @@ class Bounds:
             hit = 0.0
         else:
             x = self.sums(kinds[0], tp, cp, ep, False, 1, Recompute.NONE, 1)
-            params = sum(c * (x.params[t] + x.expert_params[t]) for t, c in self.layers)
-            edp = max(1, shards // ep)
-            share = 1.0 if zero == 0 else 1.0 / min(shards, edp) if ep > 1 else 1.0 / shards
-            seconds = params * share * self.recipe.optimizer_bytes_accessed
+            # outside the expert banks, sharded over dp x cp; in them, over their ep group
+            dense = sum(c * x.params[t] for t, c in self.layers)
+            banks = sum(c * x.expert_params[t] for t, c in self.layers)
+            sharded = dense / shards + banks / max(1, shards // ep)
+            seconds = (dense + banks if zero == 0 else sharded) \
+                * self.recipe.optimizer_bytes_accessed
             if getattr(engine.options, "grad_accumulate_add", False) and m > 1:
                 autocast = getattr(engine.options, "autocast", False) \
                     and self.recipe.dtype != "fp32"
                 grad = DTYPE_BYTES["fp32"] if autocast else self.recipe.grad_bytes
-                kept = 1.0 if zero <= 1 else (1.0 / min(shards, edp) if ep > 1
-                                              else 1.0 / shards)
-                seconds += (m - 1) * params * kept * GRAD_ACCUMULATE_READS_WRITES * grad
+                kept = dense + banks if zero <= 1 else sharded
+                seconds += (m - 1) * kept * GRAD_ACCUMULATE_READS_WRITES * grad
             hit = seconds / pp / max(d.memory_bw_bytes_per_s for d in devices)
         self._tails[key] = hit
         return hit
@@ -486,20 +514,21 @@ class Bounds:
              cp: int, ep: int, sp: bool, zero: int, rc: Recompute, b: int,
              schedule: Schedule, m: int, caps: Sequence[float] | None = None) -> bool:
         """Whether the uniform option ``(zero, rc)`` can fit some split of the blocks over
-        the ranks (module docstring); False proves no layout of it fits."""
-        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
-                                  schedule, m, caps)
+        the ranks (module docstring; blocks of several templates each at its own size,
+        :meth:`_most_blocks`); False proves no layout of it fits."""
+        _, ranks, states = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
+                                      schedule, m, caps)
         n = self.num_blocks
         if not n:
             return ranks[0][0] >= 0
         x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
-        saved = min(x.saved[t] for t in self.block_templates)
+        saved = [x.saved[t] for t in self.block_templates]
         room = 0
         for free, flight in ranks:
-            per_block = block + flight * saved
-            if free < 0 or free < v * per_block:
+            most = self._most_blocks(free, flight, states, saved)
+            if most < v:
                 return False                 # each chunk holds at least one block
-            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
+            room += min(n, most)
         return room >= n
 
     def allocated(self, pool: int, n_devices: int, kind: tuple[int, ...], pp: int, v: int,
@@ -507,8 +536,8 @@ class Bounds:
                   schedule: Schedule, m: int, blocks: Sequence[int]) -> list[float]:
         """The bytes the model above gives each rank of a uniform layout with ``blocks[p]``
         blocks on rank ``p`` (before the reserve and fragmentation)."""
-        block, ranks = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
-                                  schedule, m)
+        block, ranks, _ = self._room(pool, n_devices, kind, pp, v, tp, cp, ep, sp, zero, b,
+                                     schedule, m)
         x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
         saved = min((x.saved[t] for t in self.block_templates), default=0.0)
         caps = self.capacities(pool, n_devices, pp)
@@ -566,8 +595,8 @@ class Bounds:
         more micro-batches a step grows by at least ``seconds`` for each (the busiest
         rank's time per micro-batch in the schedule's time the bound is)."""
         n = self.num_blocks
-        block, room_of = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp, zero, b,
-                                    schedule, m, caps)
+        block, room_of, states = self._room(pool, n_devices, kinds[0], pp, v, tp, cp, ep, sp,
+                                            zero, b, schedule, m, caps)
         if extra_bytes is not None:
             room_of = [(free - extra, flight)
                        for (free, flight), extra in zip(room_of, extra_bytes)]
@@ -582,13 +611,18 @@ class Bounds:
         low = self.sums(kinds[0], tp, cp, ep, sp, 1, least, b) if least is not None else None
         if low is None:
             return None
-        a_least = min(low.saved[t] for t in bt)
+        least_saved = [low.saved[t] for t in bt]
+        if extra_bytes is not None:
+            # refinement's extra bytes are read against :meth:`allocated`'s model, every
+            # block at the least template's size: the same model here
+            states = (block,) * len(states)
+            least_saved = [min(least_saved)] * len(least_saved)
         room = 0
         for free, flight in room_of:
-            per_block = block + flight * a_least
-            if free < 0 or free < v * per_block:
+            most = self._most_blocks(free, flight, states, least_saved)
+            if most < v:
                 return None                     # each chunk holds at least one block
-            room += n if per_block <= 0 else min(n, math.floor(free / per_block))
+            room += min(n, most)
         if room < n:
             return None
         shared = self.shared_cores(n_devices)
