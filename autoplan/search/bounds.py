@@ -418,18 +418,28 @@ class Bounds:
                        for t in self.block_templates)
         return min(states, default=0.0), out, states
 
-    def _most_blocks(self, free: float, flight: float, states: Sequence[float],
-                     saved: Sequence[float]) -> int:
+    def _sizes(self, states: Sequence[float], saved: Sequence[float]
+               ) -> list[tuple[float, float, int]]:
+        """``(states, saved, blocks)`` of each kind of block, templates alike merged."""
+        merged: dict[tuple[float, float], int] = {}
+        for x, a, count in zip(states, saved, self.block_counts):
+            merged[(x, a)] = merged.get((x, a), 0) + count
+        return [(x, a, count) for (x, a), count in merged.items()]
+
+    def _most_blocks(self, free: float, flight: float,
+                     sizes: list[tuple[float, float, int]]) -> int:
         """The most blocks a rank holds in ``free`` bytes, each its template's model
-        states and ``flight`` micro-batches of its saved bytes: the smallest first, so no
-        split of the blocks puts more on the rank (-1: ``free`` is negative)."""
+        states and ``flight`` micro-batches of its saved bytes (:meth:`_sizes`): the
+        smallest first, so no split of the blocks puts more on the rank (-1: ``free`` is
+        negative)."""
         if free < 0:
             return -1
-        sizes = [x + flight * a for x, a in zip(states, saved)]
         if len(sizes) == 1:
-            return self.num_blocks if sizes[0] <= 0 else math.floor(free / sizes[0])
+            x, a, _ = sizes[0]
+            size = x + flight * a
+            return self.num_blocks if size <= 0 else math.floor(free / size)
         held = 0
-        for size, count in sorted(zip(sizes, self.block_counts)):
+        for size, count in sorted((x + flight * a, count) for x, a, count in sizes):
             if size <= 0:
                 held += count
                 continue
@@ -522,10 +532,10 @@ class Bounds:
         if not n:
             return ranks[0][0] >= 0
         x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
-        saved = [x.saved[t] for t in self.block_templates]
+        sizes = self._sizes(states, [x.saved[t] for t in self.block_templates])
         room = 0
         for free, flight in ranks:
-            most = self._most_blocks(free, flight, states, saved)
+            most = self._most_blocks(free, flight, sizes)
             if most < v:
                 return False                 # each chunk holds at least one block
             room += min(n, most)
@@ -617,9 +627,10 @@ class Bounds:
             # block at the least template's size: the same model here
             states = (block,) * len(states)
             least_saved = [min(least_saved)] * len(least_saved)
+        sizes = self._sizes(states, least_saved)
         room = 0
         for free, flight in room_of:
-            most = self._most_blocks(free, flight, states, least_saved)
+            most = self._most_blocks(free, flight, sizes)
             if most < v:
                 return None                     # each chunk holds at least one block
             room += min(n, most)
