@@ -469,9 +469,10 @@ class Bounds:
         rank's optimizer step, at least the ranks' mean (their parameters add up to the
         model's whatever the split).  The engine's step per parameter: the optimizer's
         bytes over the memory bandwidth (the states this rank updates: all under ZeRO-0,
-        else ``1 / (dp x cp)`` of them, of an expert bank's ``ep / (dp x cp)``), and where gradients accumulate over micro-batches
-        (``CostOptions.grad_accumulate_add``) each micro-batch after the first adds them
-        (3 passes over the gradient: whole under ZeRO-0/1, the shard under ZeRO-2/3).
+        else ``1 / (dp x cp)`` of them, of an expert bank's ``ep / (dp x cp)``), and where
+        gradients accumulate over micro-batches (``CostOptions.grad_accumulate_add``) each
+        micro-batch after the first adds them (3 passes over the gradient: whole under
+        ZeRO-0/1, the shard under ZeRO-2/3).
         0 on devices whose host time the engine prices (CPU profiles)."""
         key = (self._kinds_key(kinds, tp, cp, ep, 1), zero, shards, pp, m)
         hit = self._tails.get(key)
@@ -581,9 +582,9 @@ class Bounds:
         memory without recompute saves the excess bytes, spread over its blocks, at the
         least seconds the options allow (the lower convex hull of what each saves per
         micro-batch in flight against what it adds); blocks go where that costs least
-        (:func:`~autoplan.search.recompute_lp.recompute_lp`), so the ranks' work adds up to at least ``S_z`` plus
-        that.  A bound already at ``threshold`` without recompute is returned
-        as it is (the caller prunes it either way).  ``extra_bytes[p]``: more bytes rank
+        (:func:`~autoplan.search.recompute_lp.recompute_lp`), so the ranks' work adds up
+        to at least ``S_z`` plus that.  A bound already at ``threshold`` without recompute
+        is returned as it is (the caller prunes it either way).  ``extra_bytes[p]``: more bytes rank
         ``p`` holds whatever its blocks (what refinement reads off a priced layout);
         ``rest_s``: more seconds the ranks' work adds up to per micro-batch.  Plus the
         optimizer's step (:meth:`tail`; ``tail=False``: without it).

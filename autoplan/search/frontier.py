@@ -73,7 +73,7 @@ class _Search:
         self._estimates: dict[int, Any] = {}   # id(candidate) -> its Estimate
         # bounds of the same options at more replicas (:meth:`_dominated`)
         self._dominance = self.use_dominance and prices is None and engine.homogeneous
-        self._chains: dict[tuple, list[tuple[int, int, tuple, float]]] = {}
+        self._chains: dict[tuple, list[tuple[int, int, tuple, float, float]]] = {}
         attention = engine.summary.kv_bytes_per_token is not None
         self.tpcp = self._degrees(attention)
 
