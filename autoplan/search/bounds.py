@@ -688,6 +688,15 @@ class Bounds:
         spent = recompute_lp(room_of, block, a_none, hull, n, v)
         if spent is None:
             return None                         # the blocks do not fit, whatever recompute
+        # blocks of several sizes: the blocks of at least each size alone, at that size
+        # (the smaller ones dropped, free: a rank need not hold any of the larger)
+        for size in sorted(set(states))[1:]:
+            big = [i for i, x in enumerate(states) if x >= size]
+            more = recompute_lp(room_of, size, min(none_bytes.saved[bt[i]] for i in big), hull,
+                                sum(self.block_counts[i] for i in big), 0)
+            if more is None:
+                return None
+            spent = max(spent, more)
         at_least = 0.0
         if rank_rest_s is not None and pp > 1:
             sums = [self.sums(k, tp, cp, ep, sp, layers_at, Recompute.NONE, b) for k in kinds]
