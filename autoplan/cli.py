@@ -126,16 +126,30 @@ def _add_stack_arg(p: argparse.ArgumentParser) -> None:
                    help="the training software the layout runs on, which sets what overlaps "
                         f"and fuses: {', '.join(STACKS)} (default autoplan: what "
                         "autoplan.parallelize runs)")
+    p.add_argument("--kernels", default="", metavar="NAME",
+                   help="price the GPUs with measured kernel tables "
+                        "(profiles/cost/kernels-NAME.yaml; torch-eager: torch's kernels "
+                        "measured on one H100) instead of the published-run fit alone")
 
 
 def _stack_options(args: argparse.Namespace):
-    """The :class:`CostOptions` of ``--stack`` (an unknown name: a one-line usage error)."""
+    """The :class:`CostOptions` of ``--stack`` and ``--kernels`` (an unknown name: a
+    one-line usage error)."""
     from .cost import CostOptions
+    from .cost.kernels import load_kernel_tables
     from .errors import ConfigError
+    kernels = getattr(args, "kernels", "")
     try:
-        return CostOptions(stack=getattr(args, "stack", "autoplan"))
+        options = CostOptions(stack=getattr(args, "stack", "autoplan"))
     except ConfigError as exc:
         raise _UsageError(f"--stack: {exc}") from None
+    if not kernels:
+        return options
+    try:
+        load_kernel_tables(kernels)
+    except ConfigError as exc:
+        raise _UsageError(f"--kernels: {exc}") from None
+    return CostOptions(stack=options.stack, kernel_tables=kernels)
 
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:

@@ -20,11 +20,15 @@ Two halves, because a GPU is lent only now and then and never to CI:
 
 report (the default; no GPU needed)
     For each measured case, the estimate of :func:`autoplan.estimate` for the same model
-    (traced on the meta device) and ``Strategy``, on two clusters of one device:
+    (traced on the meta device) and ``Strategy``, on clusters of one device:
 
     * ``shipped``: the shipped datasheet profile of the GPU (``--shipped``, default the
       run's GPU's, :func:`shipped_profile`) with the published-run calibration, what a
       user gets who has never profiled;
+    * ``kernels``: the same profile with the measured kernel tables of
+      :data:`KERNEL_TABLES` (``CostOptions.kernel_tables``, :mod:`autoplan.cost.kernels`:
+      torch's kernels measured on the H100 of the layout run, so its H200 runs are held
+      out from them);
     * ``measured``: the profile measured in step 1 (its own matmul, copy and attention
       figures, and the host's time per operator, which the cost model sets against the
       device's per layer; ``DeviceType.measured``, so no calibration on top).
@@ -121,6 +125,8 @@ def build_model(family: str, config: dict, seq_len: int, device: str):
 PROGRAMS = {"fsdp2": {},
             "autocast": {"autocast": True, "master_weights": "optimizer",
                          "grad_reduce_dtype": "bf16"}}
+#: The measured kernel tables the report's ``kernels`` column prices the shipped profile with
+KERNEL_TABLES = "torch-eager"
 #: What :func:`run_main` records: the program this code runs
 PROGRAM = "fsdp2"
 
@@ -330,12 +336,17 @@ def _device_cluster(path_or_name: str):
     return load_cluster(path_or_name, nodes=1, devices_per_node=1)
 
 
-def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
-    """Measured against each cluster's estimate, per case."""
+def report_rows(results: dict, clusters: dict, zoo: dict,
+                kernel_tables: dict | None = None) -> list[dict]:
+    """Measured against each cluster's estimate, per case; ``kernel_tables`` maps a label to
+    the measured kernel tables its estimate uses (``CostOptions.kernel_tables``)."""
+    from dataclasses import replace
+
     from autoplan import estimate, trace
     graphs: dict = {}
     rows = []
     options = run_options(results)
+    kernel_tables = kernel_tables or {}
     for case in results["cases"]:
         spec = zoo.get(case["model"])
         if spec is None:
@@ -352,7 +363,8 @@ def report_rows(results: dict, clusters: dict, zoo: dict) -> list[dict]:
                "measured_s": case.get("step_s"), "measured_bytes": case.get("max_allocated_bytes"),
                "gpu_busy_s": kernels.get("kernel_s"), "error": case.get("error")}
         for label, cluster in clusters.items():
-            e = estimate(graphs[case["model"]], cluster, s, options=options)
+            e = estimate(graphs[case["model"]], cluster, s,
+                         options=replace(options, kernel_tables=kernel_tables.get(label, "")))
             mem = e.stages[0].memory
             row[f"pred_{label}_s"] = e.step_time_s
             row[f"pred_{label}_bytes"] = mem.total_bytes - mem.reserve_bytes   # allocated
@@ -438,13 +450,14 @@ def report_main(results_dir: Path, shipped: str | None) -> int:
     try:
         if results.get("device") != "cpu":
             clusters["shipped"] = _device_cluster(shipped or shipped_profile(results.get("gpu")))
+            clusters["kernels"] = clusters["shipped"]
         measured = _measured_profile(results_dir, results)
         if measured is not None:
             clusters["measured"] = _device_cluster(str(measured))
     except AutoplanError as exc:
         print(f"gpu_truth: {exc}", file=sys.stderr)
         return 2
-    rows = report_rows(results, clusters, zoo)
+    rows = report_rows(results, clusters, zoo, kernel_tables={"kernels": KERNEL_TABLES})
     print(f"{results.get('gpu', results.get('device'))}, torch {results.get('torch')}, "
           f"{results.get('when')}; {PRECISION}, one device; step = median of "
           f"{results.get('timed')} after {results.get('warmup')} warm-up")

@@ -160,6 +160,18 @@ def test_estimate_takes_a_stack():
     assert times["autoplan"] - loss <= times["megatron-2021"] * (1 + 1e-12)
 
 
+def test_estimate_takes_measured_kernels():
+    """``--kernels torch-eager`` prices an H100 with torch's measured kernels (faster than the
+    published-run fit: 0.76 of the 16-bit peak against 0.57 for a large matmul); an A100,
+    which no table measures, the same."""
+    def step(cluster, *extra):
+        return json.loads(run("estimate", *GPT, "--cluster", cluster, "--dp", "8",
+                              "--global-batch", "64", "--json", *extra).stdout
+                          )["estimate"]["step_time_s"]
+    assert step("h100-sxm5-80gb", "--kernels", "torch-eager") < step("h100-sxm5-80gb")
+    assert step("a100-sxm4-80gb", "--kernels", "torch-eager") == step("a100-sxm4-80gb")
+
+
 def test_fp8_is_a_precision_of_estimate_and_plan(tmp_path: Path):
     """``--precision fp8`` prices FP8 GEMMs on a device with an FP8 peak (faster than bf16
     there with Transformer Engine's fused casts, slower with torchao's eager ones), is refused with the device's dtypes where it has none (an A100); a plan made for
@@ -283,6 +295,8 @@ BAD_IN_A_SUBPROCESS = ("trace", "zoo:llama9", "--seq-len", "8")
       "--stack", "megatron"), "did you mean megatron-core, megatron-2021"),
     (("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--global-batch", "8", "--stack", "fdsp"),
      "did you mean fsdp"),
+    (("estimate", *GPT, "--cluster", "h100-sxm5-80gb", "--dp", "8", "--global-batch", "8",
+      "--kernels", "torch-eagre"), "known: torch-eager"),
 ])
 def test_bad_input_gets_a_clear_message_and_code_2(args, expect):
     out = (run_subprocess if args == BAD_IN_A_SUBPROCESS else run)(*args, check_rc=2)

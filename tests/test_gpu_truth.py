@@ -19,9 +19,11 @@ def _report(run: Path, profile: Path | None = None, **extra):
     results = json.loads((run / "results.json").read_text())
     profile = profile or gpu_truth._measured_profile(run, results)
     assert profile is not None and profile.is_file()
-    clusters = {"shipped": gpu_truth._device_cluster(gpu_truth.shipped_profile(results["gpu"])),
+    shipped = gpu_truth._device_cluster(gpu_truth.shipped_profile(results["gpu"]))
+    clusters = {"shipped": shipped, "kernels": shipped,
                 "measured": gpu_truth._device_cluster(str(profile)), **extra}
-    return results, gpu_truth.report_rows(results, clusters, gpu_truth.MODELS)
+    return results, gpu_truth.report_rows(results, clusters, gpu_truth.MODELS,
+                                          kernel_tables={"kernels": gpu_truth.KERNEL_TABLES})
 
 
 def _without_layout_rates(profile: Path):
@@ -203,3 +205,21 @@ def test_cpu_rehearsal_measures_and_reports(tmp_path, capsys):
     capsys.readouterr()
     assert gpu_truth.main(["--results", str(out)]) == 0
     assert "gpt-tiny" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("run", [gpu_truth.LATEST, gpu_truth.H200, *gpu_truth.LAYOUT],
+                         ids=lambda p: p.name)
+def test_the_measured_kernels_price_the_gpu_bound_steps_within_10_percent(run):
+    """The shipped H100 and H200 profiles with torch's kernels measured on one H100
+    (``CostOptions.kernel_tables="torch-eager"``, :mod:`autoplan.cost.kernels`) price the
+    steps the GPU bounds within 10% on average in every committed run, where the
+    published-run fit alone is 12-19% slow.  The H200 runs are held out from the tables;
+    the H100 run of 2026-11-26 was measured on another machine and day."""
+    _, rows = _report(run)
+    bound = [r for r in rows if gpu_truth.gpu_bound(r)]
+    assert len(bound) >= 3
+    kernels = [abs(r["pred_kernels_s"] / r["measured_s"] - 1) for r in bound]
+    fit = [abs(r["pred_shipped_s"] / r["measured_s"] - 1) for r in bound]
+    assert sum(kernels) / len(kernels) <= 0.10, [(r["model"], r["recompute"], e)
+                                                  for r, e in zip(bound, kernels)]
+    assert sum(fit) / len(fit) > 0.12

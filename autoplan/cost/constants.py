@@ -247,6 +247,16 @@ class CostOptions(Record):
         of activations under sequence parallelism, tensorwise scales all-reduced over the
         ranks a tensor is split over.  ``"transformer-engine"``: Transformer Engine's fused
         casts, each operand quantized once with its transpose (Megatron-Core, NeMo).
+    kernel_tables : str
+        Measured kernels (:mod:`autoplan.cost.kernels`, ``profiles/cost/kernels-<name>.yaml``):
+        the GPUs of each architecture they list run their matmuls, fused attention and
+        memory-bound operators at the measured speeds, on top of the published-run fit.
+        ``"torch-eager"``: torch's kernels as :func:`autoplan.parallelize` runs them,
+        measured on one H100 (within 10% of the committed one-GPU runs, where the fit is
+        14-19% slow).  Default ``""`` on every stack: the fit alone.  Published runs on
+        many GPUs, torchtitan's eager FSDP2 on 8 H100 among them, reach about 0.57 of the
+        16-bit peak where one GPU measured 0.76 (docs/gpu-truth.md); until a multi-GPU run
+        of :func:`autoplan.parallelize` shows otherwise, plans are priced as they do.
     fp32_matmuls : {"fp32", "tf32"}
         With ``Precision.FP32``, what the matmuls run in: FP32 (``"fp32"``, PyTorch's
         default since 1.12, ``torch.set_float32_matmul_precision("highest")``) or TF32
@@ -380,6 +390,7 @@ class CostOptions(Record):
     loss_parallel: bool | None = None
     sp_embedding_all_reduce: bool | None = None
     fp8_library: str | None = None
+    kernel_tables: str | None = None
     memory_fraction: float = 1.0
     expert_imbalance: float = 1.0
     fp32_matmuls: str = "fp32"
@@ -467,7 +478,7 @@ _IMPLEMENTATION_FIELDS = ("fused_attention", "overlap_grad_reduce", "overlap_par
                           "zero_step_per_layer", "step_loss_all_reduce",
                           "autocast", "loss_fp32_copy", "grad_accumulate_add",
                           "grad_reduce_dtype", "master_weights", "loss_parallel",
-                          "sp_embedding_all_reduce", "fp8_library")
+                          "sp_embedding_all_reduce", "fp8_library", "kernel_tables")
 
 #: Fused attention kernels a stack may run (``CostOptions.attention_kernel``).
 ATTENTION_KERNELS = ("cudnn", "flash-attention-2")
@@ -503,7 +514,7 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
            grad_accumulate_add: bool = False, grad_reduce_dtype: str = "bf16",
            master_weights: str = "optimizer", loss_parallel: bool = False,
            sp_embedding_all_reduce: bool = False,
-           fp8_library: str = "transformer-engine") -> Stack:
+           fp8_library: str = "transformer-engine", kernel_tables: str = "") -> Stack:
     return Stack(name, assumes, dict(
         fused_attention=fused_attention, overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather, tp_comm_overlap=tp_comm_overlap,
@@ -520,7 +531,8 @@ def _stack(name: str, assumes: str, *, fused_attention: bool, overlap_grad_reduc
         autocast=autocast, loss_fp32_copy=loss_fp32_copy,
         grad_accumulate_add=grad_accumulate_add, grad_reduce_dtype=grad_reduce_dtype,
         master_weights=master_weights, loss_parallel=loss_parallel,
-        sp_embedding_all_reduce=sp_embedding_all_reduce, fp8_library=fp8_library))
+        sp_embedding_all_reduce=sp_embedding_all_reduce, fp8_library=fp8_library,
+        kernel_tables=kernel_tables))
 
 
 #: Software stacks by name (``CostOptions(stack=...)``, ``--stack NAME``).  The layout

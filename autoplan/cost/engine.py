@@ -190,6 +190,7 @@ from . import pipeline as _pipeline
 from .calibration import (DEFAULT_CALIBRATION, Calibration, apply_calibration, attention_tables,
                           resolve_calibration)
 from .constants import CostConstants, CostOptions, load_constants
+from .kernels import apply_kernel_tables, load_kernel_tables
 from .layout import Layout, PrecisionCosts, _fp8_scaling, _ledger_dtypes, layout_from_plan
 from .ledger import Ledger, LedgerBuilder
 from .memory import activation_bytes
@@ -252,11 +253,15 @@ class CostEngine:
         self.summary = summarize(graph)
         calibration = resolve_calibration(calibration)
         self.calibration = calibration
-        self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
         self.options = options or CostOptions()
+        self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
+        # the stack's measured kernels over the fit (calibration None: the profiles as they are)
+        if calibration and self.options.kernel_tables:
+            self.cluster = apply_kernel_tables(self.cluster,
+                                               load_kernel_tables(self.options.kernel_tables))
         self._module_shares: dict[str, tuple[float, ...]] = {}   # per template
         #: fused-attention curves per device type, for the options' attention kernel
-        self._attention_tables = (attention_tables(cluster, calibration,
+        self._attention_tables = (attention_tables(self.cluster, calibration,
                                                    self.options.attention_kernel)
                                   if calibration else {})
         self.constants = constants or load_constants()
