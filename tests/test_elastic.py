@@ -286,6 +286,27 @@ def test_processes_no_layout_uses_wait_idle_and_rejoin(tmp_path):
         outcomes[idle].describe()
 
 
+def test_the_first_failure_is_the_reason_the_idle_processes_read():
+    """When one active process fails, the others' collectives fail after it (a peer's
+    connection closed) and they report too: the idle processes read the first reason."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from autoplan.runtime.idle import IdleSplit
+
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True,
+                          timeout=datetime.timedelta(seconds=5), wait_for_workers=False)
+    plan = _plan(4, tuple(IDLE_ARGS.items()), IDLE_BATCH)
+    split = IdleSplit(store, 0, 4, "gloo", datetime.timedelta(seconds=5), True, plan)
+    # the plan uses every process: nobody to wait for, so fail() returns at once
+    split.fail("rank 2: RuntimeError: injected failure")
+    split.fail("rank 0: DistBackendError: Connection closed by peer")
+    idle = IdleSplit(store, 3, 4, "gloo", datetime.timedelta(seconds=5), False, plan)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        idle.wait_done()
+
+
 @functools.lru_cache(maxsize=None)
 def _big():
     """A 6.9B-parameter GPT planned on 8 A100-80GB: its fp32 Adam states (~110 GB) fit 8

@@ -144,9 +144,12 @@ class IdleSplit:
 
     def fail(self, why: str) -> None:
         """An active process failed: end the idle ones' wait with ``why`` (waiting, up to
-        :data:`ACK_WAIT`, until they have read it: rank 0 hosts the store they read)."""
+        :data:`ACK_WAIT`, until they have read it: rank 0 hosts the store they read).
+
+        The first failure's reason is kept: the others' collectives fail because of it
+        (a peer's connection closed), and their reasons would hide it."""
         with contextlib.suppress(Exception):
-            self.store.set(self.DONE, why)
+            self.store.compare_set(self.DONE, "", why)
             idle = self.world - self.plan.num_devices
             deadline = time.monotonic() + ACK_WAIT.total_seconds()
             while self.store.add(self.ACKS, 0) < idle and time.monotonic() < deadline:
