@@ -132,9 +132,9 @@ def _add_stack_arg(p: argparse.ArgumentParser) -> None:
                         "measured on one H100) instead of the published-run fit alone")
 
 
-def _stack_options(args: argparse.Namespace):
+def _stack_options(args: argparse.Namespace, cluster=None):
     """The :class:`CostOptions` of ``--stack`` and ``--kernels`` (an unknown name: a
-    one-line usage error)."""
+    one-line usage error; tables that no GPU of ``cluster`` takes: a one-line note)."""
     from .cost import CostOptions
     from .cost.kernels import load_kernel_tables
     from .errors import ConfigError
@@ -146,9 +146,15 @@ def _stack_options(args: argparse.Namespace):
     if not kernels:
         return options
     try:
-        load_kernel_tables(kernels)
+        tables = load_kernel_tables(kernels)
     except ConfigError as exc:
         raise _UsageError(f"--kernels: {exc}") from None
+    if cluster is not None and not any(p.device.architecture in tables.architectures
+                                       and not p.device.measured
+                                       for p in cluster.profiles.values()):
+        print(f"note: --kernels {kernels} measures {', '.join(sorted(tables.architectures))} "
+              f"GPUs; {cluster.name} has none (or a measured profile), so it is priced as "
+              "without it", file=sys.stderr)
     return CostOptions(stack=options.stack, kernel_tables=kernels)
 
 
@@ -221,7 +227,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
                         virtual_stages=args.virtual_stages, precision=args.precision)
     strategy.check_world(cluster.num_devices)
     _check_fraction(args.memory_fraction)
-    options = _stack_options(args)
+    options = _stack_options(args, cluster)
     graph = _trace_cached(args, args.json)
     est = estimate(graph, cluster, strategy, memory_fraction=args.memory_fraction, options=options)
     text = f"{strategy.describe()} on {cluster.num_devices} devices of {cluster.name}\n" + \
@@ -345,7 +351,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                           "(a sparse zoo entry, or --sparse)")
     cluster = _load_cluster(args)           # names and numbers first: capture takes seconds
     _check_search_args(args)
-    options = _stack_options(args)
+    options = _stack_options(args, cluster)
     graph = _trace_cached(args, args.json)
     with _Step(f"searching layouts for {cluster.num_devices} devices of {cluster.name}", args.json):
         best = make_plan(graph, cluster, global_batch=args.global_batch, top_k=args.top_k,
