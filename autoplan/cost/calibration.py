@@ -267,21 +267,27 @@ def _half_peak(device: DeviceType) -> float:
 
 #: The last calibrated clusters, so engines of one cluster and calibration share one
 #: copy (and its device index); keyed by the two objects' ids, checked by identity.
-_APPLIED: dict[tuple[int, int], tuple[Cluster, Calibration, Cluster]] = {}
+_APPLIED: dict[tuple[int, int], tuple[Cluster, object, Cluster]] = {}
+
+
+def cached_copy(cache: dict, cluster: Cluster, figures: object, build) -> Cluster:
+    """``build(cluster, figures)``, made once per pair of objects while they live: ``cache``
+    is keyed by their ids and checked by identity (the last 64 pairs are kept)."""
+    key = (id(cluster), id(figures))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is cluster and hit[1] is figures:
+        return hit[2]
+    out = build(cluster, figures)
+    if len(cache) >= 64:
+        cache.pop(next(iter(cache)))
+    cache[key] = (cluster, figures, out)
+    return out
 
 
 def apply_calibration(cluster: Cluster, calibration: Calibration) -> Cluster:
     """A copy of ``cluster`` with the fitted figures (see :func:`_apply`), cached per
     cluster and calibration object."""
-    key = (id(cluster), id(calibration))
-    hit = _APPLIED.get(key)
-    if hit is not None and hit[0] is cluster and hit[1] is calibration:
-        return hit[2]
-    out = _apply(cluster, calibration)
-    if len(_APPLIED) >= 64:
-        _APPLIED.pop(next(iter(_APPLIED)))
-    _APPLIED[key] = (cluster, calibration, out)
-    return out
+    return cached_copy(_APPLIED, cluster, calibration, _apply)
 
 
 def _apply(cluster: Cluster, calibration: Calibration) -> Cluster:

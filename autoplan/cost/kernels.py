@@ -44,6 +44,7 @@ from ..errors import ConfigError
 from ..hardware import Cluster, EfficiencyTable
 from ..hardware.profile_records import ARCHITECTURES, RATE_KINDS, DeviceType, ElementwiseRates
 from ..records import Record, atomic_write_text
+from .calibration import cached_copy
 from .constants import cost_profiles_dir, read_yaml_record
 
 __all__ = ["ArchitectureKernels", "KernelTables", "load_kernel_tables", "apply_kernel_tables",
@@ -158,7 +159,7 @@ def _takes_tables(device: DeviceType, tables: KernelTables) -> bool:
 
 #: The last clusters given kernels, so engines of one cluster share one copy (and its
 #: device index); keyed by the two objects' ids, checked by identity.
-_APPLIED: dict[tuple[int, int], tuple[Cluster, KernelTables, Cluster]] = {}
+_APPLIED: dict[tuple[int, int], tuple[Cluster, object, Cluster]] = {}
 
 
 def apply_kernel_tables(cluster: Cluster, tables: KernelTables | None) -> Cluster:
@@ -168,15 +169,7 @@ def apply_kernel_tables(cluster: Cluster, tables: KernelTables | None) -> Cluste
     if tables is None or not any(_takes_tables(p.device, tables)
                                  for p in cluster.profiles.values()):
         return cluster
-    key = (id(cluster), id(tables))
-    hit = _APPLIED.get(key)
-    if hit is not None and hit[0] is cluster and hit[1] is tables:
-        return hit[2]
-    out = _apply(cluster, tables)
-    if len(_APPLIED) >= 64:
-        _APPLIED.pop(next(iter(_APPLIED)))
-    _APPLIED[key] = (cluster, tables, out)
-    return out
+    return cached_copy(_APPLIED, cluster, tables, _apply)
 
 
 def _apply(cluster: Cluster, tables: KernelTables) -> Cluster:
