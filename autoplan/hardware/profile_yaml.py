@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from ..errors import ProfileError
-from .profile_records import (_DEFAULT_TABLE_KEY, COLLECTIVE_OPS, DTYPES, VARIANT_TABLES,
+from .device_records import _DEFAULT_TABLE_KEY
+from .profile_records import (COLLECTIVE_OPS, DTYPES, VARIANT_TABLES,
                               CollectiveEfficiency,
                               CollectiveLatency, CompositeProfile, DeviceType, EfficiencyTable,
                               IntraNodeTopology, MeshLink, NetworkSpec, NetworkTopology, NodeGroup,
