@@ -1,4 +1,4 @@
-"""Three ways the search saves work without changing its plan.
+"""Four ways the search saves work without changing its plan.
 
 * **Dominance across data-parallel degrees** (:meth:`_Search._dominated
   <autoplan.search.frontier._Search._dominated>`): the bound of a combination at more
@@ -11,6 +11,9 @@
   plan, every plan within the tolerance reshards all and the fastest is chosen, so the
   layouts that leave devices idle are priced only where they can be faster than the best;
   the plan is byte for byte the one of the search over the whole band.
+* **Terms shared with the previous search** (:func:`autoplan.search.bounds._shared_tables`):
+  a replan after its plan reads the terms of the ranks both priced.  With
+  ``Bounds.check_shared`` each is priced again and checked to be the same.
 * **The per-stage problem by counting** (:func:`autoplan.search.solve_stage_problem`):
   the same least bottleneck as CP-SAT on random problems, and a valid assignment.
 """
@@ -26,6 +29,8 @@ import autoplan
 from autoplan.errors import InfeasiblePlan
 from autoplan.search import StageProblem, solve_stage_problem
 from autoplan.search.frontier import _Search
+from autoplan.search import bounds as bounds_module
+from autoplan.search.bounds import Bounds
 from autoplan.search.stage_solver import solve_stage_problem_cp_sat
 from autoplan.strategy import Recompute, Strategy
 
@@ -103,6 +108,45 @@ def test_replan_held_to_the_best_keeps_the_idle_reason(monkeypatch):
     whole = autoplan.replan(old, survivors)
     assert held.idle_reason and held.to_json() == whole.to_json()
     assert held.search_stats.steps < whole.search_stats.steps
+
+
+def test_a_replan_reads_the_terms_its_plan_priced(gpt3, monkeypatch):
+    eight = autoplan.load_cluster("a100-sxm4-80gb", nodes=8)
+    seven = eight.without(range(8))
+    monkeypatch.setattr(bounds_module, "_SHARED", [])
+    monkeypatch.setattr(Bounds, "check_shared", True)       # asserts each shared term
+    old = autoplan.plan(gpt3, eight, global_batch=256)
+    tables = bounds_module._SHARED[-1][2]
+    priced = len(tables["_sums"])
+    new = autoplan.replan(old, seven)
+    assert bounds_module._SHARED[-1][2] is tables             # the same tables, grown
+    assert priced > 100 and len(tables["_sums"]) < 2 * priced
+    monkeypatch.setattr(Bounds, "check_shared", False)
+    monkeypatch.setattr(bounds_module, "_SHARED_KEPT", 0)   # nothing shared
+    alone = autoplan.replan(old, seven)
+    assert new.to_json() == alone.to_json()
+    assert bounds_module._SHARED == []
+
+
+def test_terms_are_shared_only_where_they_are_the_same(gpt3, monkeypatch):
+    from autoplan.cost import CostEngine, CostOptions
+    from autoplan.strategy import Precision
+
+    monkeypatch.setattr(bounds_module, "_SHARED", [])
+    eight = autoplan.load_cluster("a100-sxm4-80gb", nodes=8)
+
+    def tables(cluster, precision=Precision.BF16, recompute=tuple(Recompute), **options):
+        engine = CostEngine(gpt3, cluster, options=CostOptions(**options))
+        return bounds_module._shared_tables(engine, cluster, precision, recompute)
+
+    first = tables(eight)
+    assert tables(eight.without(range(8))) is first
+    assert tables(autoplan.load_cluster("a100-sxm4-80gb", nodes=3)) is first
+    assert tables(autoplan.load_cluster("h100-sxm5-80gb", nodes=8)) is not first
+    assert tables(eight, memory_fraction=0.8) is not first
+    assert tables(eight, precision=Precision.FP32) is not first
+    assert tables(eight, recompute=(Recompute.NONE,)) is not first
+    assert len(bounds_module._SHARED) == bounds_module._SHARED_KEPT
 
 
 def _random_problem(rng: random.Random) -> StageProblem:

@@ -47,7 +47,7 @@ class _Search:
         self.graph, self.cluster, self.engine, self.builder = graph, cluster, engine, builder
         self.space, self.batch, self.use_all = space, global_batch, use_all
         self.pools = builder.pools
-        self.bounds = Bounds(engine, builder.precision, space.recompute, builder.pools)
+        self.bounds = Bounds(engine, builder.precision, space.recompute, builder.pools, cluster)
         self.blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
         self.experts = expert_counts(graph)
         self.bound_s, self.tolerance, self.top_k = bound_s, tolerance, top_k
