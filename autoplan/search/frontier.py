@@ -55,6 +55,7 @@ class _Search:
         # tolerance though slower than the best (None: every one); see :meth:`cutoff`
         self._band = band if tolerance > 0 and top_k == 1 else None
         self._in_band: dict[tuple, bool] = {}
+        self._threshold = self._held = bound_s
         self.t0, self.time_limit_s, self.work_limit = t0, time_limit_s, work_limit
         self.limit: SearchLimit | None = None
         self.steps = 0                         # the work counted against work_limit
@@ -91,10 +92,17 @@ class _Search:
 
     def threshold(self) -> float:
         """Objectives at or above this cannot enter the result."""
+        return self._threshold
+
+    def _thresholds(self) -> None:
+        """:meth:`threshold`, and what :meth:`cutoff` holds layouts outside the band to,
+        for the objectives recorded so far."""
         t = self.bound_s
         if len(self._objectives) >= self.top_k:
             t = min(t, self._objectives[self.top_k - 1] * (1 + self.tolerance))
-        return t
+        self._threshold = t
+        self._held = min(t, self._objectives[0] * (1 + _TIE)) \
+            if self._band is not None and self._objectives else t
 
     def cutoff(self, pool: int, tp: int, cp: int, pp: int, dp: int) -> float:
         """:meth:`threshold` for the layouts of these degrees: those the tolerance's band
@@ -103,17 +111,13 @@ class _Search:
         faster than the best so far, so they are held to it (ties kept: ``_TIE``).  Not
         the layouts of every device: the plan's idle reason quotes their bound, which
         stays what the search proves today.  With ``top_k=1`` only."""
-        t = self.threshold()
-        if self._band is None or not self._objectives or \
-                (pool == 0 and tp * cp * pp * dp == self.cluster.num_devices):
-            return t
+        if self._band is None or (pool == 0 and tp * cp * pp * dp == self.cluster.num_devices):
+            return self._threshold
         key = (tp, cp, dp)
         wanted = self._in_band.get(key)
         if wanted is None:
             wanted = self._in_band[key] = bool(self._band(tp, cp, dp))
-        if wanted:
-            return t
-        return min(t, self._objectives[0] * (1 + _TIE))
+        return self._threshold if wanted else self._held
 
     def cutoff_of(self, c: _Combo) -> float:
         return self.cutoff(c.pool, c.tp, c.cp, c.pp, c.dp)
@@ -128,6 +132,7 @@ class _Search:
             self._objectives.append(cand.objective)
             self._objectives.sort()
             del self._objectives[self.top_k:]
+            self._thresholds()
 
     @property
     def limit_hit(self) -> bool:
