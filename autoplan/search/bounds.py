@@ -163,6 +163,7 @@ class Bounds:
         self._tails: dict[tuple, float] = {}
         self._cheap: dict[tuple, float] = {}
         self._sig: dict[tuple, tuple] = {}
+        self._per_param_bytes: dict[tuple[int, int, bool], float] = {}
         self._own_sums: set[tuple] | None = None
         if cluster is not None:
             for name, table in _shared_tables(engine, cluster, precision,
@@ -517,13 +518,19 @@ class Bounds:
         ``m`` micro-batches a step: what the engine holds (FSDP2's fp32 master weights
         and compute copies, :func:`~autoplan.cost.memory.fsdp2_state_bytes`, where the
         recipe runs them; else :func:`~autoplan.cost.memory.model_state_bytes`)."""
+        key = (zero, shards, m > 1)
+        hit = self._per_param_bytes.get(key)
+        if hit is not None:
+            return hit
         pb, gb, ob = self.per_param
         if getattr(self.recipe, "fsdp2_master", False):
-            return sum(fsdp2_state_bytes(1.0, zero=zero, shards=shards,
-                                         master_bytes=DTYPE_BYTES["fp32"], compute_bytes=pb,
-                                         grad_bytes=gb, optimizer_bytes=ob,
-                                         accumulates=m > 1))
-        return sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+            hit = sum(fsdp2_state_bytes(1.0, zero=zero, shards=shards,
+                                        master_bytes=DTYPE_BYTES["fp32"], compute_bytes=pb,
+                                        grad_bytes=gb, optimizer_bytes=ob, accumulates=m > 1))
+        else:
+            hit = sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+        self._per_param_bytes[key] = hit
+        return hit
 
     def tail(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int, zero: int,
              shards: int, pp: int, m: int) -> float:
