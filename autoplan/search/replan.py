@@ -9,7 +9,12 @@ devices idle as :func:`autoplan.plan` does (losing one node of 128 leaves 1,016 
 GPUs, which force every layout of all of them into 127 replicas; 126 nodes run a
 pipeline).  Among the plans within ``tolerance`` of the fastest it keeps the one that
 reshards least (:func:`reshard_fraction`): a restart loads the last checkpoint into the
-new layout, and a layout close to the old one moves fewer bytes.
+new layout, and a layout close to the old one moves fewer bytes.  Where no layout can keep
+a shard of the old plan (its layers' states sharded over more replicas than the devices
+left hold: :func:`_may_keep_shards`), every plan moves every parameter and the fastest is
+chosen, so the search prices the layouts that leave devices idle only where they can be
+faster than the best (those of every device still over the whole band: the idle reason
+quotes their bound); the plan is the same.
 """
 
 from __future__ import annotations
