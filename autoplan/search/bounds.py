@@ -67,11 +67,58 @@ class ByRank(tuple):
     mixed clusters), where a plain tuple of kinds lists each kind once."""
 
 
+#: The tables of per-replica terms of the latest searches (:func:`_shared_tables`).
+_SHARED: list[tuple[tuple, tuple, dict[str, dict]]] = []
+#: How many searches' tables are kept (a plan, then its replan, of two models).
+_SHARED_KEPT = 2
+#: The tables shared: keyed by what the terms depend on (the ranks' signatures, the
+#: options), not by devices or pools.
+_SHARED_NAMES = ("_sums", "_per_mb", "_busiest", "_cheap", "_tails")
+
+
+def _shared_tables(engine: Any, cluster: Any, precision: Any,
+                   recompute: Sequence[Recompute]) -> dict[str, dict]:
+    """The tables of :data:`_SHARED_NAMES` for a search of ``engine`` on ``cluster``,
+    those of an earlier search where its terms are the same.
+
+    A rank's terms are keyed by its signature (its device type and where its groups sit:
+    :meth:`Bounds._signature`), which prices it alike on any cluster of the same node
+    profiles, so a replan after its plan (``Cluster.without`` or ``load_cluster`` of
+    fewer nodes) finds the terms of every rank both priced.  The same model (its
+    summary), profiles, calibration and cost constants (each the same object), options,
+    precision, recompute options, links between sites, and, on several sites, their
+    device counts (a link's share of a group depends on them)."""
+    same = (engine.summary, engine.calibration, engine.constants,
+            *(p for _, p in sorted(cluster.profiles.items())))
+    sites = cluster.sites
+    counts = tuple(cluster._index.site_devices[s] for s in sites) if len(sites) > 1 else ()
+    equal = (tuple(sorted(cluster.profiles)), sites, counts, cluster.site_links,
+             cluster.servers, engine.options, precision, tuple(recompute))
+    del _SHARED[:max(0, len(_SHARED) - _SHARED_KEPT)]
+    for i, (objects, values, _) in enumerate(_SHARED):
+        if len(objects) == len(same) and all(a is b for a, b in zip(objects, same)) \
+                and values == equal:
+            entry = _SHARED.pop(i)
+            break
+    else:
+        entry = (same, equal, {name: {} for name in _SHARED_NAMES})
+    _SHARED.append(entry)                           # the latest last
+    del _SHARED[:max(0, len(_SHARED) - _SHARED_KEPT)]
+    return entry[2]
+
+
 class Bounds:
-    """Bounds for one search: one engine, precision and set of recompute options."""
+    """Bounds for one search: one engine, precision and set of recompute options.
+
+    ``cluster`` (the search's, before calibration): share the tables of per-replica terms
+    with earlier searches of the same terms (:func:`_shared_tables`)."""
+
+    #: Tests: recompute every term found in a table shared with an earlier search, and
+    #: check it is the same.
+    check_shared = False
 
     def __init__(self, engine: Any, precision: Any, recompute: Sequence[Recompute],
-                 pools: Sequence[Any]) -> None:
+                 pools: Sequence[Any], cluster: Any = None) -> None:
         self.engine = engine
         self.pools = list(pools)
         self._ranks: dict[tuple[int, int, int], tuple[int, ...]] = {}
@@ -116,6 +163,14 @@ class Bounds:
         self._tails: dict[tuple, float] = {}
         self._cheap: dict[tuple, float] = {}
         self._sig: dict[tuple, tuple] = {}
+        self._per_param_bytes: dict[tuple[int, int, bool], float] = {}
+        self._own_sums: set[tuple] | None = None
+        if cluster is not None:
+            for name, table in _shared_tables(engine, cluster, precision,
+                                              self.recompute).items():
+                setattr(self, name, table)
+            if self.check_shared:
+                self._own_sums = set()
         cluster = engine.cluster
         self._shared_cores = (cluster.profile_of(0).node.shared_cores
                               if cluster.num_nodes == 1 else None)
@@ -159,6 +214,12 @@ class Bounds:
         z = max(zero, 1) if zero < 2 else zero      # ZeRO-0 and 1 add no per-layer term
         key = (self._signature(rank, tp, cp, ep, z), tp, cp, ep, sp, z, rc, b)
         hit = self._sums.get(key)
+        if hit is not None and self._own_sums is not None and key not in self._own_sums:
+            self._own_sums.add(key)                  # (check_shared) priced here again
+            del self._sums[key]
+            again = self.sums(rank, tp, cp, ep, sp, zero, rc, b)
+            assert again == hit, (key, hit, again)
+            return hit
         if hit is None:
             engine = self.engine
             groups = engine._groups(rank, tp, cp, ep, 0)
@@ -174,6 +235,8 @@ class Bounds:
                 params[template], experts[template] = t.local_params, t.local_expert_params
                 saved[template] = t.saved_bytes
             hit = self._sums[key] = _Sums(time_s, params, experts, saved)
+            if self._own_sums is not None:
+                self._own_sums.add(key)
         return hit
 
     # ------------------------------------------------------------------ ranks
@@ -455,13 +518,19 @@ class Bounds:
         ``m`` micro-batches a step: what the engine holds (FSDP2's fp32 master weights
         and compute copies, :func:`~autoplan.cost.memory.fsdp2_state_bytes`, where the
         recipe runs them; else :func:`~autoplan.cost.memory.model_state_bytes`)."""
+        key = (zero, shards, m > 1)
+        hit = self._per_param_bytes.get(key)
+        if hit is not None:
+            return hit
         pb, gb, ob = self.per_param
         if getattr(self.recipe, "fsdp2_master", False):
-            return sum(fsdp2_state_bytes(1.0, zero=zero, shards=shards,
-                                         master_bytes=DTYPE_BYTES["fp32"], compute_bytes=pb,
-                                         grad_bytes=gb, optimizer_bytes=ob,
-                                         accumulates=m > 1))
-        return sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+            hit = sum(fsdp2_state_bytes(1.0, zero=zero, shards=shards,
+                                        master_bytes=DTYPE_BYTES["fp32"], compute_bytes=pb,
+                                        grad_bytes=gb, optimizer_bytes=ob, accumulates=m > 1))
+        else:
+            hit = sum(model_state_bytes(1.0, zero=zero, shards=shards, per_param=(pb, gb, ob)))
+        self._per_param_bytes[key] = hit
+        return hit
 
     def tail(self, kinds: tuple[tuple[int, ...], ...], tp: int, cp: int, ep: int, zero: int,
              shards: int, pp: int, m: int) -> float:

@@ -25,6 +25,10 @@ from .space import (WORK_LIMIT, SearchLimit, SearchSpace, _blocks_tp_limit, _div
 
 __all__: list[str] = []
 
+#: Relative margin by which a layout held to the best plan (:meth:`_Search.cutoff`) must be
+#: slower to be left out: one as fast ties with it, and ties break on the plan.
+_TIE = 1e-9
+
 
 # ------------------------------------------------------------------ the search
 class _Search:
@@ -39,14 +43,19 @@ class _Search:
                  space: SearchSpace, global_batch: int, use_all: bool,
                  prices: list[float] | None, bound_s: float, tolerance: float, top_k: int,
                  t0: float, time_limit_s: float | None,
-                 work_limit: int | None = WORK_LIMIT) -> None:
+                 work_limit: int | None = WORK_LIMIT, band: Any = None) -> None:
         self.graph, self.cluster, self.engine, self.builder = graph, cluster, engine, builder
         self.space, self.batch, self.use_all = space, global_batch, use_all
         self.pools = builder.pools
-        self.bounds = Bounds(engine, builder.precision, space.recompute, builder.pools)
+        self.bounds = Bounds(engine, builder.precision, space.recompute, builder.pools, cluster)
         self.blocks = sum(1 for l in graph.layers if l.kind is LayerKind.BLOCK)
         self.experts = expert_counts(graph)
         self.bound_s, self.tolerance, self.top_k = bound_s, tolerance, top_k
+        # band(tp, cp, dp): whether a layout of those degrees may be wanted within the
+        # tolerance though slower than the best (None: every one); see :meth:`cutoff`
+        self._band = band if tolerance > 0 and top_k == 1 else None
+        self._in_band: dict[tuple, bool] = {}
+        self._threshold = self._held = bound_s
         self.t0, self.time_limit_s, self.work_limit = t0, time_limit_s, work_limit
         self.limit: SearchLimit | None = None
         self.steps = 0                         # the work counted against work_limit
@@ -83,10 +92,35 @@ class _Search:
 
     def threshold(self) -> float:
         """Objectives at or above this cannot enter the result."""
+        return self._threshold
+
+    def _thresholds(self) -> None:
+        """:meth:`threshold`, and what :meth:`cutoff` holds layouts outside the band to,
+        for the objectives recorded so far."""
         t = self.bound_s
         if len(self._objectives) >= self.top_k:
             t = min(t, self._objectives[self.top_k - 1] * (1 + self.tolerance))
-        return t
+        self._threshold = t
+        self._held = min(t, self._objectives[0] * (1 + _TIE)) \
+            if self._band is not None and self._objectives else t
+
+    def cutoff(self, pool: int, tp: int, cp: int, pp: int, dp: int) -> float:
+        """:meth:`threshold` for the layouts of these degrees: those the tolerance's band
+        cannot want (``band`` False; a replan's layouts that keep none of the old plan's
+        shards, which reshard as much as the fastest) enter the result only by being
+        faster than the best so far, so they are held to it (ties kept: ``_TIE``).  Not
+        the layouts of every device: the plan's idle reason quotes their bound, which
+        stays what the search proves today.  With ``top_k=1`` only."""
+        if self._band is None or (pool == 0 and tp * cp * pp * dp == self.cluster.num_devices):
+            return self._threshold
+        key = (tp, cp, dp)
+        wanted = self._in_band.get(key)
+        if wanted is None:
+            wanted = self._in_band[key] = bool(self._band(tp, cp, dp))
+        return self._threshold if wanted else self._held
+
+    def cutoff_of(self, c: _Combo) -> float:
+        return self.cutoff(c.pool, c.tp, c.cp, c.pp, c.dp)
 
     def _record(self, cand: _Candidate) -> None:
         self.ranked.append(cand)
@@ -98,6 +132,7 @@ class _Search:
             self._objectives.append(cand.objective)
             self._objectives.sort()
             del self._objectives[self.top_k:]
+            self._thresholds()
 
     @property
     def limit_hit(self) -> bool:
@@ -269,10 +304,11 @@ class _Search:
                     # every schedule takes at least m times the busiest rank's micro-batch,
                     # and at least the least bound of the schedules it can run
                     lb_m = self._micro_bound(pi, n, tp, cp, pp, eps, sp, mb, counts)
-                    if lb_m * w < self.threshold():
+                    limit = self.cutoff(pi, tp, cp, pp, dp)
+                    if lb_m * w < limit:
                         lb_m = max(lb_m, self._schedules_bound(pi, tp, cp, pp, dp, mb, sp,
                                                                counts, eps))
-                    if lb_m * w >= self.threshold():
+                    if lb_m * w >= limit:
                         self.pruned += 1
                         self._floor(n, pi, lb_m)
                         continue
@@ -348,7 +384,7 @@ class _Search:
                 # the bounds they have among all of them)
                 bounds = self.cheap_bounds(c, counts, live)
                 for z, lb in bounds.items():
-                    if lb * w >= self.threshold():
+                    if lb * w >= self.cutoff_of(c):
                         self.pruned += 1
                         self._floor(n, pi, lb)
                         continue
@@ -410,7 +446,7 @@ class _Search:
             return
         lb = max(lb, lb_before)
         w = self.weight(c.pool, c.n)
-        if lb * w >= self.threshold():
+        if lb * w >= self.cutoff_of(c):
             self.pruned += 1
             self._floor(c.n, c.pool, lb)
             return
@@ -430,7 +466,7 @@ class _Search:
         of ``c`` at ``zero`` fits); ``slope=True``: with its growth per micro-batch."""
         if self.bounds.least_memory(zero, c.schedule) is None:
             return None
-        threshold = self.threshold() / self.weight(c.pool, c.n)
+        threshold = self.cutoff_of(c) / self.weight(c.pool, c.n)
         lb, grows = 0.0, 0.0
         for kinds, m, caps in self._classes(c, zero, counts):
             x = self.bounds.zero_bound(c.pool, c.n, kinds, c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
@@ -482,7 +518,7 @@ class _Search:
         entries = self._chains.get(self._chain(c, zero))
         if not entries:
             return False
-        threshold, m, terms = self.threshold(), max(counts), None
+        threshold, m, terms = self.cutoff_of(c), max(counts), None
         for dp, m_more, terms_more, lb, slope in entries:
             if dp > c.dp and m_more <= m and lb + (m - m_more) * slope >= threshold:
                 if terms is None:
@@ -512,7 +548,7 @@ class _Search:
         w = self.weight(c.pool, c.n)
         _, rcs = _ladder(self.space, c.schedule)
         for lb, z in zero_bounds:
-            if lb * w >= self.threshold():
+            if lb * w >= self.cutoff_of(c):
                 self.pruned += 1
                 self._floor(c.n, c.pool, lb)
                 continue
@@ -528,7 +564,7 @@ class _Search:
                     count * min(bounds.sums(k, c.tp, c.cp, c.ep, c.sp, z, rc,
                                             c.micro_batch).time_s[t] for k in kinds)
                     for t, count in bounds.layers), c.n) for kinds, m, _ in classes)
-                if max(lb, uniform) * w >= self.threshold():
+                if max(lb, uniform) * w >= self.cutoff_of(c):
                     self.pruned += 1
                     break                # this and more recompute: bounded out
                 if self._step():
@@ -555,7 +591,7 @@ class _Search:
                     if len(self.lowest) > 64:
                         self.lowest.sort(key=lambda x: (x.peak_bytes, x.key))
                         del self.lowest[32:]
-                if cand.objective >= self.threshold():
+                if cand.objective >= self.cutoff_of(c):
                     break
             else:
                 # every uniform option priced and none fits: the last (least memory) seeds
@@ -579,6 +615,11 @@ class _Search:
             lb, _, item = self.heap[0]
             if lb >= self.threshold():
                 break
+            if self._band is not None and lb >= (self.cutoff(*item[1:6]) if item[0] in "dm"
+                                                 else self.cutoff_of(item[1])):
+                heapq.heappop(self.heap)       # held to the best, and not faster
+                self.pruned += 1
+                continue
             if self._step():
                 break
             heapq.heappop(self.heap)
@@ -625,6 +666,8 @@ class _Search:
             if space.refine is not None and self.refined >= space.refine:
                 break
             c = cand.combo
+            if coarse >= self.cutoff_of(c):
+                continue
             w = self.weight(c.pool, c.n)
             est = self._estimates.get(id(cand))
             if homogeneous:
@@ -635,7 +678,7 @@ class _Search:
                                          estimate=est)
                             for kinds, m, caps in self._classes(
                                 c, cand.zero, cand.layout.replica_micro_batches))
-            if tight * w >= self.threshold():
+            if tight * w >= self.cutoff_of(c):
                 continue
             if self._step():
                 break

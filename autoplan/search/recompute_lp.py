@@ -68,7 +68,12 @@ def recompute_lp(room_of: Sequence[tuple[float, float]], block: float, a_none: f
     >>> recompute_lp([(100.0, 1.0)], 5.0, 10.0, hull, 21, 1) is None   # states: 105 > 100
     True
     """
-    x_top = hull[-1][0]
+    xs = [x for x, _ in hull]
+    # each segment of the hull, y = a + s x: (a, s), the same for every rank
+    segments = []
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        slope = (y1 - y0) / (x1 - x0)
+        segments.append((y0 - slope * x0, slope))
     bands: list[tuple[float, float]] = []
     held, spent = 0.0, 0.0
     for free, flight in room_of:
@@ -76,17 +81,14 @@ def recompute_lp(room_of: Sequence[tuple[float, float]], block: float, a_none: f
         if plain <= 0:
             offers = [(0.0, float(n))]
         else:
-            def k_at(x: float) -> float:
-                """Blocks held when each saves ``x``: ``free / (P - f x)``."""
-                left = plain - flight * x
-                return math.inf if left <= 0 else max(0.0, free) / left
-
-            offers = [(0.0, k_at(0.0))]
-            for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
-                slope = (y1 - y0) / (x1 - x0)
-                price = (y0 - slope * x0) + slope * plain / flight
-                offers.append((max(0.0, price), k_at(x1) - k_at(x0)))
-            if free < 0 or k_at(x_top) < v:
+            # blocks held when each saves x (each point of the hull): free / (P - f x)
+            room = max(0.0, free)
+            ks = [room / left if (left := plain - flight * x) > 0 else math.inf
+                  for x in xs]
+            offers = [(0.0, ks[0])]
+            for i, (a, slope) in enumerate(segments):
+                offers.append((max(0.0, a + slope * plain / flight), ks[i + 1] - ks[i]))
+            if free < 0 or ks[-1] < v:
                 return None                     # not one block per chunk
         # this rank's first v blocks, from its cheapest bands
         need = float(v)

@@ -9,7 +9,12 @@ devices idle as :func:`autoplan.plan` does (losing one node of 128 leaves 1,016 
 GPUs, which force every layout of all of them into 127 replicas; 126 nodes run a
 pipeline).  Among the plans within ``tolerance`` of the fastest it keeps the one that
 reshards least (:func:`reshard_fraction`): a restart loads the last checkpoint into the
-new layout, and a layout close to the old one moves fewer bytes.
+new layout, and a layout close to the old one moves fewer bytes.  Where no layout can keep
+a shard of the old plan (its layers' states sharded over more replicas than the devices
+left hold: :func:`_may_keep_shards`), every plan moves every parameter and the fastest is
+chosen, so the search prices the layouts that leave devices idle only where they can be
+faster than the best (those of every device still over the whole band: the idle reason
+quotes their bound); the plan is the same.
 """
 
 from __future__ import annotations
@@ -130,21 +135,42 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
                   use_all_devices=use_all_devices, work_limit=work_limit)
     t0 = time.perf_counter()
     warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
+    # no layout keeps a shard: every plan moves every parameter, the fastest is chosen
+    band = None if _may_keep_shards(plan, new_cluster) else _keeps_none
     try:
         result = search(graph, new_cluster, space=space, tolerance=tolerance,
-                        bound_s=warm * (1 + tolerance) * (1 + 1e-9), **common)
+                        bound_s=warm * (1 + tolerance) * (1 + 1e-9), band=band, **common)
     except InfeasiblePlan:
         if math.isinf(warm) or (time_limit_s is not None
                                 and time.perf_counter() - t0 > time_limit_s):
             raise
         # nothing within the warm start's bound: the search again, unbounded
-        result = search(graph, new_cluster, space=space, tolerance=tolerance, **common)
+        result = search(graph, new_cluster, space=space, tolerance=tolerance, band=band,
+                        **common)
     best = result.plans[0]
     alternatives = result.alternatives or [best]
     chosen = min(alternatives, key=lambda p: (reshard_fraction(plan, p, graph),
                                               p.estimate.step_time_s, p.to_json()))
     plans = [chosen] + [p for p in result.plans if p.describe() != chosen.describe()]
     return replace(_attach(replace(result, plans=plans[:top_k]), graph), warm_start=not math.isinf(warm))
+
+
+def _may_keep_shards(plan: Plan, cluster) -> bool:
+    """Whether some plan on ``cluster`` may keep a layer's shard of ``plan``
+    (:func:`reshard_fraction` below 1).
+
+    A layer whose states are sharded over the data-parallel group keeps its shard only
+    on the same number of shards at the same context-parallel degree, so at ``plan.dp``
+    replicas, and at its tensor-parallel degree: its stage alone then takes
+    ``dp x cp x tp`` devices.  Where every layer is sharded so and that is more devices
+    than ``cluster`` has, no plan keeps any shard (a replicated layer may keep its)."""
+    n = cluster.num_devices
+    return any(lp.zero < 1 or plan.dp * plan.cp * lp.tp <= n for lp in plan.layers)
+
+
+def _keeps_none(tp: int, cp: int, dp: int) -> bool:
+    """``search``'s band where no layout keeps a shard: none is wanted but the fastest."""
+    return False
 
 
 def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,

@@ -60,7 +60,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..cost import CostEngine, CostOptions
 from ..errors import ConfigError, InfeasiblePlan
@@ -156,13 +156,19 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
            options: CostOptions | None = None, space: SearchSpace | None = None,
            bound_s: float = math.inf, use_all_devices: bool = False,
            price_per_gpu_hour: float | Mapping[str, float] | None = None,
-           tolerance: float = 0.0, work_limit: int | None = WORK_LIMIT) -> SearchResult:
+           tolerance: float = 0.0, work_limit: int | None = WORK_LIMIT,
+           band: Callable[[int, int, int], bool] | None = None) -> SearchResult:
     """Search the layouts of ``graph`` on ``cluster``; see :func:`plan`.
 
     ``bound_s``: the step time of a plan already known to fit (a warm start); layouts
     whose bound is at least this are not priced.  ``tolerance``: also price every layout
     within this fraction of the best and keep the distinct plans among them
     (``SearchResult.alternatives``; what :func:`autoplan.replan` chooses among).
+    ``band(tp, cp, dp)``: whether a layout of those degrees may be wanted from that band
+    though slower than the best; those it is False for (and that leave devices idle) are
+    priced only where they can be faster than the best (what :func:`autoplan.replan`
+    passes when no layout keeps a shard of the old plan: the fastest is then chosen).
+    With ``top_k=1`` and no ``space.refine`` cap only; the best plan is the same.
     """
     t0 = time.perf_counter()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -190,7 +196,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                        pools(cluster, use_all_devices=use_all_devices))
     builder.recompute = tuple(space.recompute)
     s = _Search(graph, cluster, engine, builder, space, global_batch, use_all_devices, prices,
-                bound_s, tolerance, top_k, t0, time_limit_s, work_limit)
+                bound_s, tolerance, top_k, t0, time_limit_s, work_limit,
+                band if space.refine is None else None)
     if not s.tpcp:
         raise _no_layout(graph, cluster, global_batch, space)
     s.run()
