@@ -3,6 +3,7 @@ the GPU measured to the others of its architecture, and when they apply."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -19,12 +20,17 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import stack_kernels  # noqa: E402
 
 
-def _engine(profile: str, **options):
+@functools.lru_cache(maxsize=None)
+def _graph():
     from autoplan import trace
-    from autoplan.cost import engine_for
     from autoplan.models import GPT, GPTConfig
-    g = trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=2)), seq_len=16)
-    return engine_for(g, load_cluster(profile), options=CostOptions(**options))
+    return trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=2, layers=2)),
+                 seq_len=16)
+
+
+def _engine(profile: str, **options):
+    from autoplan.cost import engine_for
+    return engine_for(_graph(), load_cluster(profile), options=CostOptions(**options))
 
 
 def test_the_shipped_tables_are_the_committed_measurement():
