@@ -51,7 +51,35 @@ def main() -> int:
     print(f"elastic policy on {survivors.num_devices} processes: {t_elastic:.2f} s, uses "
           f"{runnable.num_devices} GPUs ({survivors.num_devices - runnable.num_devices} idle)\n"
           f"  {runnable.summary()}")
-    return 0 if ok else 1
+    # an elastic restart replans in a new process: no search of this model before it there,
+    # so none of the bounds' terms (kept for the next search of the same model) to read
+    fresh = _fresh_process_replan(old)
+    print(f"replan in a fresh process (as an elastic restart runs it): {fresh:.2f} s, target <= "
+          f"{TARGET_S:.0f} s: {'PASS' if fresh <= TARGET_S else 'FAIL'}")
+    return 0 if ok and fresh <= TARGET_S else 1
+
+
+_FRESH = """
+import sys, time
+import autoplan
+from autoplan.zoo import build_model
+model, seq = build_model("zoo:gpt3-175b")
+graph = autoplan.trace(model, seq_len=seq)
+old = autoplan.Plan.from_json(sys.stdin.read())
+survivors = autoplan.load_cluster("a100-sxm4-80gb", nodes=128).without(range(8))
+t = time.perf_counter()
+autoplan.replan(old, survivors, graph=graph)
+print(time.perf_counter() - t)
+"""
+
+
+def _fresh_process_replan(old) -> float:
+    """Seconds of one replan of ``old`` in a new Python process (the model traced there
+    first, not timed)."""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", _FRESH], input=old.to_json(), text=True,
+                         capture_output=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
