@@ -262,7 +262,7 @@ def _plan_text(plan, cluster) -> str:
     alts = getattr(plan, "runners_up", ())
     if alts:
         from .report import plan_differences
-        lines += ["", f"why it won: what the next best plans change, and what it costs"]
+        lines += ["", "why it won: what the next best plans change, and what it costs"]
         for rank, p in enumerate(alts, start=2):
             diffs = plan_differences(plan, p) or ["the same layout (another device order)"]
             lines.append(f"  #{rank} {p.label()}")
