@@ -253,7 +253,7 @@ class CostOptions(Record):
         memory-bound operators at the measured speeds, on top of the published-run fit.
         ``"torch-eager"``: torch's kernels as :func:`autoplan.parallelize` runs them,
         measured on one H100 (within 10% of the committed one-GPU runs, where the fit is
-        14-19% slow).  Default ``""`` on every stack: the fit alone.  Published runs on
+        13-19% slow).  Default ``""`` on every stack: the fit alone.  Published runs on
         many GPUs, torchtitan's eager FSDP2 on 8 H100 among them, reach about 0.57 of the
         16-bit peak where one GPU measured 0.76 (docs/gpu-truth.md); until a multi-GPU run
         of :func:`autoplan.parallelize` shows otherwise, plans are priced as they do.

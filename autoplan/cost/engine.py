@@ -255,7 +255,7 @@ class CostEngine:
         self.calibration = calibration
         self.options = options or CostOptions()
         self.cluster = apply_calibration(cluster, calibration) if calibration else cluster
-        # the stack's measured kernels over the fit (calibration None: the profiles as they are)
+        # measured kernel tables over the fit (calibration None: the profiles as they are)
         if calibration and self.options.kernel_tables:
             self.cluster = apply_kernel_tables(self.cluster,
                                                load_kernel_tables(self.options.kernel_tables))
