@@ -38,6 +38,9 @@ class _Search:
     use_dominance = True
     #: Tests: compute the bound of what :meth:`_dominated` prunes, and check it does.
     check_dominance = False
+    #: Tests: refine every candidate whose refinement bound is taken (one device type),
+    #: and check no refinement that fits is faster than the bound.
+    check_refine_bounds = False
 
     def __init__(self, graph: ModelGraph, cluster, engine: CostEngine, builder: _Builder,
                  space: SearchSpace, global_batch: int, use_all: bool,
@@ -673,6 +676,11 @@ class _Search:
             if homogeneous:
                 kinds = bounds.rank_kinds(c.pool, c.n, c.pp, c.tp, c.cp, c.ep, cand.zero)
                 tight = refine_bound(cand, engine, bounds, kinds, True, estimate=est)
+                if self.check_refine_bounds:
+                    found = refine(cand, self.builder, self.batch, w)
+                    assert found is None or not found.fits \
+                        or found.step_time_s >= tight * (1 - 1e-9), \
+                        (c.key(), cand.zero, tight, found.step_time_s)
             else:
                 tight = max(refine_bound(cand, engine, bounds, kinds, False, m, caps,
                                          estimate=est)

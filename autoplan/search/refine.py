@@ -177,12 +177,19 @@ def refine_bound(cand: _Candidate, engine: CostEngine, bounds: Bounds,
     # and at least any other's: what is left over is at most the priced ranks' extra)
     model = bounds.allocated(c.pool, c.n, kinds[0], c.pp, c.v, c.tp, c.cp, c.ep, c.sp,
                              cand.zero, cand.recompute, c.micro_batch, c.schedule, top, blocks)
+    # blocks of several sizes (dense and MoE blocks): what a rank holds beyond the model
+    # depends on which blocks it holds (the model counts each at the smallest's size, and a
+    # recomputed layer's working set is its own), so another split may hold less: none of
+    # it is kept (a looser bound, and a valid one)
+    x = bounds.sums(kinds[0], c.tp, c.cp, c.ep, c.sp, 1, cand.recompute, c.micro_batch)
+    alike = len({(x.params[t], x.expert_params[t], x.saved[t])
+                 for t in bounds.block_templates}) <= 1
     extra, rest, optimizer = [], [], 0.0
     for p, st in enumerate(est.stages):
         mem = st.memory
         held = (mem.params_bytes + mem.grads_bytes + mem.optimizer_bytes
                 + mem.activations_bytes + mem.buffers_bytes)
-        extra.append(max(0.0, held - model[p] - bounds.bucket_bytes))
+        extra.append(max(0.0, held - model[p] - bounds.bucket_bytes) if alike else 0.0)
         if homogeneous:
             rest.append(max(0.0, st.forward_s + st.backward_s - own[p]))
             optimizer += max(0.0, st.busy_s - top * (st.forward_s + st.backward_s))
