@@ -63,6 +63,22 @@ def test_a_native_crash_that_does_not_repeat_is_run_again(tmp_path, capsys):
     assert "rank 1: died of SIGABRT" in err
 
 
+def _unformed_once_on_rank_1(rank: int, world: int, marker: str) -> int:
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()       # the first run only, as gloo's own failures go
+        raise RuntimeError("Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc:553] "
+                           "Connection closed by peer [127.0.0.1]:15251")
+    return rank
+
+
+def test_a_group_that_fails_to_form_in_gloo_is_run_again(tmp_path, capsys):
+    marker = str(tmp_path / "unformed")
+    assert run(_unformed_once_on_rank_1, 2, marker, timeout=120, pg_timeout=30,
+               grace=2) == [0, 1]
+    err = capsys.readouterr().err
+    assert "process group failed to form in gloo; running _unformed_once_on_rank_1 again" in err
+
+
 def _raise_on_rank_1(rank: int, world: int, marker: str) -> int:
     if rank == 1:
         with open(marker, "a") as f:
