@@ -265,6 +265,7 @@ class _Search:
         for pi, pool in enumerate(self.pools):
             N = pool.size
             skip_upto = self._shared_prefix[pi]
+            one_type = len({self.cluster.device_type_of(d).name for d in pool.devices}) == 1
             for tp, cp in self.tpcp:
                 g = tp * cp
                 if g > N:
@@ -283,9 +284,13 @@ class _Search:
                         per_seq, per_block = sigma[min(B // dp, len(sigma) - 1)]
                         if not math.isfinite(per_seq):
                             continue
-                        # the ranks share the work, and one holds ceil(blocks / pp) blocks
+                        # the ranks share the work, and one holds ceil(blocks / pp) blocks;
+                        # a replica runs at least ceil(B / dp) sequences where all run at
+                        # one speed (on mixed pools, replicas' batches follow their speeds:
+                        # the mean, B / dp)
+                        share = -(-B // dp) if one_type else B / dp
                         lb = 0.0 if self.bounds.shared_cores(n) else \
-                            B / dp * max(per_seq / pp, -(-self.blocks // pp) * per_block)
+                            share * max(per_seq / pp, -(-self.blocks // pp) * per_block)
                         self._push(lb * self.weight(pi, n), ("d", pi, tp, cp, pp, dp, lb))
 
     # -------------------------------------------------------------- level 2: micro-batches
