@@ -481,15 +481,8 @@ class Bounds(MemoryBounds):
             # block at the least template's size: the same model here
             states = (block,) * len(states)
             least_saved = [min(least_saved)] * len(least_saved)
-        sizes = self._sizes(states, least_saved)
-        room = 0
-        for free, flight in room_of:
-            most = self._most_blocks(free, flight, sizes)
-            if most < v:
-                return None                     # each chunk holds at least one block
-            room += min(n, most)
-        if room < n:
-            return None
+        if not self._hold_blocks(room_of, self._sizes(states, least_saved), v):
+            return None                         # (each chunk holds at least one block)
         shared = self.shared_cores(n_devices)
         if shared:
             return (0.0, 0.0) if slope else 0.0

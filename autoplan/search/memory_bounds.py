@@ -217,9 +217,15 @@ class MemoryBounds:
         if not n:
             return ranks[0][0] >= 0
         x = self.sums(kind, tp, cp, ep, sp, 1, rc, b)
-        sizes = self._sizes(states, [x.saved[t] for t in self.block_templates])
-        room = 0
-        for free, flight in ranks:
+        return self._hold_blocks(ranks, self._sizes(states, [x.saved[t]
+                                                            for t in self.block_templates]), v)
+
+    def _hold_blocks(self, room_of: Sequence[tuple[float, float]],
+                     sizes: list[tuple[float, float, int]], v: int) -> bool:
+        """Whether ranks of ``(free bytes, micro-batches in flight)`` can hold every block
+        between them (:meth:`_most_blocks` each), each at least ``v`` (a block per chunk)."""
+        n, room = self.num_blocks, 0
+        for free, flight in room_of:
             most = self._most_blocks(free, flight, sizes)
             if most < v:
                 return False                 # each chunk holds at least one block
