@@ -51,6 +51,21 @@ def _lost(e: Exception) -> RuntimeError:
                         f"gone ({type(e).__name__}: {e})")
 
 
+def _all_left(store: Any, key: str, world: int, timeout: datetime.timedelta) -> None:
+    """Wait until every process of the job has left its process group (each counts itself
+    in ``key``), so that no process connects a new group while a peer still tears its old
+    one down: gloo then failed to connect the new group now and then on a loaded machine
+    (``connectFullMesh ... Connection closed by peer``, the idle processes' group, in 2 of
+    3 runs of the fast suite on 2026-11-29)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every process of the job left its process group within "
+                               f"{timeout}: one of them failed or hangs")
+        time.sleep(0.01)
+
+
 def active_ranks(plan: Plan) -> tuple[int, ...]:
     """The processes (devices) the plan runs on, in order."""
     return tuple(sorted(plan.mesh.devices))
@@ -125,6 +140,7 @@ class IdleSplit:
                                                        timeout=timeout)
         backend = dist.get_backend()
         dist.destroy_process_group()
+        _all_left(store, "autoplan/left", world, timeout)
         active = rank in ranks
         members = ranks if active else tuple(r for r in range(world) if r not in ranks)
         prefix = "autoplan/active/" if active else "autoplan/idle/"
@@ -206,6 +222,7 @@ class IdleSplit:
         dist.destroy_process_group()
         if not self.active:
             self.wait_done()
+        _all_left(self.store, "autoplan/rejoin", self.world, self.timeout)
         dist.init_process_group(self.backend,
                                 store=dist.PrefixStore("autoplan/world/", self.store),
                                 rank=self.rank, world_size=self.world, timeout=self.timeout)
