@@ -281,6 +281,14 @@ class Plan(Record):
     #: Why the plan leaves some of the cluster's devices idle (:attr:`idle_devices`), in
     #: words; empty when it uses them all.  Written to JSON only when it is not empty.
     idle_reason: str = ""
+    #: What the search that made this plan proved it fastest for, as a digest of the cost
+    #: model's inputs (options, constants, calibrated node profile), the search space and
+    #: the precision: every layout of every subset of whole nodes of a cluster of one node
+    #: profile (idle devices allowed, no budget stopping the search).  Such a plan is still
+    #: the fastest on a smaller cluster of those nodes that holds it, which
+    #: :func:`autoplan.replan` uses; empty where nothing was proved.  Written to JSON only
+    #: when not empty.
+    fastest_for: str = ""
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -439,10 +447,13 @@ class Plan(Record):
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
-        (so a plan that uses every device writes what it always wrote)."""
+        (so a plan that uses every device writes what it always wrote), ``fastest_for``
+        only when set."""
         out = to_dict(self)
         if not self.idle_reason:
             del out["idle_reason"]
+        if not self.fastest_for:
+            del out["fastest_for"]
         return out
 
     def to_json(self, *, indent: int | None = 1) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ import autoplan
 from autoplan.errors import ConfigError, InfeasiblePlan
 from autoplan.hardware import NodeGroup, load_profile
 from autoplan.plan import Plan
+from autoplan.search import SearchSpace
+from autoplan.search.replan import reshard_fraction
 
 tf = pytest.importorskip("transformers")
 
@@ -118,3 +122,64 @@ def test_plan_diff_shows_idle_devices(llama8b):
     assert f"idle: none -> {len(some.idle_devices)} of 16 devices" in diff
     if len(some.idle_devices) >= 8:
         assert "node" in diff.split("idle:")[1].splitlines()[0]
+
+
+# ------------------------------------------------------------------ a plan proven fastest
+def _tiny():
+    from autoplan.models import GPT, GPTConfig
+
+    return autoplan.trace(GPT(GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4,
+                                        layers=4)), seq_len=16)
+
+
+def _layout(p: Plan) -> dict:
+    """The plan's JSON without the cluster it is on and the words about its idle devices."""
+    import json
+
+    out = json.loads(p.to_json())
+    for key in ("cluster", "idle_reason", "fastest_for"):
+        out.pop(key, None)
+    return out
+
+
+def test_a_plan_proven_fastest_is_kept_where_its_devices_remain():
+    """A complete search with idle devices allowed proves its plan the fastest of every
+    subset of its cluster's nodes; on fewer of those nodes that still hold the plan, the
+    full search finds the same plan, and replan keeps it without searching."""
+    graph = _tiny()
+    cluster = autoplan.load_cluster("a100-sxm4-80gb", nodes=3)
+    old = autoplan.plan(graph, cluster, global_batch=16)
+    assert old.num_devices == 8 and old.fastest_for.startswith("sha256:")
+    assert Plan.from_json(old.to_json()).fastest_for == old.fastest_for
+    survivors = cluster.without(range(8))                   # node 0 failed
+    kept = autoplan.replan(old, survivors)
+    assert kept.search_stats.steps == 0 and kept.warm_start
+    assert kept.cluster.num_devices == 16 and kept.fastest_for == old.fastest_for
+    assert "fastest layout of every subset of the 24 devices it was planned for" \
+        in kept.idle_reason
+    searched = autoplan.replan(replace(old, fastest_for=""), survivors)
+    assert searched.search_stats.steps > 0
+    assert _layout(kept) == _layout(searched)
+    assert reshard_fraction(old, kept, graph) == 0.0
+    # a plan read back from JSON (an elastic restart's) is kept alike
+    again = autoplan.replan(Plan.from_json(old.to_json()), survivors, graph=graph)
+    assert again.search_stats.steps == 0 and _layout(again) == _layout(kept)
+
+
+def test_what_was_not_proven_is_searched_again():
+    graph = _tiny()
+    cluster = autoplan.load_cluster("a100-sxm4-80gb", nodes=3)
+    survivors = cluster.without(range(8))
+    old = autoplan.plan(graph, cluster, global_batch=16)
+    # the layouts of every device only, a work budget that stops the search: nothing proved
+    assert autoplan.plan(graph, cluster, global_batch=16, use_all_devices=True).fastest_for == ""
+    assert autoplan.plan(graph, cluster, global_batch=16, work_limit=20).fastest_for == ""
+    # another search space, more devices than the plan was made for: searched
+    other = SearchSpace(zero=(0, 1))
+    assert autoplan.replan(old, survivors, space=other).search_stats.steps > 0
+    more = autoplan.load_cluster("a100-sxm4-80gb", nodes=4)
+    assert autoplan.replan(old, more).search_stats.steps > 0
+    # a plan of more devices than are left: searched
+    wide = autoplan.plan(graph, cluster, global_batch=72)
+    assert wide.num_devices == 24 and wide.fastest_for
+    assert autoplan.replan(wide, survivors).search_stats.steps > 0

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Pool", "pools", "prefix_domain", "idle_text"]
+__all__ = ["Pool", "pools", "prefix_domain", "idle_text", "kept_text"]
 
 
 @dataclass(frozen=True)
@@ -144,11 +144,7 @@ def idle_text(cluster: Any, used: tuple[int, ...], step_s: float, label: str,
     '8 of 16 devices idle (node 1): every layout of all 16 is slower (best priced: dp16 z3, 3.000 s); on 8 devices dp8 takes 1.000 s'
     """
     n = cluster.num_devices
-    idle = sorted(set(range(n)) - set(used))
-    nodes = sorted({cluster.devices[d].node for d in idle})
-    whole = [j for j in nodes if set(cluster.devices_of_node(j)) <= set(idle)]
-    where = (f"node{'s' if len(whole) > 1 else ''} {_ranges(whole)}" if whole == nodes
-             else f"devices {_ranges(idle)}")
+    idle, where = _idle_where(cluster, used)
     if objective == "time":
         if all_best is not None:
             why = (f"every layout of all {n} is slower (best priced: {all_best[1]}, "
@@ -162,6 +158,33 @@ def idle_text(cluster: Any, used: tuple[int, ...], step_s: float, label: str,
             f"{all_best[1]}, {all_best[0]:.3f} s)" if all_best is not None else "not cheaper)")
     return f"{len(idle)} of {n} devices idle ({where}): {why}; on {len(used)} devices " \
            f"{label} takes {step_s:.3f} s"
+
+
+def kept_text(cluster: Any, used: tuple[int, ...], step_s: float, label: str,
+              planned_on: int) -> str:
+    """Why a plan :func:`autoplan.replan` kept as it was leaves devices idle, in one
+    sentence: it was the fastest of every subset of the ``planned_on`` devices it was made
+    for (:attr:`autoplan.Plan.fastest_for`), and this cluster's are among them.
+
+    >>> from autoplan.hardware import load_cluster
+    >>> kept_text(load_cluster("a100-sxm4-80gb", nodes=2), tuple(range(8)), 1.0, "dp8", 24)
+    '8 of 16 devices idle (node 1): dp8 was the fastest layout of every subset of the 24 devices it was planned for, these among them; on 8 devices it takes 1.000 s'
+    """
+    idle, where = _idle_where(cluster, used)
+    return (f"{len(idle)} of {cluster.num_devices} devices idle ({where}): {label} was the "
+            f"fastest layout of every subset of the {planned_on} devices it was planned for, "
+            f"these among them; on {len(used)} devices it takes {step_s:.3f} s")
+
+
+def _idle_where(cluster: Any, used: tuple[int, ...]) -> tuple[list[int], str]:
+    """The devices ``used`` leaves idle, and where they are in words (whole nodes, or
+    device ranges)."""
+    idle = sorted(set(range(cluster.num_devices)) - set(used))
+    nodes = sorted({cluster.devices[d].node for d in idle})
+    whole = [j for j in nodes if set(cluster.devices_of_node(j)) <= set(idle)]
+    where = (f"node{'s' if len(whole) > 1 else ''} {_ranges(whole)}" if whole == nodes
+             else f"devices {_ranges(idle)}")
+    return idle, where
 
 
 def _ranges(values: list[int]) -> str:

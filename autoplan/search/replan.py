@@ -14,7 +14,9 @@ a shard of the old plan (its layers' states sharded over more replicas than the 
 left hold: :func:`_may_keep_shards`), every plan moves every parameter and the fastest is
 chosen, so the search prices the layouts that leave devices idle only where they can be
 faster than the best (those of every device still over the whole band: the idle reason
-quotes their bound); the plan is the same.
+quotes their bound); the plan is the same.  A plan a complete search proved the fastest of
+every subset of its cluster's nodes (:attr:`Plan.fastest_for <autoplan.Plan.fastest_for>`)
+is kept without a search on a cluster of those nodes that still holds it (:func:`_kept`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyErr
 from ..graph import ModelGraph
 from ..plan import Plan
 from ..plan_facts import PLAN_FACTS
-from .search import WORK_LIMIT, SearchSpace, _attach, _check_limits, search
+from .fleet import kept_text
+from .search import (WORK_LIMIT, SearchResult, SearchSpace, _attach, _check_limits,
+                     fastest_key, search)
 
 __all__ = ["replan", "plan_diff", "reshard_fraction"]
 
@@ -79,6 +83,10 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
            tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False,
            work_limit: int | None = WORK_LIMIT) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
+
+    The old plan as it is where it is provably still the fastest (``plan.fastest_for``: a
+    complete search's plan, on no more nodes of the same profile that still hold it; no
+    search, ``search_stats.steps`` 0); else the search, warm-started from the old plan.
 
     Parameters
     ----------
@@ -134,6 +142,11 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
                   use_all_devices=use_all_devices, work_limit=work_limit)
     t0 = time.perf_counter()
+    if top_k == 1 and not use_all_devices:
+        kept = _kept(plan, graph, new_cluster, memory_fraction, space)
+        if kept is not None:        # still the fastest, and it reshards nothing
+            stats = SearchResult([kept], 1, 0, 0, time.perf_counter() - t0)
+            return replace(_attach(stats, graph), warm_start=True)
     warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
     # no layout keeps a shard: every plan moves every parameter, the fastest is chosen
     band = None if _may_keep_shards(plan, new_cluster) else _keeps_none
@@ -151,8 +164,50 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     alternatives = result.alternatives or [best]
     chosen = min(alternatives, key=lambda p: (reshard_fraction(plan, p, graph),
                                               p.estimate.step_time_s, p.to_json()))
+    if chosen.describe() == best.describe():
+        chosen = replace(chosen, fastest_for=best.fastest_for)     # (what the search proved)
     plans = [chosen] + [p for p in result.plans if p.describe() != chosen.describe()]
     return replace(_attach(replace(result, plans=plans[:top_k]), graph), warm_start=not math.isinf(warm))
+
+
+def _kept(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
+          space: SearchSpace) -> Plan | None:
+    """``plan`` on ``cluster`` as it is, where it is provably the fastest plan there (None
+    where that is not shown).
+
+    A search that ran to the end with idle devices allowed proved its plan the fastest of
+    every layout of every subset of whole nodes of its cluster
+    (:attr:`Plan.fastest_for <autoplan.Plan.fastest_for>`).  A cluster of the same nodes
+    with no more devices (a failed node gone, or swapped for a spare) has only such
+    subsets, so where the plan's devices are still there (the first ones, as the search
+    lays a plan out) and the cost model's inputs are the same (the digest, and the plan
+    priced again at the same step time and memory), it is still the fastest; it also
+    reshards nothing (:func:`reshard_fraction` 0)."""
+    from ..cost import CostEngine, CostOptions
+    from ..plan import ClusterSummary
+
+    used = sorted(plan.mesh.devices)
+    n = cluster.num_devices
+    if (not plan.fastest_for or plan.estimate is None or used != list(range(len(used)))
+            or len(used) > n or n > plan.cluster.num_devices):
+        return None
+    engine = CostEngine(graph, cluster, options=CostOptions(memory_fraction=memory_fraction))
+    if fastest_key(engine, space, plan.precision) != plan.fastest_for:
+        return None
+    kept = replace(plan, cluster=ClusterSummary.from_cluster(cluster), idle_reason="",
+                   runners_up=(), search_stats=None, graph=None, warm_start=None)
+    try:
+        kept.check(graph, cluster)
+        est = engine.estimate(kept)
+    except (StrategyError, ConfigError, PlanMismatchError):
+        return None
+    old = plan.estimate
+    if not (est.fits and math.isclose(est.step_time_s, old.step_time_s, rel_tol=1e-9)
+            and math.isclose(est.peak_memory_bytes, old.peak_memory_bytes, rel_tol=1e-9)):
+        return None
+    reason = kept_text(cluster, tuple(used), est.step_time_s, kept.label(compact=True),
+                       plan.cluster.num_devices) if len(used) < n else ""
+    return replace(kept.with_estimate(est), idle_reason=reason)
 
 
 def _may_keep_shards(plan: Plan, cluster) -> bool:

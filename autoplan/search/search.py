@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -183,6 +184,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
     _check_limits(time_limit_s, work_limit)
     precision = Precision(precision)
     space = space or SearchSpace()
+    asked = space                              # (what fastest_key digests)
     if expert_counts(graph):
         # what autoplan.parallelize runs on MoE blocks: no sequence parallelism (their
         # experts stay whole on every tp rank), no selective recompute (a Hugging Face MoE
@@ -234,6 +236,9 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         descriptions.add(desc)
         p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
         plans.append(p.with_estimate(engine.estimate(p)))
+    if s.limit is None and prices is None and not use_all_devices and space.refine is None:
+        # nothing stopped the search: its best is the fastest of every subset of devices
+        plans[0] = replace(plans[0], fastest_for=fastest_key(engine, asked, precision))
     alternatives: list[Plan] = []
     if tolerance > 0:
         seen: set[str] = set()
@@ -422,6 +427,22 @@ def _merged(results: list[SearchResult], top_k: int) -> SearchResult:
                         sum(r.seconds for r in results),
                         next((r.limit for r in results if r.limit is not None), None),
                         sum(r.steps for r in results))
+
+
+def fastest_key(engine: CostEngine, space: SearchSpace, precision: Precision) -> str:
+    """What a complete search on ``engine``'s cluster proves its best plan fastest for
+    (:attr:`Plan.fastest_for <autoplan.Plan.fastest_for>`): a digest of the cost model's
+    options and constants, the calibrated node profile, the search space and the
+    precision; empty where the cluster is not one node profile on one site with every node
+    whole (subsets of other clusters are not alike by whole nodes)."""
+    cluster = engine.cluster
+    whole = all(n.local_ranks == tuple(range(cluster.profiles[n.profile].node.devices_per_node))
+                for n in cluster.nodes)
+    if len(cluster.profiles) != 1 or len(cluster.sites) != 1 or cluster.servers or not whole:
+        return ""
+    inputs = repr((engine.options, engine.constants, tuple(cluster.profiles.values()), space,
+                   precision))
+    return "sha256:" + hashlib.sha256(inputs.encode()).hexdigest()[:32]
 
 
 def _attach(result: SearchResult, graph: ModelGraph) -> Plan:
