@@ -67,6 +67,7 @@ from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule,
                        schedule_problem, stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .cost.constants import CostOptions
     from .cost.summary import GraphSummary
     from .hardware import Cluster
 
@@ -289,6 +290,12 @@ class Plan(Record):
     #: :func:`autoplan.replan` uses; empty where nothing was proved.  Written to JSON only
     #: when not empty.
     fastest_for: str = ""
+    #: The cost model's options the plan was priced with, as
+    #: :meth:`CostOptions.recorded <autoplan.cost.CostOptions.recorded>` gives them (the
+    #: stack, and what differs from it); empty for the defaults.  :func:`autoplan.replan`
+    #: prices the new plan with them (:meth:`cost_model_options`).  Written to JSON only
+    #: when not empty.
+    cost_options: dict[str, Any] = field(default_factory=dict)
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -307,6 +314,9 @@ class Plan(Record):
             value = getattr(self, name)
             if not isinstance(value, enum_type):
                 object.__setattr__(self, name, enum_type(value))
+        if self.cost_options:
+            from .cost.constants import CostOptions
+            CostOptions.from_recorded(self.cost_options)        # RecordError: what is wrong
         pp, v = self.pp, self.virtual_stages
         if len(self.stages) != pp * v:
             raise StrategyError(f"pp={pp} x virtual_stages={v} = {pp * v} stages expected, "
@@ -448,13 +458,23 @@ class Plan(Record):
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
         (so a plan that uses every device writes what it always wrote), ``fastest_for``
-        only when set."""
+        only when set, ``cost_options`` only when not the defaults."""
         out = to_dict(self)
         if not self.idle_reason:
             del out["idle_reason"]
         if not self.fastest_for:
             del out["fastest_for"]
+        if not self.cost_options:
+            del out["cost_options"]
         return out
+
+    def cost_model_options(self, memory_fraction: float | None = None) -> "CostOptions":
+        """The :class:`~autoplan.cost.CostOptions` this plan was priced with
+        (:attr:`cost_options`), at ``memory_fraction`` (default: its estimate's)."""
+        from .cost.constants import CostOptions
+        if memory_fraction is None:
+            memory_fraction = self.estimate.memory_fraction if self.estimate is not None else 0.9
+        return CostOptions.from_recorded(self.cost_options, memory_fraction)
 
     def to_json(self, *, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False) + ("\n" if indent else "")

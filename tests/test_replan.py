@@ -183,3 +183,50 @@ def test_what_was_not_proven_is_searched_again():
     wide = autoplan.plan(graph, cluster, global_batch=72)
     assert wide.num_devices == 24 and wide.fastest_for
     assert autoplan.replan(wide, survivors).search_stats.steps > 0
+
+
+# ------------------------------------------------------------------ the plan's software stack
+def test_replan_prices_for_the_stack_the_plan_was_made_for(llama8b):
+    """A plan made for another software stack (``megatron-core``) records it, and replan
+    searches for that stack: the plan a search for it finds, not the default stack's."""
+    from autoplan.cost import CostOptions
+
+    mc = CostOptions.preset("megatron-core")
+    four = autoplan.load_cluster("h100-sxm5-80gb", nodes=4)
+    three = four.without(range(8, 16))
+    old = autoplan.plan(llama8b, four, global_batch=96, options=mc)
+    assert old.cost_options == {"stack": "megatron-core"}
+    assert Plan.from_json(old.to_json()).cost_options == old.cost_options
+    new = autoplan.replan(old, three)
+    assert new.cost_options == old.cost_options
+    for_stack = autoplan.plan(llama8b, three, global_batch=96, options=mc)
+    default = autoplan.plan(llama8b, three, global_batch=96)
+    assert for_stack.describe() != default.describe()        # (the stacks pick differently)
+    assert new.estimate.step_time_s <= for_stack.estimate.step_time_s * 1.01 * (1 + 1e-9)
+    # priced as the search priced it (estimate_plan defaults to the plan's options)
+    assert autoplan.estimate_plan(llama8b, three, new).step_time_s == \
+        pytest.approx(new.estimate.step_time_s, rel=1e-12)
+    assert autoplan.estimate_plan(llama8b, three, new, options=CostOptions()).step_time_s != \
+        pytest.approx(new.estimate.step_time_s, rel=1e-3)
+    # read back from JSON (an elastic restart's): the same; options= overrides the record
+    again = autoplan.replan(Plan.from_json(old.to_json()), three, graph=llama8b)
+    assert again.to_json() == new.to_json()
+    mine = autoplan.replan(old, three, options=CostOptions())
+    assert mine.cost_options == {} and mine.describe() == default.describe()
+
+
+def test_default_plans_write_no_options_and_bad_ones_are_refused():
+    import json
+
+    from autoplan.errors import RecordError
+
+    graph = _tiny()
+    plan = autoplan.plan(graph, autoplan.load_cluster("a100-sxm4-80gb"), global_batch=16)
+    assert plan.cost_options == {} and "cost_options" not in json.loads(plan.to_json())
+    data = json.loads(plan.to_json())
+    data["cost_options"] = {"stak": "megatron-core"}
+    with pytest.raises(RecordError, match="unknown cost option 'stak' \\(did you mean 'stack'"):
+        Plan.from_json(json.dumps(data))
+    data["cost_options"] = {"stack": "megatron"}
+    with pytest.raises(RecordError, match="cost_options: unknown software stack 'megatron'"):
+        Plan.from_json(json.dumps(data))

@@ -134,6 +134,11 @@ def estimate_plan(graph: ModelGraph | GraphSummary, cluster, plan, *,
 
     The same engine as :func:`estimate`:
     ``estimate(g, c, s) == estimate_plan(g, c, Plan.from_strategy(g, c, s))``.
+    ``options`` default: those the plan was priced with (``Plan.cost_options``: a plan
+    the search made for another software stack is priced for that stack again).
     """
+    recorded = getattr(plan, "cost_options", None)
+    if options is None and recorded:
+        options = CostOptions.from_recorded(recorded)
     return engine_for(graph, cluster, options=_options(options, memory_fraction),
                       constants=constants, calibration=calibration).estimate(plan)

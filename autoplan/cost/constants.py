@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -444,6 +444,41 @@ class CostOptions(Record):
     def preset(cls, stack: str, **overrides) -> "CostOptions":
         """The options of the named software stack (:data:`STACKS`), with ``overrides``."""
         return cls(stack=stack, **overrides)
+
+    def recorded(self) -> dict:
+        """What a plan records of these options (``Plan.cost_options``): the stack when it
+        is not the default and every field its stack does not set to this value, without
+        ``memory_fraction`` (the plan's estimate records it).  ``CostOptions(**recorded)``
+        is these options at ``memory_fraction`` 1; empty for the defaults.
+
+        >>> CostOptions.preset("megatron-core", memory_fraction=0.8).recorded()
+        {'stack': 'megatron-core'}
+        >>> CostOptions(expert_imbalance=1.2).recorded()
+        {'expert_imbalance': 1.2}
+        """
+        base = CostOptions(stack=self.stack)
+        out = {} if self.stack == "autoplan" else {"stack": self.stack}
+        for f in fields(self):
+            if f.name not in ("stack", "memory_fraction") \
+                    and getattr(self, f.name) != getattr(base, f.name):
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    @classmethod
+    def from_recorded(cls, recorded: dict, memory_fraction: float = 1.0) -> "CostOptions":
+        """The options a plan recorded (:meth:`recorded`), at ``memory_fraction``; a
+        :class:`RecordError` naming what is wrong with a bad record."""
+        names = {f.name for f in fields(cls)} - {"memory_fraction"}
+        unknown = sorted(set(recorded) - names)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+            raise RecordError(f"unknown cost option {unknown[0]!r}"
+                              + (f" (did you mean {near[0]!r}?)" if near else "")
+                              + "; a plan records only CostOptions fields", "cost_options")
+        try:
+            return cls(**recorded, memory_fraction=memory_fraction)
+        except ConfigError as exc:
+            raise RecordError(str(exc), "cost_options") from None
 
 
 @dataclass(frozen=True)

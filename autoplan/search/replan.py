@@ -25,6 +25,7 @@ import math
 import time
 from dataclasses import replace
 
+from ..cost import CostOptions
 from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyError
 from ..graph import ModelGraph
 from ..plan import Plan
@@ -81,7 +82,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
            memory_fraction: float | None = None, time_limit_s: float | None = None,
            top_k: int = 1, space: SearchSpace | None = None,
            tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False,
-           work_limit: int | None = WORK_LIMIT) -> Plan:
+           work_limit: int | None = WORK_LIMIT, options: CostOptions | None = None) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
 
     The old plan as it is where it is provably still the fastest (``plan.fastest_for``: a
@@ -100,6 +101,10 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         The model, when ``plan`` does not carry it.
     memory_fraction : float, optional
         Default: the fraction the previous plan was made with.
+    options : CostOptions, optional
+        The cost model's options (the software stack); default: those the previous plan
+        was priced with (:meth:`Plan.cost_model_options`), so a plan made for, say,
+        ``megatron-core`` is replanned for it.
     space : SearchSpace, optional
         What the new plan may use (default: everything).
     tolerance : float
@@ -136,18 +141,20 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     plan.check_model(graph)     # PlanMismatchError, saying what differs, for another model
     if memory_fraction is None:
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
+    options = replace(options if options is not None else plan.cost_model_options(),
+                      memory_fraction=memory_fraction)
     space = space or SearchSpace()
     _check_limits(time_limit_s, work_limit)
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
-                  use_all_devices=use_all_devices, work_limit=work_limit)
+                  use_all_devices=use_all_devices, work_limit=work_limit, options=options)
     t0 = time.perf_counter()
     if top_k == 1 and not use_all_devices:
-        kept = _kept(plan, graph, new_cluster, memory_fraction, space)
+        kept = _kept(plan, graph, new_cluster, options, space)
         if kept is not None:        # still the fastest, and it reshards nothing
             stats = SearchResult([kept], 1, 0, 0, time.perf_counter() - t0)
             return replace(_attach(stats, graph), warm_start=True)
-    warm = _warm_bound(plan, graph, new_cluster, memory_fraction, space)
+    warm = _warm_bound(plan, graph, new_cluster, options, space)
     # no layout keeps a shard: every plan moves every parameter, the fastest is chosen
     band = None if _may_keep_shards(plan, new_cluster) else _keeps_none
     try:
@@ -170,7 +177,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     return replace(_attach(replace(result, plans=plans[:top_k]), graph), warm_start=not math.isinf(warm))
 
 
-def _kept(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
+def _kept(plan: Plan, graph: ModelGraph, cluster, options: CostOptions,
           space: SearchSpace) -> Plan | None:
     """``plan`` on ``cluster`` as it is, where it is provably the fastest plan there (None
     where that is not shown).
@@ -183,7 +190,7 @@ def _kept(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
     lays a plan out) and the cost model's inputs are the same (the digest, and the plan
     priced again at the same step time and memory), it is still the fastest; it also
     reshards nothing (:func:`reshard_fraction` 0)."""
-    from ..cost import CostEngine, CostOptions
+    from ..cost import CostEngine
     from ..plan import ClusterSummary
 
     used = sorted(plan.mesh.devices)
@@ -191,7 +198,7 @@ def _kept(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
     if (not plan.fastest_for or plan.estimate is None or used != list(range(len(used)))
             or len(used) > n or n > plan.cluster.num_devices):
         return None
-    engine = CostEngine(graph, cluster, options=CostOptions(memory_fraction=memory_fraction))
+    engine = CostEngine(graph, cluster, options=options)
     if fastest_key(engine, space, plan.precision) != plan.fastest_for:
         return None
     kept = replace(plan, cluster=ClusterSummary.from_cluster(cluster), idle_reason="",
@@ -228,7 +235,7 @@ def _keeps_none(tp: int, cp: int, dp: int) -> bool:
     return False
 
 
-def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
+def _warm_bound(plan: Plan, graph: ModelGraph, cluster, options: CostOptions,
                 space: SearchSpace) -> float:
     """The step time of the old plan's degrees and options on ``cluster`` with as many
     replicas as its devices hold (inf when that layout does not fit or cannot be built).
@@ -236,21 +243,21 @@ def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
     Fewer replicas run more micro-batches each (gradients then accumulate): where the old
     options no longer fit, full recompute, then ZeRO-3 with it, are tried at the same
     degrees (still a layout the search prices, so still a bound)."""
-    from ..cost import CostOptions, engine_for
+    from ..cost import engine_for
     from ..strategy import Recompute, Strategy
 
     tp, cp, pp = max(s.tp for s in plan.stages), plan.cp, plan.pp
     dp = cluster.num_devices // (tp * cp * pp)
     zero = max(lp.zero for lp in plan.layers)
     rcs = [lp.recompute for lp in plan.layers if lp.recompute is not Recompute.NONE]
-    options = [(zero, rcs[0] if rcs else Recompute.NONE), (zero, Recompute.FULL),
-               (3, Recompute.FULL)]
+    tries = [(zero, rcs[0] if rcs else Recompute.NONE), (zero, Recompute.FULL),
+             (3, Recompute.FULL)]
     for d in range(dp, 0, -1):
         if plan.global_batch % (d * plan.micro_batch):
             continue
         built = False
         engine = None
-        for z, rc in dict.fromkeys(options):
+        for z, rc in dict.fromkeys(tries):
             try:
                 strategy = Strategy(dp=d, tp=tp, cp=cp, pp=pp, micro_batch=plan.micro_batch,
                                     global_batch=plan.global_batch, zero=z, recompute=rc,
@@ -260,7 +267,7 @@ def _warm_bound(plan: Plan, graph: ModelGraph, cluster, memory_fraction: float,
                                     precision=plan.precision, ep=plan.ep)
                 if engine is None:
                     engine = engine_for(graph, cluster.subset(range(d * tp * cp * pp)),
-                                        options=CostOptions(memory_fraction=memory_fraction))
+                                        options=options)
                 est = engine.estimate(strategy, ledger=False)
             except (StrategyError, ConfigError):
                 continue

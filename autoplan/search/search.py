@@ -224,6 +224,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         raise _no_layout(graph, cluster, global_batch, space)
 
     s.ranked.sort()
+    recorded = options.recorded()               # (what replan prices the plan's again with)
     plans: list[Plan] = []
     descriptions: set[str] = set()
     for cand in s.ranked:
@@ -234,7 +235,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         if desc in descriptions:
             continue
         descriptions.add(desc)
-        p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
+        p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
+                    cost_options=recorded)
         plans.append(p.with_estimate(engine.estimate(p)))
     if s.limit is None and prices is None and not use_all_devices and space.refine is None:
         # nothing stopped the search: its best is the fastest of every subset of devices
@@ -250,7 +252,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             if p.describe() in seen:
                 continue
             seen.add(p.describe())
-            p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)))
+            p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
+                        cost_options=recorded)
             alternatives.append(p.with_estimate(engine.estimate(p)))
     return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
                         s.limit, s.steps, alternatives)
