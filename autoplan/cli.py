@@ -201,6 +201,12 @@ def _check_search_args(args: argparse.Namespace) -> None:
                           f"got {args.global_batch}")
     if args.top_k < 1:
         raise _UsageError(f"--top-k must be at least 1, got {args.top_k} (default 3)")
+    _check_limit_args(args)
+    _check_fraction(getattr(args, "memory_fraction", 0.9))
+
+
+def _check_limit_args(args: argparse.Namespace) -> None:
+    """``--time-limit`` and ``--work-limit``, where the command takes them."""
     time_limit = getattr(args, "time_limit", None)
     if time_limit is not None and not time_limit > 0:
         raise _UsageError(f"--time-limit must be positive seconds, got {time_limit} "
@@ -209,7 +215,6 @@ def _check_search_args(args: argparse.Namespace) -> None:
     if work_limit is not None and work_limit < 1:
         raise _UsageError(f"--work-limit must be a positive number of search steps, got "
                           f"{work_limit} (default {_work_limit()})")
-    _check_fraction(getattr(args, "memory_fraction", 0.9))
 
 
 def _estimate_text(est) -> str:
@@ -549,6 +554,48 @@ def _build_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
+def _cmd_replan(args: argparse.Namespace) -> int:
+    from .capture import trace
+    from .records import atomic_write_text
+    from .search.replan import plan_diff, replan
+    from .zoo import build_model, model_title, parse_model_args
+    old = _read_plan(args.plan)
+    cluster = _load_cluster(args)
+    _check_limit_args(args)
+    if old.seq_len is None:
+        raise _UsageError(f"the plan {args.plan} records no sequence length, so its model cannot "
+                          f"be captured again; plan again ({_MAKE_PLAN})")
+    overrides = parse_model_args(args.model_arg)
+    model, _ = build_model(args.model, overrides)
+    with _Step(f"capturing {args.model} at the plan's seq_len {old.seq_len}", args.json):
+        graph = trace(model, seq_len=old.seq_len, title=model_title(args.model, overrides))
+    old.check_model(graph)          # another model than the plan's: say what differs
+    with _Step(f"replanning for {cluster.num_devices} devices of {cluster.name}", args.json):
+        new = replan(old, cluster, graph=graph, time_limit_s=args.time_limit,
+                     work_limit=args.work_limit)
+    if args.out:
+        atomic_write_text(args.out, new.to_json())
+    changes = plan_diff(old, new)
+    text = (_plan_text(new, cluster) + "\n\nwhat changed from " + args.plan + ":\n"
+            + ("\n".join(f"  {line}" for line in changes.splitlines()) or "  nothing")
+            + (f"\n\nplan written to {args.out}" if args.out else ""))
+    _emit(args, {"plan": new.to_dict(), "changes": changes.splitlines()}, text)
+    return 0
+
+
+def _build_replan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", help="the plan JSON the job ran with (autoplan plan ... --out plan.json)")
+    p.add_argument("--model", required=True, help="the model spec the plan was made for")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
+    _add_cluster_args(p)
+    p.add_argument("--work-limit", type=int, default=_work_limit(),
+                   help=f"the search's budget in steps (default {_work_limit()})")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="a wall-clock cap on the search, seconds (default none)")
+    p.add_argument("--out", help="write the new plan's JSON here")
+    p.add_argument("--json", action="store_true")
+
+
 def _price(text: str, item: str) -> float:
     try:
         value = float(text)
@@ -772,6 +819,8 @@ _register("demo", "plan GPT-3 175B on 1024 A100 GPUs and explain the choice (off
 _register("trace", "capture a model as a costed layer graph", _build_trace, _cmd_trace)
 _register("estimate", "predict step time and memory of one layout", _build_estimate, _cmd_estimate)
 _register("plan", "search the fastest layout that fits", _build_plan, _cmd_plan)
+_register("replan", "a new plan for the devices that are left (or added), from the old one",
+          _build_replan, _cmd_replan)
 _register("emit", "write a torchrun training script for a plan", _build_emit, _cmd_emit)
 _register("report", "a plan's report as text and self-contained HTML", _build_report, _cmd_report)
 _register("whatif", "compare clusters, GPU types, batches and prices in one table",

@@ -61,7 +61,7 @@ _FLAGS = ["--cluster", "--nodes", "--global-batch", "--dp", "--tp", "--pp", "--c
           "--plan", "--sequence-parallel", "--debug-not-a-flag"]
 _MODEL_ARGS = ["layers=abc", "hiden=4", "heads=3", "hidden=0", "layers=2", "vocab_size=-1",
                "attention=sdpa", "bias=1", "noequals", "=", "ffn=None"]
-COMMANDS = ["trace", "estimate", "plan", "report", "whatif", "emit", "demo", "trce", ""]
+COMMANDS = ["trace", "estimate", "plan", "report", "whatif", "emit", "replan", "demo", "trce", ""]
 
 
 @st.composite

@@ -326,15 +326,39 @@ def _one_line_error(out: subprocess.CompletedProcess, command: str) -> str:
     (b'{"model": ', "not valid JSON"),
     (b"[1, 2]", "expected an object"),
 ])
-@pytest.mark.parametrize("command", ["report", "emit"])
+@pytest.mark.parametrize("command", ["report", "emit", "replan"])
 def test_a_corrupt_plan_file_is_one_line_naming_the_file(tmp_path, command, content, expect):
     bad = tmp_path / "plan.json"
     bad.write_bytes(content)
-    args = (("report", "--plan", str(bad), "--cluster", "a100-sxm4-80gb") if command == "report"
-            else ("emit", str(bad), "--model", "gpt", "--out", str(tmp_path / "train.py")))
+    args = {"report": ("report", "--plan", str(bad), "--cluster", "a100-sxm4-80gb"),
+            "emit": ("emit", str(bad), "--model", "gpt", "--out", str(tmp_path / "train.py")),
+            "replan": ("replan", str(bad), "--model", "gpt", "--cluster", "a100-sxm4-80gb",
+                       "--out", str(tmp_path / "train.py"))}[command]
     line = _one_line_error(run(*args, check_rc=2), command)
     assert expect in line and str(bad) in line and "autoplan plan" in line  # how to get a good one
     assert not (tmp_path / "train.py").exists()
+
+
+def test_replan_keeps_the_plans_stack_and_says_what_changed(tmp_path: Path):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    run("plan", *GPT, "--cluster", "a100-sxm4-80gb", "--nodes", "2", "--global-batch", "32",
+        "--stack", "megatron-core", "--out", str(old))
+    model = ["--model", *GPT[:-2]]          # the plan records the sequence length
+    out = run("replan", str(old), *model, "--cluster", "a100-sxm4-80gb", "--nodes", "1",
+              "--out", str(new), "--json")
+    data = json.loads(out.stdout)
+    plan = Plan.from_json(new.read_text())
+    assert Plan.from_dict(data["plan"]) == plan and plan.cluster.num_devices == 8
+    assert plan.cost_options == {"stack": "megatron-core"}
+    assert "devices: 16 -> 8" in data["changes"] or plan.num_devices == 16
+    text = run("replan", str(old), *model, "--cluster", "a100-sxm4-80gb").stdout
+    assert f"what changed from {old}:" in text and plan.summary() in text
+    # another model than the plan's: one line, saying what differs, and no file
+    bigger = [a.replace("layers=4", "layers=6") for a in model]
+    line = _one_line_error(run("replan", str(old), *bigger, "--cluster", "a100-sxm4-80gb",
+                               "--out", str(tmp_path / "x.json"), "--json", check_rc=2),
+                           "replan")
+    assert "made for another model" in line and not (tmp_path / "x.json").exists()
 
 
 def test_report_on_another_cluster_names_the_plans(small_plan_file: Path, tmp_path: Path):
