@@ -264,20 +264,9 @@ def test_report_html(tmp_path: Path):
     assert text.startswith("<!DOCTYPE html>") and "data:image/png;base64," in text
 
 
-@pytest.mark.slow   # a real quick profile of 2 ranks: about a minute (test_profiler times its parts)
-def test_profile_quick_writes_a_loadable_profile_to_the_user_folder(tmp_path: Path, monkeypatch):
-    # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
-    home = tmp_path / "home"
-    out = run_subprocess("profile", "--quick", "--nproc", "2", "--device", "cpu", "--name", "local-cli",
-                         "--json", env={"AUTOPLAN_HOME": str(home)}, cwd=tmp_path)
-    report = json.loads(out.stdout)
-    dest = home / "profiles" / "local-cli.yaml"
-    assert report["path"] == str(dest) and dest.is_file()
-    assert [p.name for p in dest.parent.iterdir()] == ["local-cli.yaml"]  # no temp file left
-    monkeypatch.setenv("AUTOPLAN_HOME", str(home))
-    import autoplan
-    cluster = autoplan.load_cluster("local-cli")
-    assert cluster.num_devices >= 1 and cluster.device_types[0].memory_bytes > 0
+def test_profile_has_a_quick_mode():
+    # (the quick profile itself, run as a user runs it, is test_profiler's
+    # test_quick_cpu_profile_loads_and_is_plausible: about a minute)
     assert "--quick" in run("profile", "--help").stdout
 
 

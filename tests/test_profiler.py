@@ -820,14 +820,29 @@ def test_core_seconds_count_a_ranks_cpu_not_its_waits():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
-    out = tmp_path / "local-test.yaml"
-    assert main(["--quick", "--nproc", "2", "--device", "cpu", "--out", str(out), "--json"]) == 0
-    captured = capfd.readouterr()
-    report = json.loads(captured.out)
-    assert "[autoplan profile]" in captured.err and "matmul fp32" in captured.err  # progress
+def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, monkeypatch):
+    """``autoplan profile --quick`` as a user runs it (a new process; one run serves every
+    check: a quick profile of 2 ranks takes about a minute on 2 cores)."""
+    import os
+    import subprocess
+    import sys
+
+    # without --out the profile goes to $AUTOPLAN_HOME/profiles (not the checkout), by name
+    home = tmp_path / "home"
+    proc = subprocess.run([sys.executable, "-m", "autoplan.cli", "profile", "--quick", "--nproc",
+                           "2", "--device", "cpu", "--name", "local-test", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "AUTOPLAN_HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert "[autoplan profile]" in proc.stderr and "matmul fp32" in proc.stderr  # progress
+    assert "Traceback" not in proc.stderr
     # its speed target (<= 20 s on 2 cores) is a benchmark figure, not a timed test
-    assert report["path"] == str(out) and report["elapsed_s"] > 0
+    out = home / "profiles" / "local-test.yaml"
+    assert report["path"] == str(out) and report["elapsed_s"] > 0 and out.is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["local-test.yaml"]  # no temp file left
+    monkeypatch.setenv("AUTOPLAN_HOME", str(home))
+    assert load_cluster("local-test").num_devices == 2       # found by name there
 
     cluster = load_cluster(out)
     assert cluster.num_devices == 2 and cluster.num_nodes == 1
@@ -887,7 +902,8 @@ def test_quick_cpu_profile_loads_and_is_plausible(tmp_path, capfd, monkeypatch):
     assert 0 <= o.cp_gather_byte_s < 1e-7 and 0 <= o.cp_scatter_byte_s < 1e-7
 
     # found by name through AUTOPLAN_PROFILES, and the file round-trips
-    monkeypatch.setenv("AUTOPLAN_PROFILES", str(tmp_path))
+    monkeypatch.delenv("AUTOPLAN_HOME")
+    monkeypatch.setenv("AUTOPLAN_PROFILES", str(out.parent))
     assert "local-test" in available_profiles()
     profile = load_profile("local-test")
     assert profile.to_dict() == report["profile"]
