@@ -524,6 +524,11 @@ def _cmd_emit(args: argparse.Namespace) -> int:
         sys.stderr.write(f"note: {args.plan} comes from an older autoplan and records no model "
                          "fingerprint: only the model's class and layer names are checked against "
                          "it; plan again to record one\n")
+    stack = plan.cost_options.get("stack", "autoplan")
+    if stack != "autoplan":
+        sys.stderr.write(f"note: {args.plan} was priced for the {stack} stack; the script runs "
+                         "autoplan's own program (the autoplan stack), whose step time and memory "
+                         "differ: plan without --stack to price what it runs\n")
     with _Step(f"checking {args.model} against the plan", args.json):
         text = emit_script(plan, args.model, overrides, name, cluster=cluster, **elastic)
     atomic_write_text(args.out, text)

@@ -342,6 +342,10 @@ def test_replan_keeps_the_plans_stack_and_says_what_changed(tmp_path: Path):
     assert "devices: 16 -> 8" in data["changes"] or plan.num_devices == 16
     text = run("replan", str(old), *model, "--cluster", "a100-sxm4-80gb").stdout
     assert f"what changed from {old}:" in text and plan.summary() in text
+    # a script runs autoplan's own program, not the stack the plan was priced for: said
+    emitted = run("emit", str(new), *model, "--out", str(tmp_path / "train.py"))
+    assert "was priced for the megatron-core stack; the script runs autoplan's own program" \
+        in emitted.stderr
     # another model than the plan's: one line, saying what differs, and no file
     bigger = [a.replace("layers=4", "layers=6") for a in model]
     line = _one_line_error(run("replan", str(old), *bigger, "--cluster", "a100-sxm4-80gb",
