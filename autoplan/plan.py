@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .cost.result import Estimate
-from .errors import PlanMismatchError, StrategyError
+from .errors import PlanMismatchError, RecordError, StrategyError
 from .graph import LayerKind, ModelGraph
 from .records import TRANSIENT, Record, to_dict
 from .strategy import (ZBV_SELECTIVE, ZBV_ZERO3, Precision, Recompute, Schedule, Strategy, ep_problem,
@@ -296,6 +296,10 @@ class Plan(Record):
     #: prices the new plan with them (:meth:`cost_model_options`).  Written to JSON only
     #: when not empty.
     cost_options: dict[str, Any] = field(default_factory=dict)
+    #: The price per GPU-hour of each device type the search weighed, when it made the plan
+    #: the cheapest per sample (``price_per_gpu_hour``) rather than the fastest;
+    #: :func:`autoplan.replan` keeps that objective.  Written to JSON only when set.
+    price_per_gpu_hour: dict[str, float] = field(default_factory=dict)
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -317,6 +321,11 @@ class Plan(Record):
         if self.cost_options:
             from .cost.constants import CostOptions
             CostOptions.from_recorded(self.cost_options)        # RecordError: what is wrong
+        for name, price in self.price_per_gpu_hour.items():
+            if isinstance(price, bool) or not isinstance(price, (int, float)) \
+                    or not 0 <= price < float("inf"):
+                raise RecordError(f"{name!r}: a price per GPU-hour is a number >= 0, got "
+                                  f"{price!r}", "price_per_gpu_hour")
         pp, v = self.pp, self.virtual_stages
         if len(self.stages) != pp * v:
             raise StrategyError(f"pp={pp} x virtual_stages={v} = {pp * v} stages expected, "
@@ -458,7 +467,8 @@ class Plan(Record):
     def to_dict(self) -> dict[str, Any]:
         """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
         (so a plan that uses every device writes what it always wrote), ``fastest_for``
-        only when set, ``cost_options`` only when not the defaults."""
+        only when set, ``cost_options`` only when not the defaults, ``price_per_gpu_hour``
+        only for a plan made the cheapest."""
         out = to_dict(self)
         if not self.idle_reason:
             del out["idle_reason"]
@@ -466,6 +476,8 @@ class Plan(Record):
             del out["fastest_for"]
         if not self.cost_options:
             del out["cost_options"]
+        if not self.price_per_gpu_hour:
+            del out["price_per_gpu_hour"]
         return out
 
     def cost_model_options(self, memory_fraction: float | None = None) -> "CostOptions":

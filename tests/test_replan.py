@@ -230,3 +230,40 @@ def test_default_plans_write_no_options_and_bad_ones_are_refused():
     data["cost_options"] = {"stack": "megatron"}
     with pytest.raises(RecordError, match="cost_options: unknown software stack 'megatron'"):
         Plan.from_json(json.dumps(data))
+
+
+def test_replan_keeps_the_plans_objective_the_price_of_a_sample():
+    """A plan made the cheapest per sample records the prices it weighed; replan makes the
+    new plan the cheapest too (not the fastest), from JSON alike."""
+    graph = _tiny()
+    three = autoplan.load_cluster("a100-sxm4-80gb", nodes=3)
+    two = three.without(range(8))
+    cheap = autoplan.plan(graph, three, global_batch=48, price_per_gpu_hour=2.0)
+    assert cheap.price_per_gpu_hour == {"A100-SXM4-80GB": 2.0}
+    assert autoplan.plan(graph, three, global_batch=48).price_per_gpu_hour == {}
+    new = autoplan.replan(cheap, two)
+    assert new.price_per_gpu_hour == cheap.price_per_gpu_hour
+    for_price = autoplan.plan(graph, two, global_batch=48, price_per_gpu_hour=2.0)
+    fastest = autoplan.plan(graph, two, global_batch=48)
+    assert for_price.num_devices < fastest.num_devices          # (the objectives differ)
+    assert _layout(new) == _layout(for_price)
+    again = autoplan.replan(Plan.from_json(cheap.to_json()), two, graph=graph)
+    assert _layout(again) == _layout(new)
+    # the fastest instead: without the recorded prices
+    assert _layout(autoplan.replan(replace(cheap, price_per_gpu_hour={}), two)) == \
+        _layout(fastest)
+
+
+def test_prices_by_type_are_recorded_per_type_and_bad_ones_refused(llama8b):
+    import json
+
+    from autoplan.errors import RecordError
+
+    mixed = autoplan.load_cluster("mixed-a100-v100")
+    prices = {"a100-sxm4-80gb": 4.0, "V100-SXM2-32GB": 0.5}
+    cheap = autoplan.plan(llama8b, mixed, global_batch=128, price_per_gpu_hour=prices)
+    assert cheap.price_per_gpu_hour == {"A100-SXM4-80GB": 4.0, "V100-SXM2-32GB": 0.5}
+    data = json.loads(cheap.to_json())
+    data["price_per_gpu_hour"]["V100-SXM2-32GB"] = "cheap"
+    with pytest.raises(RecordError, match="price_per_gpu_hour"):
+        Plan.from_json(json.dumps(data))

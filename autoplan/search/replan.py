@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 from ..cost import CostOptions
@@ -82,7 +83,8 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
            memory_fraction: float | None = None, time_limit_s: float | None = None,
            top_k: int = 1, space: SearchSpace | None = None,
            tolerance: float = REPLAN_TOLERANCE, use_all_devices: bool = False,
-           work_limit: int | None = WORK_LIMIT, options: CostOptions | None = None) -> Plan:
+           work_limit: int | None = WORK_LIMIT, options: CostOptions | None = None,
+           price_per_gpu_hour: float | Mapping[str, float] | None = None) -> Plan:
     """A new plan for ``new_cluster`` after devices were lost or added.
 
     The old plan as it is where it is provably still the fastest (``plan.fastest_for``: a
@@ -105,6 +107,10 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         The cost model's options (the software stack); default: those the previous plan
         was priced with (:meth:`Plan.cost_model_options`), so a plan made for, say,
         ``megatron-core`` is replanned for it.
+    price_per_gpu_hour : float or dict, optional
+        Make the new plan the cheapest per sample at these prices, as
+        :func:`autoplan.plan` does; default: the prices the previous plan was made the
+        cheapest at (``Plan.price_per_gpu_hour``), else the fastest.
     space : SearchSpace, optional
         What the new plan may use (default: everything).
     tolerance : float
@@ -148,13 +154,18 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
                   use_all_devices=use_all_devices, work_limit=work_limit, options=options)
+    if price_per_gpu_hour is None and plan.price_per_gpu_hour:
+        price_per_gpu_hour = plan.price_per_gpu_hour
+    common["price_per_gpu_hour"] = price_per_gpu_hour
     t0 = time.perf_counter()
-    if top_k == 1 and not use_all_devices:
+    if top_k == 1 and not use_all_devices and price_per_gpu_hour is None:
         kept = _kept(plan, graph, new_cluster, options, space)
         if kept is not None:        # still the fastest, and it reshards nothing
             stats = SearchResult([kept], 1, 0, 0, time.perf_counter() - t0)
             return replace(_attach(stats, graph), warm_start=True)
-    warm = _warm_bound(plan, graph, new_cluster, options, space)
+    # (a step time: no bound of a price per sample)
+    warm = math.inf if price_per_gpu_hour is not None else \
+        _warm_bound(plan, graph, new_cluster, options, space)
     # no layout keeps a shard: every plan moves every parameter, the fastest is chosen
     band = None if _may_keep_shards(plan, new_cluster) else _keeps_none
     try:

@@ -224,7 +224,9 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
         raise _no_layout(graph, cluster, global_batch, space)
 
     s.ranked.sort()
-    recorded = options.recorded()               # (what replan prices the plan's again with)
+    # what replan prices the plan's again with, and weighs them by
+    recorded = options.recorded()
+    weighed = {} if prices is None else _weighed(cluster, prices)
     plans: list[Plan] = []
     descriptions: set[str] = set()
     for cand in s.ranked:
@@ -236,7 +238,7 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             continue
         descriptions.add(desc)
         p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
-                    cost_options=recorded)
+                    cost_options=recorded, price_per_gpu_hour=weighed)
         plans.append(p.with_estimate(engine.estimate(p)))
     if s.limit is None and prices is None and not use_all_devices and space.refine is None:
         # nothing stopped the search: its best is the fastest of every subset of devices
@@ -253,10 +255,22 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                 continue
             seen.add(p.describe())
             p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
-                        cost_options=recorded)
+                        cost_options=recorded, price_per_gpu_hour=weighed)
             alternatives.append(p.with_estimate(engine.estimate(p)))
     return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
                         s.limit, s.steps, alternatives)
+
+
+def _weighed(cluster, prices: list[float]) -> dict[str, float]:
+    """The price per GPU-hour of each device type (each node profile where one type has
+    several), as a plan records the prices its search weighed."""
+    by_type: dict[str, set[float]] = {}
+    for d in range(cluster.num_devices):
+        by_type.setdefault(cluster.device_type_of(d).name, set()).add(prices[d])
+    if all(len(v) == 1 for v in by_type.values()):
+        return {name: next(iter(v)) for name, v in sorted(by_type.items())}
+    return dict(sorted({cluster.node_of(d).profile: prices[d]
+                        for d in range(cluster.num_devices)}.items()))
 
 
 #: At most this many plans within the tolerance are kept (best first).
