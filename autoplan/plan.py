@@ -300,6 +300,10 @@ class Plan(Record):
     #: the cheapest per sample (``price_per_gpu_hour``) rather than the fastest;
     #: :func:`autoplan.replan` keeps that objective.  Written to JSON only when set.
     price_per_gpu_hour: dict[str, float] = field(default_factory=dict)
+    #: The search space the plan was chosen from where it is not the default one, as
+    #: :meth:`SearchSpace.recorded <autoplan.search.SearchSpace.recorded>` gives it;
+    #: :func:`autoplan.replan` searches the same space.  Written to JSON only when set.
+    search_space: dict[str, Any] = field(default_factory=dict)
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -321,6 +325,9 @@ class Plan(Record):
         if self.cost_options:
             from .cost.constants import CostOptions
             CostOptions.from_recorded(self.cost_options)        # RecordError: what is wrong
+        if self.search_space:
+            from .search.space import SearchSpace
+            SearchSpace.from_recorded(self.search_space)        # RecordError: what is wrong
         for name, price in self.price_per_gpu_hour.items():
             if isinstance(price, bool) or not isinstance(price, (int, float)) \
                     or not 0 <= price < float("inf"):
@@ -468,7 +475,7 @@ class Plan(Record):
         """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
         (so a plan that uses every device writes what it always wrote), ``fastest_for``
         only when set, ``cost_options`` only when not the defaults, ``price_per_gpu_hour``
-        only for a plan made the cheapest."""
+        only for a plan made the cheapest, ``search_space`` only when not the default."""
         out = to_dict(self)
         if not self.idle_reason:
             del out["idle_reason"]
@@ -478,6 +485,8 @@ class Plan(Record):
             del out["cost_options"]
         if not self.price_per_gpu_hour:
             del out["price_per_gpu_hour"]
+        if not self.search_space:
+            del out["search_space"]
         return out
 
     def cost_model_options(self, memory_fraction: float | None = None) -> "CostOptions":

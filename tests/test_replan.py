@@ -267,3 +267,34 @@ def test_prices_by_type_are_recorded_per_type_and_bad_ones_refused(llama8b):
     data["price_per_gpu_hour"]["V100-SXM2-32GB"] = "cheap"
     with pytest.raises(RecordError, match="price_per_gpu_hour"):
         Plan.from_json(json.dumps(data))
+
+
+def test_replan_searches_the_space_the_plan_was_chosen_from():
+    """A plan chosen from a narrower space (say, what another runtime runs) records it, and
+    replan keeps to it; a plan proven fastest in it is kept alike."""
+    import json
+
+    from autoplan.errors import RecordError
+    from autoplan.strategy import Schedule
+
+    graph = _tiny()
+    three = autoplan.load_cluster("a100-sxm4-80gb", nodes=3)
+    narrow = SearchSpace(zero=(0, 1), schedules=(Schedule.ONE_F_ONE_B,), tensor_parallel=(1,))
+    old = autoplan.plan(graph, three, global_batch=48, space=narrow)
+    assert old.search_space == {"schedules": ["1f1b"], "zero": [0, 1], "tensor_parallel": [1]}
+    assert autoplan.plan(graph, three, global_batch=48).search_space == {}
+    two = three.without(range(8))
+    for new in (autoplan.replan(old, two),
+                autoplan.replan(Plan.from_json(old.to_json()), two, graph=graph)):
+        assert new.search_space == old.search_space
+        assert _layout(new) == _layout(autoplan.plan(graph, two, global_batch=48, space=narrow))
+    kept = autoplan.replan(autoplan.plan(graph, three, global_batch=16, space=narrow),
+                           three.without(range(16, 24)))
+    assert kept.search_stats.steps == 0
+    data = json.loads(old.to_json())
+    data["search_space"] = {"zeros": [0]}
+    with pytest.raises(RecordError, match="unknown search space field 'zeros' \\(did you mean"):
+        Plan.from_json(json.dumps(data))
+    data["search_space"] = {"schedules": ["2f2b"]}
+    with pytest.raises(RecordError, match="search_space: schedules"):
+        Plan.from_json(json.dumps(data))

@@ -112,7 +112,8 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         :func:`autoplan.plan` does; default: the prices the previous plan was made the
         cheapest at (``Plan.price_per_gpu_hour``), else the fastest.
     space : SearchSpace, optional
-        What the new plan may use (default: everything).
+        What the new plan may use (default: the space the previous plan was chosen from,
+        ``Plan.search_space``; everything for the default one).
     tolerance : float
         Among the plans within this fraction of the fastest (default 1%), the one
         that reshards least (:func:`reshard_fraction`; then the fastest) is returned.
@@ -149,7 +150,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         memory_fraction = plan.estimate.memory_fraction if plan.estimate is not None else 0.9
     options = replace(options if options is not None else plan.cost_model_options(),
                       memory_fraction=memory_fraction)
-    space = space or SearchSpace()
+    space = space or SearchSpace.from_recorded(plan.search_space)
     _check_limits(time_limit_s, work_limit)
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
                   time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,

@@ -238,7 +238,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
             continue
         descriptions.add(desc)
         p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
-                    cost_options=recorded, price_per_gpu_hour=weighed)
+                    cost_options=recorded, price_per_gpu_hour=weighed,
+                    search_space=asked.recorded())
         plans.append(p.with_estimate(engine.estimate(p)))
     if s.limit is None and prices is None and not use_all_devices and space.refine is None:
         # nothing stopped the search: its best is the fastest of every subset of devices
@@ -255,7 +256,8 @@ def search(graph: ModelGraph, cluster, *, global_batch: int, memory_fraction: fl
                 continue
             seen.add(p.describe())
             p = replace(p, idle_reason=s.idle_reason(cand, p.label(compact=True)),
-                        cost_options=recorded, price_per_gpu_hour=weighed)
+                        cost_options=recorded, price_per_gpu_hour=weighed,
+                        search_space=asked.recorded())
             alternatives.append(p.with_estimate(engine.estimate(p)))
     return SearchResult(plans, s.evaluated, s.pruned, s.refined, time.perf_counter() - t0,
                         s.limit, s.steps, alternatives)

@@ -5,13 +5,14 @@ says how they are searched)."""
 
 from __future__ import annotations
 
+import difflib
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RecordError
 from ..graph import LayerKind, ModelGraph
 from ..strategy import Recompute, Schedule
 from .fleet import Pool
@@ -68,6 +69,46 @@ class SearchSpace:
     expert_parallel: tuple[int, ...] | None = None    # None: every degree dividing the experts
     pipeline_parallel: tuple[int, int] | None = None  # (min, max) pp; None: any
     even_batches: bool = False     # True: every replica gets the same batch (no speed split)
+
+    def recorded(self) -> dict[str, Any]:
+        """What a plan records of this space (``Plan.search_space``): the fields that are
+        not the defaults, as plain values; empty for the default space.
+
+        >>> SearchSpace(zero=(0, 1), schedules=(Schedule.ONE_F_ONE_B,)).recorded()
+        {'schedules': ['1f1b'], 'zero': [0, 1]}
+        """
+        default = SearchSpace()
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != getattr(default, f.name):
+                out[f.name] = ([v.value if isinstance(v, enum.Enum) else v for v in value]
+                               if isinstance(value, tuple) else value)
+        return out
+
+    @classmethod
+    def from_recorded(cls, recorded: dict[str, Any]) -> "SearchSpace":
+        """The space a plan recorded (:meth:`recorded`); a :class:`RecordError` naming what
+        is wrong with a bad record."""
+        kinds = {f.name: f for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for name, value in recorded.items():
+            if name not in kinds:
+                near = difflib.get_close_matches(name, list(kinds), n=1)
+                raise RecordError(f"unknown search space field {name!r}"
+                                  + (f" (did you mean {near[0]!r}?)" if near else ""),
+                                  "search_space")
+            try:
+                if name == "schedules":
+                    value = tuple(Schedule(v) for v in value)
+                elif name == "recompute":
+                    value = tuple(Recompute(v) for v in value)
+                elif isinstance(value, list):
+                    value = tuple(value)
+            except (TypeError, ValueError) as exc:
+                raise RecordError(f"{name}: {exc}", "search_space") from None
+            out[name] = value
+        return cls(**out)
 
 
 def _check_limits(time_limit_s: Any, work_limit: Any) -> None:
