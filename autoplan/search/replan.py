@@ -254,7 +254,7 @@ def _warm_bound(plan: Plan, graph: ModelGraph, cluster, options: CostOptions,
 
     Fewer replicas run more micro-batches each (gradients then accumulate): where the old
     options no longer fit, full recompute, then ZeRO-3 with it, are tried at the same
-    degrees (still a layout the search prices, so still a bound)."""
+    degrees where ``space`` has them (still a layout the search prices, so still a bound)."""
     from ..cost import engine_for
     from ..strategy import Recompute, Strategy
 
@@ -262,8 +262,9 @@ def _warm_bound(plan: Plan, graph: ModelGraph, cluster, options: CostOptions,
     dp = cluster.num_devices // (tp * cp * pp)
     zero = max(lp.zero for lp in plan.layers)
     rcs = [lp.recompute for lp in plan.layers if lp.recompute is not Recompute.NONE]
-    tries = [(zero, rcs[0] if rcs else Recompute.NONE), (zero, Recompute.FULL),
-             (3, Recompute.FULL)]
+    tries = [(z, rc) for z, rc in ((zero, rcs[0] if rcs else Recompute.NONE),
+                                   (zero, Recompute.FULL), (3, Recompute.FULL))
+             if z in space.zero and rc in space.recompute]    # (what the search may price)
     for d in range(dp, 0, -1):
         if plan.global_batch % (d * plan.micro_batch):
             continue
