@@ -252,6 +252,15 @@ def test_replan_keeps_the_plans_objective_the_price_of_a_sample():
     # the fastest instead: without the recorded prices
     assert _layout(autoplan.replan(replace(cheap, price_per_gpu_hour={}), two)) == \
         _layout(fastest)
+    # a device type the record has no price for: said, with what to pass
+    grown = autoplan.compose_cluster([NodeGroup(load_profile("a100-sxm4-80gb"), 2),
+                                      NodeGroup(load_profile("h100-sxm5-80gb"), 1)])
+    with pytest.raises(ConfigError, match="no price for \\['H100-SXM5-80GB'\\].*pass "
+                                          "price_per_gpu_hour= to replan"):
+        autoplan.replan(cheap, grown)
+    priced = autoplan.replan(cheap, grown, price_per_gpu_hour={"A100-SXM4-80GB": 2.0,
+                                                               "H100-SXM5-80GB": 3.0})
+    assert priced.price_per_gpu_hour == {"A100-SXM4-80GB": 2.0, "H100-SXM5-80GB": 3.0}
 
 
 def test_prices_by_type_are_recorded_per_type_and_bad_ones_refused(llama8b):

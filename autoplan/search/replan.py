@@ -32,7 +32,7 @@ from ..graph import ModelGraph
 from ..plan import Plan
 from ..plan_facts import PLAN_FACTS
 from .fleet import kept_text
-from .search import (WORK_LIMIT, SearchResult, SearchSpace, _attach, _check_limits,
+from .search import (WORK_LIMIT, SearchResult, SearchSpace, _attach, _check_limits, _prices,
                      fastest_key, search)
 
 __all__ = ["replan", "plan_diff", "reshard_fraction"]
@@ -157,6 +157,13 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
                   use_all_devices=use_all_devices, work_limit=work_limit, options=options)
     if price_per_gpu_hour is None and plan.price_per_gpu_hour:
         price_per_gpu_hour = plan.price_per_gpu_hour
+        try:
+            _prices(new_cluster, price_per_gpu_hour)
+        except ConfigError as exc:
+            raise ConfigError(f"the plan was made the cheapest per sample at its recorded "
+                              f"prices, and the new cluster has devices it has none for: "
+                              f"{exc}; pass price_per_gpu_hour= to replan with a price for "
+                              "each") from None
     common["price_per_gpu_hour"] = price_per_gpu_hour
     t0 = time.perf_counter()
     if top_k == 1 and not use_all_devices and price_per_gpu_hour is None:
