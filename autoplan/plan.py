@@ -304,6 +304,10 @@ class Plan(Record):
     #: :meth:`SearchSpace.recorded <autoplan.search.SearchSpace.recorded>` gives it;
     #: :func:`autoplan.replan` searches the same space.  Written to JSON only when set.
     search_space: dict[str, Any] = field(default_factory=dict)
+    #: The precision recipes the search chose among when it was given several
+    #: (``plan(..., precision=["bf16", "fp8"])``); :func:`autoplan.replan` searches them
+    #: all again.  Written to JSON only when set.
+    searched_precisions: tuple[str, ...] = ()
     #: What identifies the model the plan was made for (None in plans written before it).
     fingerprint: ModelFingerprint | None = None
     # what the search knew when it made this plan: carried in memory, never written to
@@ -328,6 +332,12 @@ class Plan(Record):
         if self.search_space:
             from .search.space import SearchSpace
             SearchSpace.from_recorded(self.search_space)        # RecordError: what is wrong
+        for name in self.searched_precisions:
+            try:
+                Precision(name)
+            except ValueError:
+                raise RecordError(f"{name!r} is not one of {[m.value for m in Precision]}",
+                                  "searched_precisions") from None
         for name, price in self.price_per_gpu_hour.items():
             if isinstance(price, bool) or not isinstance(price, (int, float)) \
                     or not 0 <= price < float("inf"):
@@ -475,7 +485,8 @@ class Plan(Record):
         """Plain values for JSON; ``idle_reason`` only when the plan leaves devices idle
         (so a plan that uses every device writes what it always wrote), ``fastest_for``
         only when set, ``cost_options`` only when not the defaults, ``price_per_gpu_hour``
-        only for a plan made the cheapest, ``search_space`` only when not the default."""
+        only for a plan made the cheapest, ``search_space`` only when not the default,
+        ``searched_precisions`` only when several were searched."""
         out = to_dict(self)
         if not self.idle_reason:
             del out["idle_reason"]
@@ -487,6 +498,8 @@ class Plan(Record):
             del out["price_per_gpu_hour"]
         if not self.search_space:
             del out["search_space"]
+        if not self.searched_precisions:
+            del out["searched_precisions"]
         return out
 
     def cost_model_options(self, memory_fraction: float | None = None) -> "CostOptions":

@@ -307,3 +307,32 @@ def test_replan_searches_the_space_the_plan_was_chosen_from():
     data["search_space"] = {"schedules": ["2f2b"]}
     with pytest.raises(RecordError, match="search_space: schedules"):
         Plan.from_json(json.dumps(data))
+
+
+def test_replan_searches_every_recipe_the_plan_was_chosen_among(llama8b):
+    """A plan searched over several precision recipes records them, and replan searches
+    them all again (not only the one that won)."""
+    import json
+
+    from autoplan.errors import RecordError
+
+    four = autoplan.load_cluster("h100-sxm5-80gb", nodes=4)
+    three = four.without(range(8, 16))
+    both = autoplan.plan(llama8b, four, global_batch=96, precision=["bf16", "fp8"])
+    assert both.searched_precisions == ("bf16", "fp8")
+    assert autoplan.plan(llama8b, four, global_batch=96).searched_precisions == ()
+    new = autoplan.replan(both, three)
+    assert new.searched_precisions == ("bf16", "fp8")
+    scratch = autoplan.plan(llama8b, three, global_batch=96, precision=["bf16", "fp8"])
+    assert new.estimate.step_time_s <= scratch.estimate.step_time_s * 1.01 * (1 + 1e-9)
+    again = autoplan.replan(Plan.from_json(both.to_json()), three, graph=llama8b)
+    assert _layout(again) == _layout(new)
+    # the recipe that lost is searched too: from a plan that won in bf16 alone
+    bf16 = replace(autoplan.plan(llama8b, four, global_batch=96), searched_precisions=(
+        "bf16", "fp8"))
+    assert scratch.precision.value == "fp8" and bf16.precision.value == "bf16"
+    assert autoplan.replan(bf16, three).precision == scratch.precision
+    data = json.loads(both.to_json())
+    data["searched_precisions"] = ["bf16", "fp9"]
+    with pytest.raises(RecordError, match="searched_precisions: 'fp9' is not one of"):
+        Plan.from_json(json.dumps(data))

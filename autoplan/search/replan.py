@@ -31,9 +31,10 @@ from ..errors import ConfigError, InfeasiblePlan, PlanMismatchError, StrategyErr
 from ..graph import ModelGraph
 from ..plan import Plan
 from ..plan_facts import PLAN_FACTS
+from ..strategy import Precision
 from .fleet import kept_text
-from .search import (WORK_LIMIT, SearchResult, SearchSpace, _attach, _check_limits, _prices,
-                     fastest_key, search)
+from .search import (WORK_LIMIT, SearchResult, SearchSpace, _attach, _check_limits, _merged,
+                     _prices, fastest_key, search)
 
 __all__ = ["replan", "plan_diff", "reshard_fraction"]
 
@@ -152,9 +153,14 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
                       memory_fraction=memory_fraction)
     space = space or SearchSpace.from_recorded(plan.search_space)
     _check_limits(time_limit_s, work_limit)
+    # the recipes the plan was chosen among (each its share of the budgets, as in plan())
+    precisions = tuple(Precision(p) for p in plan.searched_precisions) or (plan.precision,)
+    share = len(precisions)
     common = dict(global_batch=plan.global_batch, memory_fraction=memory_fraction,
-                  time_limit_s=time_limit_s, top_k=top_k, precision=plan.precision,
-                  use_all_devices=use_all_devices, work_limit=work_limit, options=options)
+                  time_limit_s=None if time_limit_s is None else time_limit_s / share,
+                  top_k=top_k, use_all_devices=use_all_devices,
+                  work_limit=None if work_limit is None else max(1, work_limit // share),
+                  options=options)
     if price_per_gpu_hour is None and plan.price_per_gpu_hour:
         price_per_gpu_hour = plan.price_per_gpu_hour
         try:
@@ -166,7 +172,7 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
                               "each") from None
     common["price_per_gpu_hour"] = price_per_gpu_hour
     t0 = time.perf_counter()
-    if top_k == 1 and not use_all_devices and price_per_gpu_hour is None:
+    if top_k == 1 and not use_all_devices and price_per_gpu_hour is None and share == 1:
         kept = _kept(plan, graph, new_cluster, options, space)
         if kept is not None:        # still the fastest, and it reshards nothing
             stats = SearchResult([kept], 1, 0, 0, time.perf_counter() - t0)
@@ -176,23 +182,39 @@ def replan(plan: Plan, new_cluster, *, graph: ModelGraph | None = None,
         _warm_bound(plan, graph, new_cluster, options, space)
     # no layout keeps a shard: every plan moves every parameter, the fastest is chosen
     band = None if _may_keep_shards(plan, new_cluster) else _keeps_none
-    try:
-        result = search(graph, new_cluster, space=space, tolerance=tolerance,
-                        bound_s=warm * (1 + tolerance) * (1 + 1e-9), band=band, **common)
-    except InfeasiblePlan:
-        if math.isinf(warm) or (time_limit_s is not None
-                                and time.perf_counter() - t0 > time_limit_s):
-            raise
+
+    def searched(bound_s: float) -> tuple[list[SearchResult], InfeasiblePlan | None]:
+        results, infeasible = [], None
+        for p in precisions:
+            try:
+                results.append(search(graph, new_cluster, space=space, tolerance=tolerance,
+                                      bound_s=bound_s, band=band, precision=p, **common))
+            except InfeasiblePlan as exc:
+                infeasible = infeasible or exc
+        return results, infeasible
+
+    results, infeasible = searched(warm * (1 + tolerance) * (1 + 1e-9))
+    if not results and not math.isinf(warm) and (
+            time_limit_s is None or time.perf_counter() - t0 <= time_limit_s):
         # nothing within the warm start's bound: the search again, unbounded
-        result = search(graph, new_cluster, space=space, tolerance=tolerance, band=band,
-                        **common)
+        results, infeasible = searched(math.inf)
+    if not results:
+        assert infeasible is not None
+        raise infeasible
+    result = _merged(results, top_k)
     best = result.plans[0]
-    alternatives = result.alternatives or [best]
+    if len(results) == 1:
+        alternatives = result.alternatives or [best]
+    else:       # each recipe's, within the tolerance of the fastest of all
+        alternatives = [p for r in results for p in (r.alternatives or r.plans[:1])
+                        if p.estimate.step_time_s <= best.estimate.step_time_s * (1 + tolerance)]
     chosen = min(alternatives, key=lambda p: (reshard_fraction(plan, p, graph),
                                               p.estimate.step_time_s, p.to_json()))
     if chosen.describe() == best.describe():
         chosen = replace(chosen, fastest_for=best.fastest_for)     # (what the search proved)
     plans = [chosen] + [p for p in result.plans if p.describe() != chosen.describe()]
+    if share > 1:           # (searched again by the next replan)
+        plans = [replace(p, searched_precisions=plan.searched_precisions) for p in plans]
     return replace(_attach(replace(result, plans=plans[:top_k]), graph), warm_start=not math.isinf(warm))
 
 

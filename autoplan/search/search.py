@@ -415,7 +415,12 @@ def plan(model_or_graph: Any, cluster, *, global_batch: int, seq_len: int | None
     if not results:
         assert infeasible is not None
         raise infeasible
-    return _attach(_merged(results, top_k), graph)
+    merged = _merged(results, top_k)
+    if share > 1:           # (what replan searches again)
+        searched = tuple(p.value for p in precisions)
+        merged = replace(merged, plans=[replace(p, searched_precisions=searched)
+                                        for p in merged.plans])
+    return _attach(merged, graph)
 
 
 def _precisions(precision) -> tuple[Precision, ...]:
