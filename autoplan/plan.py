@@ -259,6 +259,12 @@ class LayerPlacement(Record):
             raise StrategyError(f"layer {self.name!r}: sequence_parallel needs tp > 1")
 
 
+#: The fields of a plan written to JSON only when set (a plan without them writes what plans
+#: wrote before they were added).
+_WRITTEN_WHEN_SET = ("idle_reason", "fastest_for", "cost_options", "price_per_gpu_hour",
+                     "search_space", "searched_precisions")
+
+
 @dataclass(frozen=True)
 class Plan(Record):
     """A complete parallel layout of one model on one cluster (see the module docstring)."""
@@ -488,18 +494,9 @@ class Plan(Record):
         only for a plan made the cheapest, ``search_space`` only when not the default,
         ``searched_precisions`` only when several were searched."""
         out = to_dict(self)
-        if not self.idle_reason:
-            del out["idle_reason"]
-        if not self.fastest_for:
-            del out["fastest_for"]
-        if not self.cost_options:
-            del out["cost_options"]
-        if not self.price_per_gpu_hour:
-            del out["price_per_gpu_hour"]
-        if not self.search_space:
-            del out["search_space"]
-        if not self.searched_precisions:
-            del out["searched_precisions"]
+        for name in _WRITTEN_WHEN_SET:
+            if not getattr(self, name):
+                del out[name]
         return out
 
     def cost_model_options(self, memory_fraction: float | None = None) -> "CostOptions":
