@@ -339,7 +339,7 @@ def test_replan_keeps_the_plans_stack_and_says_what_changed(tmp_path: Path):
     plan = Plan.from_json(new.read_text())
     assert Plan.from_dict(data["plan"]) == plan and plan.cluster.num_devices == 8
     assert plan.cost_options == {"stack": "megatron-core"}
-    assert "devices: 16 -> 8" in data["changes"] or plan.num_devices == 16
+    assert "devices: 16 -> 8" in data["changes"]
     text = run("replan", str(old), *model, "--cluster", "a100-sxm4-80gb").stdout
     assert f"what changed from {old}:" in text and plan.summary() in text
     # a script runs autoplan's own program, not the stack the plan was priced for: said
